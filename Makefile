@@ -1,0 +1,26 @@
+# Quick start: `make demo` runs the main job, `make test` runs the whole suite.
+# Both create .venv (Python 3.12, pinned requirements) on a fresh machine first.
+PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt setup.py
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (pyenv 3.12.1 or python3.12 on PATH)"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+demo: venv
+	$(VENV)/bin/pipette plan
+
+test: venv
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The `pipette` command line."""

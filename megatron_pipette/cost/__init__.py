@@ -1,0 +1,1 @@
+"""Cost model: memory, compute, communication and pipeline schedules (pure, torch-free)."""

@@ -1,0 +1,1 @@
+"""Data files: the GPU catalog, cluster presets and model presets (JSON)."""

@@ -1,0 +1,1 @@
+"""Descriptions of the three planner inputs: workload, hardware, layout."""

@@ -1,0 +1,142 @@
+"""The layer-profile input: measured per-layer compute time and activation memory.
+
+`megatron_pipette.profile` measures one transformer layer (and the embedding
+and output layer with loss) on one device, sharded as for each candidate
+tensor-parallel size, and writes this document (schema version 1). The
+planner uses it in place of the roofline estimate. Times are compute only:
+tensor-parallel communication is modelled from the link matrix.
+
+    {
+      "schema": "megatron-pipette/layer-profile", "version": 1,
+      "device": {"rank": 0, "host": "node0", "device_name": "NVIDIA H100 80GB HBM3"},
+      "model": {"hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 16384,
+                "num_query_groups": 32, "seq_length": 2048, "swiglu": false,
+                "precision": "bf16", "vocab_size": 50257},
+      "layers": [{"tensor_model_parallel_size": 1, "micro_batch_size": 1,
+                  "sequence_parallel": false, "recompute_granularity": null,
+                  "forward_s": 0.0021, "backward_s": 0.0043,
+                  "activation_bytes": 570425344, "measured": true}, ...],
+      "embedding": [{"tensor_model_parallel_size": 1, "micro_batch_size": 1,
+                     "forward_s": ..., "backward_s": ..., "activation_bytes": ..., "measured": true}],
+      "output_layer": [... the same keys, loss included ...]
+    }
+
+`backward_s` of an entry with recomputation includes the recomputed forward.
+Entries with `"measured": false` were interpolated by the profiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.workload import Workload
+
+SCHEMA = "megatron-pipette/layer-profile"
+VERSION = 1
+MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "seq_length",
+              "swiglu", "precision")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileEntry:
+    """One measured (or interpolated) shape."""
+
+    tensor_model_parallel_size: int
+    micro_batch_size: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    """Bytes a micro-batch keeps alive from forward to backward (per device)."""
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    measured: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    device_name: str
+    rank: int
+    """Rank of the profiled device in the cluster file, to scale other devices' speed."""
+    layers: tuple[ProfileEntry, ...]
+    embedding: tuple[ProfileEntry, ...]
+    output_layer: tuple[ProfileEntry, ...]
+    model: dict
+
+    def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:
+        return _lookup(self.layers, tp, mbs, sequence_parallel, recompute)
+
+    def embedding_entry(self, tp: int, mbs: int) -> ProfileEntry | None:
+        return _lookup(self.embedding, tp, mbs, None, None)
+
+    def output_entry(self, tp: int, mbs: int) -> ProfileEntry | None:
+        return _lookup(self.output_layer, tp, mbs, None, None)
+
+
+def _lookup(entries: tuple[ProfileEntry, ...], tp: int, mbs: int, sp: bool | None,
+            recompute: str | None) -> ProfileEntry | None:
+    """The entry for this shape, scaling the nearest micro-batch size linearly (time and
+    activations are affine-to-linear in tokens), or None if the TP size was not profiled."""
+    candidates = [e for e in entries if e.tensor_model_parallel_size == tp
+                  and (sp is None or e.sequence_parallel == sp) and e.recompute_granularity == recompute]
+    if not candidates:
+        return None
+    exact = [e for e in candidates if e.micro_batch_size == mbs]
+    if exact:
+        return exact[0]
+    near = min(candidates, key=lambda e: (abs(e.micro_batch_size - mbs), -e.micro_batch_size))
+    k = mbs / near.micro_batch_size
+    return ProfileEntry(tensor_model_parallel_size=tp, micro_batch_size=mbs, forward_s=near.forward_s * k,
+                        backward_s=near.backward_s * k, activation_bytes=int(near.activation_bytes * k),
+                        sequence_parallel=near.sequence_parallel, recompute_granularity=recompute, measured=False)
+
+
+def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
+    rows = data.get(key, [])
+    if not isinstance(rows, list):
+        raise PipetteError(f"{where}: '{key}' must be a list")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(ProfileEntry(
+                tensor_model_parallel_size=int(row["tensor_model_parallel_size"]),
+                micro_batch_size=int(row["micro_batch_size"]), forward_s=float(row["forward_s"]),
+                backward_s=float(row["backward_s"]), activation_bytes=int(row["activation_bytes"]),
+                sequence_parallel=bool(row.get("sequence_parallel", False)),
+                recompute_granularity=row.get("recompute_granularity"), measured=bool(row.get("measured", True))))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PipetteError(f"{where}: {key}[{i}] is malformed ({e!r})") from None
+        if min(out[-1].forward_s, out[-1].backward_s) <= 0 or out[-1].micro_batch_size <= 0:
+            raise PipetteError(f"{where}: {key}[{i}] needs positive times and micro-batch size")
+    return tuple(out)
+
+
+def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile:
+    """Validate a layer-profile document."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise PipetteError(f"{where}: not a megatron-pipette layer profile (missing \"schema\": \"{SCHEMA}\")")
+    if data.get("version") != VERSION:
+        raise PipetteError(f"{where}: layer-profile schema version {data.get('version')!r} is not supported")
+    layers = _entries(data, "layers", where)
+    if not layers:
+        raise PipetteError(f"{where}: 'layers' is empty")
+    device = data.get("device", {})
+    return LayerProfile(device_name=str(device.get("device_name", "unknown")), rank=int(device.get("rank", 0)),
+                        layers=layers, embedding=_entries(data, "embedding", where),
+                        output_layer=_entries(data, "output_layer", where), model=dict(data.get("model", {})))
+
+
+def profile_model_fields(workload: Workload) -> dict:
+    """The workload fields a profile is tied to; a profile of another model must not be used."""
+    return {"hidden_size": workload.hidden_size, "num_attention_heads": workload.num_attention_heads,
+            "ffn_hidden_size": workload.ffn, "num_query_groups": workload.query_groups,
+            "seq_length": workload.seq_length, "swiglu": workload.swiglu, "precision": workload.precision}
+
+
+def check_profile_matches(profile: LayerProfile, workload: Workload, where: str = "--layer-profile") -> None:
+    expected = profile_model_fields(workload)
+    wrong = {k: (profile.model.get(k), v) for k, v in expected.items() if profile.model.get(k) != v}
+    if wrong:
+        details = ", ".join(f"{k}={got!r} (model has {want!r})" for k, (got, want) in wrong.items())
+        raise PipetteError(f"{where}: profiled for another model: {details}")

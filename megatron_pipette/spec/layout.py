@@ -1,0 +1,213 @@
+"""The layout: how one Megatron job is parallelised, in Megatron's argument names.
+
+`Layout` holds the choices (`--tensor-model-parallel-size` ...); `validate_layout`
+applies the rules Megatron enforces for a given workload and world size, and
+raises `Infeasible` naming the flags when Megatron would reject the layout.
+`stage_layers` gives the layers of each pipeline stage, uneven first/last
+stages included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.workload import Workload
+
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One parallel layout. Hashable, so the search can cache on it."""
+
+    tensor_model_parallel_size: int = 1
+    """--tensor-model-parallel-size."""
+    pipeline_model_parallel_size: int = 1
+    """--pipeline-model-parallel-size."""
+    data_parallel_size: int = 1
+    """Derived by Megatron as world / (TP * PP); explicit here."""
+    micro_batch_size: int = 1
+    """--micro-batch-size."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """--num-layers-per-virtual-pipeline-stage: enables the interleaved schedule."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: shards norm/dropout activations over TP (needs TP > 1)."""
+    use_distributed_optimizer: bool = False
+    """--use-distributed-optimizer: optimizer state sharded over DP (ZeRO-1)."""
+    recompute_granularity: str | None = None
+    """--recompute-granularity: None, "selective" (attention core) or "full"."""
+    recompute_method: str | None = None
+    """--recompute-method (full only): "uniform" or "block"."""
+    recompute_num_layers: int | None = None
+    """--recompute-num-layers (full only): layers per recompute group (uniform) or
+    recomputed layers per stage (block)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """--decoder-last-pipeline-num-layers: layers on the last stage, when uneven."""
+    overlap_grad_reduce: bool = False
+    """--overlap-grad-reduce: DP gradient reduction overlaps the backward pass."""
+    overlap_param_gather: bool = False
+    """--overlap-param-gather: distributed-optimizer all-gather overlaps the forward pass."""
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def virtual_stages(self, workload: Workload) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return 1
+        return stage_layers(workload, self)[0] // self.num_layers_per_virtual_pipeline_stage
+
+    def num_microbatches(self, workload: Workload) -> int:
+        return workload.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def describe(self) -> str:
+        """A short label: tp2 pp4 dp8 mbs1 vpp2 sp dopt rc=full."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
+        if self.num_layers_per_virtual_pipeline_stage:
+            parts.append(f"lpv{self.num_layers_per_virtual_pipeline_stage}")
+        if self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None:
+            parts.append(f"first{self.decoder_first_pipeline_num_layers}/last{self.decoder_last_pipeline_num_layers}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.use_distributed_optimizer:
+            parts.append("dopt")
+        if self.recompute_granularity == "selective":
+            parts.append("rc=sel")
+        elif self.recompute_granularity == "full":
+            parts.append(f"rc=full/{self.recompute_method}{self.recompute_num_layers}")
+        return " ".join(parts)
+
+    def megatron_args(self) -> list[str]:
+        """The Megatron command-line flags that select this layout."""
+        args = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}",
+                f"--micro-batch-size {self.micro_batch_size}"]
+        optional = (
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
+            ("--recompute-granularity", self.recompute_granularity),
+            ("--recompute-method", self.recompute_method),
+            ("--recompute-num-layers", self.recompute_num_layers),
+        )
+        args += [f"{flag} {value}" for flag, value in optional if value is not None]
+        switches = (("--sequence-parallel", self.sequence_parallel),
+                    ("--use-distributed-optimizer", self.use_distributed_optimizer),
+                    ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                    ("--overlap-param-gather", self.overlap_param_gather))
+        return args + [flag for flag, on in switches if on]
+
+
+def check_user_layout(layout: Layout) -> None:
+    """Reject values no layout could have (PipetteError: the user's input is wrong)."""
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                 "micro_batch_size"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value <= 0:
+            raise PipetteError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        value = getattr(layout, name)
+        if value is not None and (not isinstance(value, int) or value < (0 if "decoder" in name else 1)):
+            raise PipetteError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if layout.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise PipetteError(f"--recompute-granularity must be selective or full, got {layout.recompute_granularity!r}")
+    if layout.recompute_method not in RECOMPUTE_METHODS:
+        raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
+
+
+def stage_layers(workload: Workload, layout: Layout) -> list[int]:
+    """Transformer layers on each pipeline stage, as Megatron splits them.
+
+    Example: 30 layers, PP 4, first 6, last 6 -> [6, 9, 9, 6].
+    """
+    pp, layers = layout.pp, workload.num_layers
+    first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        if layers % pp:
+            raise Infeasible(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        return [layers // pp] * pp
+    if pp == 1:
+        raise Infeasible("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+        raise Infeasible(f"--num-layers {layers} minus first {first} / last {last} stage layers does not "
+                         f"divide evenly over the other {middle_stages} pipeline stages")
+    each = rest // middle_stages if middle_stages else 0
+    split = [each] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def validate_layout(workload: Workload, layout: Layout, world_size: int | None = None) -> None:
+    """Raise Infeasible, naming the flags, if Megatron would reject this layout."""
+    check_user_layout(layout)
+    tp, pp, dp, mbs = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    if world_size is not None and layout.world_size != world_size:
+        raise Infeasible(f"TP {tp} x PP {pp} x DP {dp} = {layout.world_size} GPUs, not the {world_size} given")
+    if workload.num_attention_heads % tp:
+        raise Infeasible(f"--num-attention-heads {workload.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if workload.query_groups % tp:
+        raise Infeasible(f"--num-query-groups {workload.query_groups} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if workload.ffn % tp:
+        raise Infeasible(f"--ffn-hidden-size {workload.ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if workload.global_batch_size % (mbs * dp):
+        raise Infeasible(f"--global-batch-size {workload.global_batch_size} is not divisible by "
+                         f"--micro-batch-size {mbs} x data-parallel size {dp}")
+    if layout.sequence_parallel and tp == 1:
+        raise Infeasible("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if layout.sequence_parallel and workload.seq_length % tp:
+        raise Infeasible(f"--seq-length {workload.seq_length} is not divisible by --tensor-model-parallel-size {tp}"
+                         " (needed by --sequence-parallel)")
+    layers = stage_layers(workload, layout)
+    if min(layers) == 0:
+        raise Infeasible("a pipeline stage would hold no transformer layer")
+    _validate_recompute(layout, layers)
+    lpv = layout.num_layers_per_virtual_pipeline_stage
+    if lpv is not None:
+        if pp == 1:
+            raise Infeasible("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if len(set(layers)) != 1 or layers[0] % lpv or layers[0] == lpv:
+            raise Infeasible(f"--num-layers-per-virtual-pipeline-stage {lpv} must divide the {layers[0]} layers "
+                             f"of every pipeline stage into two or more chunks")
+        m = layout.num_microbatches(workload)
+        if m % pp:
+            raise Infeasible(f"the interleaved schedule needs the number of micro-batches ({m}) to be a "
+                             f"multiple of --pipeline-model-parallel-size {pp}")
+    if layout.overlap_param_gather and not layout.use_distributed_optimizer:
+        raise Infeasible("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_recompute(layout: Layout, layers: list[int]) -> None:
+    g, method, n = layout.recompute_granularity, layout.recompute_method, layout.recompute_num_layers
+    if g == "full":
+        if method is None:
+            raise Infeasible("--recompute-granularity full needs --recompute-method uniform or block")
+        if n is None:
+            raise Infeasible("--recompute-granularity full needs --recompute-num-layers")
+        if method == "block" and n > min(layers):
+            raise Infeasible(f"--recompute-num-layers {n} exceeds the {min(layers)} layers of a pipeline stage")
+    elif method is not None or n is not None:
+        raise Infeasible("--recompute-method and --recompute-num-layers apply only with --recompute-granularity full")
