@@ -1,0 +1,69 @@
+import pytest
+
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.workload import workload_from_preset
+
+W = workload_from_preset("gpt3-175b")  # 96 layers, 96 heads, gbs 1536
+
+
+def L(**kw):
+    return Layout(**kw)
+
+
+def test_even_and_uneven_stage_split():
+    assert stage_layers(W, L(pipeline_model_parallel_size=8)) == [12] * 8
+    uneven = L(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=18,
+               decoder_last_pipeline_num_layers=18)
+    assert stage_layers(W, uneven) == [18, 30, 30, 18]
+    assert stage_layers(W, L(pipeline_model_parallel_size=5, decoder_last_pipeline_num_layers=16)) == [20] * 4 + [16]
+    with pytest.raises(Infeasible, match="--num-layers 96"):
+        stage_layers(W, L(pipeline_model_parallel_size=5))
+
+
+def test_megatron_layout():
+    layout = L(tensor_model_parallel_size=8, pipeline_model_parallel_size=16, data_parallel_size=8,
+               micro_batch_size=1, num_layers_per_virtual_pipeline_stage=3, sequence_parallel=True)
+    validate_layout(W, layout, 1024)
+    assert layout.virtual_stages(W) == 2
+    assert layout.num_microbatches(W) == 192
+    assert "--num-layers-per-virtual-pipeline-stage 3" in layout.megatron_args()
+    assert "--sequence-parallel" in layout.megatron_args()
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(tensor_model_parallel_size=5, data_parallel_size=1), "--num-attention-heads"),
+    (dict(data_parallel_size=7), "--global-batch-size"),
+    (dict(sequence_parallel=True), "--sequence-parallel"),
+    (dict(pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=4), "--num-layers-per-virtual"),
+    (dict(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=5), "--num-layers-per-virtual"),
+    (dict(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=12), "two or more chunks"),
+    (dict(recompute_granularity="full"), "--recompute-method"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
+    (dict(recompute_method="block"), "--recompute-granularity full"),
+    (dict(overlap_param_gather=True), "--use-distributed-optimizer"),
+])
+def test_megatron_rules_are_infeasible_with_flag(kw, flag):
+    with pytest.raises(Infeasible, match=flag):
+        validate_layout(W, L(**kw))
+
+
+def test_interleaved_needs_microbatches_multiple_of_pp():
+    layout = L(pipeline_model_parallel_size=8, data_parallel_size=1, micro_batch_size=1,
+               num_layers_per_virtual_pipeline_stage=6)
+    validate_layout(W, layout)  # 1536 micro-batches, a multiple of 8
+    odd = workload_from_preset("gpt3-175b", global_batch_size=12)
+    with pytest.raises(Infeasible, match="multiple of --pipeline-model-parallel-size 8"):
+        validate_layout(odd, layout)
+
+
+def test_world_size_mismatch():
+    with pytest.raises(Infeasible, match="= 8 GPUs, not the 16 given"):
+        validate_layout(W, L(tensor_model_parallel_size=8), 16)
+
+
+def test_nonsense_values_are_user_errors():
+    with pytest.raises(PipetteError, match="--micro-batch-size"):
+        validate_layout(W, L(micro_batch_size=0))
+    with pytest.raises(PipetteError, match="--recompute-granularity"):
+        validate_layout(W, L(recompute_granularity="some"))

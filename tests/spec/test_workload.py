@@ -1,0 +1,62 @@
+import pytest
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.workload import Workload, model_presets, workload_from_preset
+
+
+def gpt(**kw):
+    base = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, global_batch_size=512)
+    return Workload(**{**base, **kw})
+
+
+def test_megatron_derived_values():
+    w = gpt()
+    assert w.ffn == 4 * 2048 and w.head_dim == 128 and w.query_groups == 16
+    # Megatron's SwiGLU rule: int((4h * 2/3) / 64) * 64
+    assert gpt(hidden_size=4096, num_attention_heads=32, swiglu=True).ffn == 10880
+    assert gpt(ffn_hidden_size=5000).ffn == 5000
+
+
+def test_vocab_padding_follows_megatron():
+    w = gpt(vocab_size=50257)
+    assert w.padded_vocab_size(1) == 50304
+    assert w.padded_vocab_size(8) == 51200  # multiple of 128 * 8
+    assert w.padded_vocab_size(3) % (128 * 3) == 0
+
+
+def test_parameter_counts_match_published_sizes():
+    assert abs(workload_from_preset("gpt3-175b").total_parameters() / 1e9 - 174.6) < 0.5
+    assert abs(workload_from_preset("llama2-7b").total_parameters() / 1e9 - 6.74) < 0.02
+    assert abs(workload_from_preset("llama2-70b").total_parameters() / 1e9 - 68.98) < 0.1
+
+
+def test_model_flops_match_megatron_formula():
+    w = workload_from_preset("gpt3-175b")
+    b, s, L, h, V = w.global_batch_size, w.seq_length, w.num_layers, w.hidden_size, w.padded_vocab_size(1)
+    megatron = 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert w.model_flops_per_iteration() == pytest.approx(megatron, rel=1e-12)
+
+
+def test_all_presets_build():
+    for name in model_presets():
+        assert workload_from_preset(name).total_parameters() > 0
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(num_attention_heads=15), "--num-attention-heads"),
+    (dict(num_layers=0), "--num-layers"),
+    (dict(global_batch_size=-4), "--global-batch-size"),
+    (dict(precision="fp8"), "--precision"),
+    (dict(group_query_attention=True), "--num-query-groups"),
+    (dict(group_query_attention=True, num_query_groups=5), "--num-query-groups"),
+    (dict(num_query_groups=4), "--group-query-attention"),
+    (dict(hidden_dropout=1.5), "--hidden-dropout"),
+])
+def test_bad_input_names_the_flag(kw, flag):
+    with pytest.raises(PipetteError, match=flag):
+        gpt(**kw)
+
+
+def test_unknown_preset():
+    with pytest.raises(PipetteError, match="--model"):
+        workload_from_preset("gpt5")
