@@ -1,0 +1,346 @@
+"""Peak device memory of each pipeline stage of a Megatron-LM job.
+
+A layout fits only if every pipeline rank fits, so the estimate is per stage:
+model state (weights, fp32 gradients, Adam state, with or without the
+distributed optimizer), the activations of the micro-batches Megatron's
+schedule keeps in flight at the peak, the working memory live at that peak,
+and explicit runtime overheads. Activations follow Korthikanti et al. 2022,
+generalised for GQA, SwiGLU, any ffn width, disabled dropout, flash/fused
+attention and any precision; docs/memory-model.md derives every term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.workload import Workload
+
+GiB = 1 << 30
+MiB = 1 << 20
+UNFUSED_ATTENTION = ("unfused", "local")
+"""--attention-backend values that materialise the s*s attention scores."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOverheads:
+    """Memory outside the model's tensors, explicit so a user (or the probe) can override it."""
+
+    cuda_context_bytes: int
+    """Bytes: CUDA context plus cuBLAS/cuBLASLt/cuDNN workspaces, per device."""
+    comm_buffer_bytes_per_group: int
+    """Bytes: NCCL buffers of one communicator; a device pays it for every group it talks in."""
+    fragmentation: float
+    """Fraction of the dynamic (activation + transient) bytes the caching allocator loses."""
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_context_bytes", "comm_buffer_bytes_per_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PipetteError(f"{name} must be a non-negative integer of bytes, got {value!r}")
+        if not 0.0 <= self.fragmentation < 1.0:
+            raise PipetteError(f"fragmentation must be in [0, 1), got {self.fragmentation!r}")
+
+
+DEFAULT_OVERHEADS = RuntimeOverheads(cuda_context_bytes=1 * GiB, comm_buffer_bytes_per_group=512 * MiB,
+                                     fragmentation=0.15)
+"""Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
+lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
+NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
+and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator (NVLS needs more);
+PyTorch's caching allocator without expandable segments typically reserves 5-15% more than it uses."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Peak bytes on one device of one pipeline rank, by kind."""
+
+    stage: int
+    """Pipeline rank, 0 .. PP-1."""
+    parameters: int
+    """Parameters on one device of this stage: its layers TP-sharded, plus the word/position
+    embedding on stage 0, the output layer and final norm on the last stage."""
+    weight_bytes: int
+    """Bytes: parameters in the training dtype (2 for bf16/fp16, 4 for fp32)."""
+    gradient_bytes: int
+    """Bytes: the DDP gradient buffer (fp32 for bf16 and fp32 training, fp16 for fp16)."""
+    optimizer_bytes: int
+    """Bytes: Adam state (fp32 master copy, fp32 grads for fp16, two moments), /DP with the
+    distributed optimizer."""
+    activation_bytes: int
+    """Bytes: what the micro-batches (model chunks) in flight at the peak keep for their backward."""
+    transient_bytes: int
+    """Bytes: working memory at the peak: logits on the last stage, the recomputed layers under
+    full recomputation, one layer's backward gradients, the attention-score/all-gather buffer."""
+    overhead_bytes: int
+    """Bytes: CUDA context, NCCL buffers and allocator fragmentation (RuntimeOverheads)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.transient_bytes + self.overhead_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Every stage's peak; a layout fits only if each one does."""
+
+    stages: tuple[StageMemory, ...]
+    """One entry per pipeline rank, in rank order."""
+    capacity_bytes: int
+    """Bytes: usable memory of one device (the catalog's memory_bytes)."""
+
+    @property
+    def worst_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst_stage.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return all(s.total_bytes <= self.capacity_bytes for s in self.stages)
+
+
+def state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter, unsharded; Megatron's distributed-optimizer
+    table: bf16 2+4+12 = 18, fp16 2+2+16 = 20 (fp32 main grads), fp32 4+4+8 = 16."""
+    return {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}[precision]
+
+
+def _attention_widths(workload: Workload) -> tuple[int, int]:
+    """(query width, stored key/value width); unfused attention stores K and V repeated to all heads."""
+    query = workload.num_attention_heads * workload.head_dim
+    unfused = workload.attention_backend in UNFUSED_ATTENTION
+    return query, query if unfused else workload.query_groups * workload.head_dim
+
+
+def _fc1_width(workload: Workload) -> int:
+    """fc1's output: SwiGLU's gate and up projections side by side."""
+    return 2 * workload.ffn if workload.swiglu else workload.ffn
+
+
+def _score_elements(workload: Workload, layout: Layout) -> int:
+    """Elements of one layer's a*s*s attention scores on one device; flash/fused attention has none."""
+    if workload.attention_backend not in UNFUSED_ATTENTION:
+        return 0
+    return workload.num_attention_heads * workload.seq_length ** 2 * layout.micro_batch_size // layout.tp
+
+
+def _score_bytes(workload: Workload, layout: Layout) -> int:
+    """One layer's stored s*s terms: softmax output, and with attention dropout its mask and output."""
+    e, dropout = workload.bytes_per_element, workload.attention_dropout > 0
+    return _score_elements(workload, layout) * (e + dropout * (1 + e))
+
+
+def _formula_layer_bytes(workload: Workload, layout: Layout, granularity: str | None) -> int:
+    s, b, h, e = workload.seq_length, layout.micro_batch_size, workload.hidden_size, workload.bytes_per_element
+    tokens, t = s * b, layout.tp
+    sp = t if layout.sequence_parallel else 1
+    if granularity == "full":
+        return e * tokens * h // sp  # the checkpointed layer's input
+    masks = 2 if workload.hidden_dropout > 0 else 0
+    # Norm inputs, QKV and fc1 inputs (4 x e) and the two hidden-dropout masks: sharded only by SP.
+    norm_side = tokens * h * (4 * e + masks) // sp
+    query, kv = _attention_widths(workload)
+    # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP.
+    tp_side = e * tokens * (2 * query + 2 * kv + _fc1_width(workload) + workload.ffn) // t
+    scores = 0 if granularity == "selective" else _score_bytes(workload, layout)
+    return norm_side + tp_side + scores
+
+
+def activation_bytes_per_layer(workload: Workload, layout: Layout) -> int:
+    """Bytes one transformer layer keeps for its backward, one micro-batch, one device, under the
+    layout's recompute granularity ("full": the layer's checkpointed input). Korthikanti et al.
+    2022 generalised; docs/memory-model.md derives it."""
+    return _formula_layer_bytes(workload, layout, layout.recompute_granularity)
+
+
+def _layer_bytes(workload: Workload, layout: Layout, granularity: str | None,
+                 profile: LayerProfile | None) -> int:
+    """Measured bytes when the profile has this shape, else the formula."""
+    entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel,
+                          granularity) if profile is not None else None
+    return entry.activation_bytes if entry is not None else _formula_layer_bytes(workload, layout, granularity)
+
+
+# In-flight micro-batches, as megatron-core 0.19's schedules run them.
+
+def _warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int) -> int:
+    """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP)."""
+    total = num_microbatches * vpp
+    if vpp == 1:
+        return min(pp - rank - 1, total)
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1) -> int:
+    """Model chunks (micro-batch x chunk) whose activations pipeline rank `rank` holds at its peak.
+
+    1F1B runs warmup forwards, then one forward before each backward, so the peak is warmup + 1,
+    capped at all of them. Example: PP 4, 8 micro-batches: ranks hold 4, 3, 2, 1; interleaved
+    with 2 chunks: 11, 9, 7, 5 (warmup (4-r-1)*2 + (2-1)*4, plus one).
+    """
+    if pp == 1:
+        return 1
+    total = num_microbatches * vpp
+    return min(_warmup_microbatches(pp, rank, num_microbatches, vpp) + 1, total)
+
+
+def in_flight_microbatches(workload: Workload, layout: Layout) -> tuple[int, ...]:
+    """microbatches_in_flight of every pipeline rank of this layout."""
+    m, vpp = layout.num_microbatches(workload), layout.virtual_stages(workload)
+    return tuple(microbatches_in_flight(layout.pp, r, m, vpp) for r in range(layout.pp))
+
+
+def _forward_chunk_order(num_microbatches: int, vpp: int, group: int) -> list[int]:
+    """Model chunk of each forward step: megatron-core's get_schedule_table, chunk column."""
+    order = []
+    for first in range(0, num_microbatches, group):
+        size = num_microbatches - first if first + group >= num_microbatches else group
+        order += [chunk for chunk in range(vpp) for _ in range(size)]
+    return order
+
+
+@cache
+def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[tuple[int, int, int]]:
+    """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
+
+    Stage 0's chunk 0 holds the embedding and the last stage's last chunk the output layer, so there
+    their counts matter apart from the total (elsewhere they are left 0). The interleaved schedule
+    is simulated: forwards in table order, backwards in table order with the chunk reversed
+    (get_model_chunk_id).
+    """
+    if vpp == 1:
+        n = microbatches_in_flight(pp, rank, num_microbatches)
+        return frozenset({(n, n, n)})
+    if 0 < rank < pp - 1:  # holds neither embedding nor output: only the total matters
+        return frozenset({(microbatches_in_flight(pp, rank, num_microbatches, vpp), 0, 0)})
+    order = _forward_chunk_order(num_microbatches, vpp, pp)
+    warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp)
+    live, states = [0] * vpp, set()
+    for step in range(len(order)):
+        live[order[step]] += 1
+        states.add((sum(live), live[0], live[-1]))
+        if step >= warmup:
+            live[vpp - 1 - order[step - warmup]] -= 1
+    return frozenset(states)
+
+
+# Parameters held by one device.
+
+def _layer_parameters_per_device(workload: Workload, tp: int) -> int:
+    """Linear weights and column-parallel biases are split over TP; norms and the row-parallel
+    biases (attention projection, fc2) are replicated."""
+    replicated = 2 * workload.norm_parameters() + (2 * workload.hidden_size if workload.add_bias_linear else 0)
+    sharded = workload.layer_parameters() - replicated
+    assert sharded % tp == 0, "validate_layout checks heads, groups and ffn divide by TP"
+    return sharded // tp + replicated
+
+
+def _stage_parameters(workload: Workload, layout: Layout, stage: int, layers: int) -> int:
+    tp, pp, h = layout.tp, layout.pp, workload.hidden_size
+    words = workload.padded_vocab_size(tp) * h // tp
+    params = layers * _layer_parameters_per_device(workload, tp)
+    if stage == 0:  # word embedding (vocab-parallel) and learned positions (replicated)
+        positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
+        params += words + positions
+    if stage == pp - 1:  # final norm; the output layer, a second copy of a tied embedding when PP > 1
+        params += workload.norm_parameters()
+        if workload.untie_embeddings_and_output_weights or pp > 1:
+            params += words
+    return params
+
+
+def communicators(workload: Workload, layout: Layout, stage: int) -> int:
+    """NCCL communicators a device of this stage uses: TP, PP, DP, the model-parallel group
+    (gradient-norm all-reduce) and, for a tied embedding split over PP, the embedding group."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    groups = (tp > 1) + (pp > 1) + (dp > 1) + (tp * pp > 1)
+    tied_split = pp > 1 and not workload.untie_embeddings_and_output_weights
+    return groups + (tied_split and stage in (0, pp - 1))
+
+
+# The estimate.
+
+def _chunk_activations(workload: Workload, layout: Layout, chunk_layers: int,
+                       profile: LayerProfile | None) -> tuple[int, int]:
+    """(bytes one micro-batch stores in one model chunk, bytes recomputed at once in its backward)."""
+    granularity = layout.recompute_granularity
+    stored = _layer_bytes(workload, layout, granularity, profile)
+    if granularity != "full":
+        recomputed = _score_bytes(workload, layout) if granularity == "selective" else 0
+        return chunk_layers * stored, recomputed
+    full = _layer_bytes(workload, layout, None, profile)
+    n = layout.recompute_num_layers
+    if layout.recompute_method == "uniform":  # inputs of groups of n layers; one group live in backward
+        return -(-chunk_layers // n) * stored, min(n, chunk_layers) * full
+    checkpointed = min(n, chunk_layers)  # block: the first n layers of each chunk, one at a time
+    return checkpointed * stored + (chunk_layers - checkpointed) * full, full
+
+
+def _stage_memory(workload: Workload, layout: Layout, stage: int, layers: int, profile: LayerProfile | None,
+                  overheads: RuntimeOverheads) -> StageMemory:
+    e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
+    tokens = workload.seq_length * layout.micro_batch_size
+    sp = t if layout.sequence_parallel else 1
+    vocab = workload.padded_vocab_size(t)
+    first, last = stage == 0, stage == layout.pp - 1
+    vpp = layout.virtual_stages(workload)
+    chunk, recomputed = _chunk_activations(workload, layout, layers // vpp, profile)
+    # Stage 0, chunk 0: the embedding's dropout mask. Last stage, last chunk: the final norm's and
+    # output layer's inputs, and the fp32 softmax the vocab-parallel cross entropy saves.
+    embedding = tokens * h // sp if first and workload.hidden_dropout > 0 else 0
+    output = 2 * e * tokens * h // sp + 4 * tokens * vocab // t if last else 0
+    states = _in_flight_states(layout.pp, stage, layout.num_microbatches(workload), vpp)
+    activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
+
+    scores = _score_elements(workload, layout)
+    # Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input.
+    buffer = max(e * scores, e * tokens * h if layout.sequence_parallel else 0)
+    # One layer's gradients in flight: the MLP's two wide ones, or the score gradients.
+    backward = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores)
+    # The training-dtype logits (forward) or their gradient (backward); fp32 logits are the softmax.
+    logits = e * tokens * vocab // t if last and e != 4 else 0
+    transient = buffer + max(logits, recomputed + backward)
+
+    params = _stage_parameters(workload, layout, stage, layers)
+    weight, gradient, optimizer = state_bytes_per_parameter(workload.precision)
+    shards = layout.dp if layout.use_distributed_optimizer else 1
+    overhead = (overheads.cuda_context_bytes
+                + communicators(workload, layout, stage) * overheads.comm_buffer_bytes_per_group
+                + round(overheads.fragmentation * (activations + transient)))
+    return StageMemory(stage=stage, parameters=params, weight_bytes=weight * params,
+                       gradient_bytes=gradient * params, optimizer_bytes=-(-optimizer * params // shards),
+                       activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead)
+
+
+def estimate_memory(workload: Workload, layout: Layout, capacity_bytes: int, *, profile: LayerProfile | None = None,
+                    overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> MemoryEstimate:
+    """Peak memory of every pipeline stage. Raises Infeasible if Megatron would reject the layout.
+
+    `profile` replaces the per-layer activation formula where it has the (TP, micro-batch, SP,
+    recompute) shape; the caller checks it belongs to this model (check_profile_matches).
+    """
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
+        raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
+    validate_layout(workload, layout)
+    stages = tuple(_stage_memory(workload, layout, r, n, profile, overheads)
+                   for r, n in enumerate(stage_layers(workload, layout)))
+    return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
+
+
+def require_fit(estimate: MemoryEstimate) -> None:
+    """Raise Infeasible naming the worst stage that does not fit, with its breakdown in GiB."""
+    if estimate.fits:
+        return
+    s = estimate.worst_stage
+    parts = (("weights", s.weight_bytes), ("gradients", s.gradient_bytes), ("optimizer", s.optimizer_bytes),
+             ("activations", s.activation_bytes), ("transient", s.transient_bytes), ("overheads", s.overhead_bytes))
+    detail = ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in parts)
+    raise Infeasible(f"stage {s.stage} needs {s.total_bytes / GiB:.1f} GiB of {estimate.capacity_bytes / GiB:.1f} GiB "
+                     f"({detail})")
