@@ -1,0 +1,101 @@
+"""How the probe splits its time budget, and how it cuts work to stay inside it.
+
+Why: a probe run inside a training job spends GPU-hours of the whole job, so it
+must end when the caller said, at any scale. The compute check runs for fixed
+windows (a share of the budget); the point-to-point tournament re-plans every
+round from the costs measured so far (cutting repeats first, then the large
+message, then whole rounds); the collectives get a reserved slice and stop when
+it is spent. Every input to a decision is agreed across ranks (all-reduce MAX)
+before it is used, so all ranks take the same decision without talking again.
+Pure Python: unit-tested without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Shares of the budget (seconds are clamped to the bounds below).
+COMPUTE_SHARE = 0.10
+COMPUTE_MIN_S, COMPUTE_MAX_S = 0.04, 1.0
+GEMM_FRACTION = 0.6          # of the compute slice; the rest times the memory copy
+COLLECTIVES_SHARE = 0.15
+FINAL_SHARE = 0.05           # gather, build, validate, write, broadcast
+FINAL_MIN_S, FINAL_MAX_S = 0.05, 5.0
+SAFETY = 1.25
+"""Estimated costs are inflated by this factor before they are compared with the time left:
+timings on a loaded machine drift, and running over the budget is worse than measuring less."""
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Deadlines in seconds since the probe's start (after its first barrier)."""
+
+    budget_s: float
+    gemm_window_s: float
+    copy_window_s: float
+    p2p_deadline_s: float
+    collectives_deadline_s: float
+
+
+def plan_budget(budget_s: float, *, with_collectives: bool) -> BudgetPlan:
+    """Split `budget_s` into the compute windows and the p2p/collective deadlines."""
+    if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s > 0):
+        raise ValueError(f"budget must be a positive number of seconds, got {budget_s!r}")
+    compute = min(max(COMPUTE_SHARE * budget_s, COMPUTE_MIN_S), COMPUTE_MAX_S)
+    final = min(max(FINAL_SHARE * budget_s, FINAL_MIN_S), FINAL_MAX_S)
+    collectives = COLLECTIVES_SHARE * budget_s if with_collectives else 0.0
+    end = budget_s - final
+    return BudgetPlan(budget_s=float(budget_s), gemm_window_s=GEMM_FRACTION * compute,
+                      copy_window_s=(1 - GEMM_FRACTION) * compute,
+                      p2p_deadline_s=end - collectives, collectives_deadline_s=end)
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """What one tournament round measures: `repeats` exchanges of each size used."""
+
+    repeats: int
+    large: bool
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Agreed (slowest-rank) costs, seconds: per-round overhead and one exchange of each size."""
+
+    overhead_s: float
+    small_s: float
+    large_s: float
+
+    def round_s(self, config: RoundConfig) -> float:
+        """Estimated wall time of one round, with the SAFETY margin."""
+        per = self.small_s + (self.large_s if config.large else 0.0)
+        return SAFETY * (self.overhead_s + config.repeats * per)
+
+
+def choose_round(costs: RoundCosts, *, time_left_s: float, rounds_left: int, max_repeats: int,
+                 large_allowed: bool = True) -> RoundConfig | None:
+    """The richest round that lets every remaining round fit in `time_left_s`.
+
+    Preference: full repeats with both sizes; fewer repeats; then the small
+    message alone (bandwidth for those pairs is then filled in, see
+    document.fill_unmeasured). When not even the cheapest round fits for all
+    remaining rounds, run the cheapest one while it alone still fits (later
+    rounds will be skipped), and return None once it does not.
+    """
+    assert rounds_left >= 1 and max_repeats >= 1
+    sizes = (True, False) if large_allowed else (False,)
+    for large in sizes:
+        for repeats in range(max_repeats, 0, -1):
+            config = RoundConfig(repeats, large)
+            if rounds_left * costs.round_s(config) <= time_left_s:
+                return config
+    cheapest = RoundConfig(1, False)
+    return cheapest if costs.round_s(cheapest) <= time_left_s else None
+
+
+def affordable_repeats(one_s: float, *, time_left_s: float, max_repeats: int) -> int:
+    """How many timed repeats of an operation costing `one_s` (plus SAFETY) fit in `time_left_s` (0..max)."""
+    if one_s <= 0:
+        return max_repeats
+    return max(0, min(max_repeats, int(time_left_s // (SAFETY * one_s))))

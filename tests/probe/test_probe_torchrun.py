@@ -1,0 +1,112 @@
+"""The probe end to end: gloo processes under torchrun on this machine's CPU.
+
+Each test launches torchrun in its own process group with a timeout, and
+kills the whole group if it runs over, so a hung rank cannot hang the suite.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_pipette.report import summarize
+from megatron_pipette.spec.cluster_file import cluster_from_json
+
+pytestmark = pytest.mark.torchrun
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+DRIVER = str(Path(__file__).with_name("probe_driver.py"))
+KWARGS = {"budget_s": 5.0, "precision": "bf16", "small_bytes": 4096, "large_bytes": 2**20, "repeats": 3}
+
+
+def launch(nproc: int, args: list[str], *, env: dict | None = None, timeout: float = 90):
+    """Run torchrun; return (returncode, stderr, wall seconds). Kills the process group on timeout."""
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun with {nproc} processes ran over {timeout} s")
+    return proc.returncode, err, time.perf_counter() - start
+
+
+def run_driver(tmp_path: Path, nproc: int, kwargs: dict, env: dict | None = None) -> list[dict]:
+    rc, err, _ = launch(nproc, [DRIVER, str(tmp_path), json.dumps(kwargs)], env=env)
+    assert rc == 0, err[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def matrices(doc: dict) -> tuple[np.ndarray, np.ndarray]:
+    def m(key):
+        return np.array([[np.nan if v is None else v for v in row] for row in doc[key]])
+    return m("bandwidth_Bps"), m("latency_s")
+
+
+def test_four_ranks_complete_identical_and_accepted(tmp_path):
+    docs = run_driver(tmp_path, 4, KWARGS)
+    assert all(d == docs[0] for d in docs[1:]), "ranks returned different documents"
+    doc = docs[0]
+    cluster = cluster_from_json(doc)
+    assert cluster.world_size == 4 and cluster.gpus_per_node == 4
+    bw, lat = matrices(doc)
+    off = ~np.eye(4, dtype=bool)
+    assert np.all(bw[off] > 0) and np.all(np.isfinite(bw[off])) and np.all(lat[off] >= 0)
+    assert np.allclose(bw[off], bw.T[off])
+    assert doc["probe"]["rounds"] == doc["probe"]["rounds_measured"] == 3
+    assert doc["probe"]["skipped"] == []
+    assert {tuple(c["ranks"]) for c in doc["collectives"]} == {(0, 1), (2, 3), (0, 1, 2, 3)}
+    assert [d["local_rank"] for d in doc["devices"]] == [0, 1, 2, 3]
+    assert doc["precision"] == "fp32" and doc["probe"]["requested_precision"] == "bf16"
+
+
+def test_odd_world_with_a_slowed_rank(tmp_path):
+    docs = run_driver(tmp_path, 3, {**KWARGS, "budget_s": 6.0}, env={"PIPETTE_PROBE_TEST_SLOW_RANK": "2"})
+    doc = docs[0]
+    cluster = cluster_from_json(doc)
+    assert doc["probe"]["rounds"] == 3 and doc["probe"]["rounds_measured"] == 3
+    bw, _ = matrices(doc)
+    assert np.all(bw[~np.eye(3, dtype=bool)] > 0)
+    flops = cluster.gemm_flops
+    assert int(np.argmin(flops)) == 2, flops
+    assert "slowest device: rank 2" in summarize(doc)
+
+
+def test_a_stuck_rank_ends_the_others_within_the_timeout(tmp_path):
+    rc, err, wall = launch(2, [DRIVER, str(tmp_path), json.dumps({**KWARGS, "timeout_s": 3})], timeout=60,
+                           env={"PIPETTE_PROBE_TEST_STUCK_RANK": "1", "PIPETTE_PROBE_TEST_TIMEOUT_S": "3"})
+    assert rc != 0
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_cli_respects_a_tiny_budget(tmp_path):
+    out = tmp_path / "cluster.json"
+    budget = 2.0
+    rc, err, wall = launch(2, ["-m", "megatron_pipette.probe", "--out", str(out), "--budget-s", str(budget),
+                               "--large-bytes", "16M", "--repeats", "50"])
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out.read_text())
+    cluster_from_json(doc)
+    assert doc["probe"]["duration_s"] <= budget
+    assert doc["probe"]["skipped"], "a 2 s budget should have cut 50 repeats of 16 MiB"
+    assert "skipped to fit the budget" in err
+    assert not [p for p in tmp_path.iterdir() if p.name != "cluster.json"]   # no temporary left
+
+
+def test_cli_user_error_is_one_line(tmp_path):
+    for args, flag in ((["--budget-s", "-1"], "--budget-s"), (["--backend", "nccl"], "--backend nccl"),
+                       (["--out", str(tmp_path / "no" / "c.json")], "does not exist")):
+        argv = ["--out", str(tmp_path / "c.json"), *args]
+        proc = subprocess.run([sys.executable, "-m", "megatron_pipette.probe", *argv], capture_output=True,
+                              text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr and flag in proc.stderr
