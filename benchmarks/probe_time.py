@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_pipette.probe.budget import plan_budget
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,8 +59,14 @@ def main() -> int:
     print(f"probe total          {probe['duration_s']:.2f} s (budget {probe['budget_s']:g} s; compute check "
           f"included), skipped: {len(probe['skipped'])}")
     print(f"torchrun wall        {wall:.2f} s (adds torch import and rendezvous of {n} processes)")
+    projected = target_rounds * per_round
     print(f"projected at {args.target_gpus} GPUs: {target_rounds} rounds x {per_round * 1e3:.1f} ms = "
-          f"{target_rounds * per_round:.1f} s of point-to-point")
+          f"{projected:.1f} s of point-to-point at {probe['repeats']} repeats")
+    window = plan_budget(args.budget_s, with_collectives=True).p2p_deadline_s
+    verdict = ("fits" if projected <= window else
+               f"does not fit: the probe would cut repeats, then the large message, to "
+               f"{window / target_rounds * 1e3:.1f} ms per round")
+    print(f"  a {args.budget_s:g} s budget leaves ~{window:.1f} s for point-to-point: {verdict}")
     return 0
 
 

@@ -102,7 +102,7 @@ def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
                          f"{worst['ranks']} {_rate(float(worst['busbw_Bps']), 'B/s')}")
 
     skipped = probe.get("skipped") or []
-    lines += ["", "Skipped by the probe: " + ("nothing" if not skipped else "")]
+    lines += ["", "Skipped by the probe:" + ("" if skipped else " nothing")]
     lines += [f"  - {s.get('reason', s.get('what', s))}" for s in skipped]
     return "\n".join(lines)
 
