@@ -1,0 +1,139 @@
+"""Command-line flags generated from the spec dataclasses, so flags and fields cannot drift.
+
+Every Workload and Layout field becomes the Megatron flag of the same name
+(`hidden_size` -> `--hidden-size`). Flags the user did not type are absent
+from the parsed namespace (argparse.SUPPRESS), which is how the planner tells
+a constraint from a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import typing
+from functools import cache
+from pathlib import Path
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_cluster
+from megatron_pipette.spec.layer_profile import LayerProfile, check_profile_matches, profile_from_json
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload, model_presets, workload_fields, workload_from_preset
+
+DEFAULT_MODEL = "gpt3-13b"
+DEFAULT_CLUSTER = "dgx-a100"
+REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
+LAYOUT_FLAG_FIELDS = [f for f in dataclasses.fields(Layout) if f.name != "data_parallel_size"]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, used as its flag's help."""
+    docs, body = {}, ast.parse(inspect.getsource(cls)).body[0].body
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split()).replace("%", "%%")
+    return docs
+
+
+def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
+    kind = hints[field.name]
+    doc = field_docs(cls).get(field.name, "")
+    if kind is bool:
+        group.add_argument(flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
+        return
+    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+    group.add_argument(flag(field.name), type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(),
+                       help=doc)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (Megatron-LM flags; --model picks a preset they override)")
+    group.add_argument("--model", choices=sorted(model_presets()), default=argparse.SUPPRESS,
+                       help=f"a named preset (default for `plan`: {DEFAULT_MODEL})")
+    hints = typing.get_type_hints(Workload)
+    for field in workload_fields():
+        if field.name != "precision":
+            _add_field(group, field, hints, Workload)
+    precision = group.add_mutually_exclusive_group()
+    for name in ("bf16", "fp16", "fp32"):
+        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
+                               default=argparse.SUPPRESS, help=f"train in {name}")
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(Layout)
+    for field in LAYOUT_FLAG_FIELDS:
+        _add_field(group, field, hints, Layout)
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--cluster", default=DEFAULT_CLUSTER, metavar="FILE_OR_PRESET",
+                       help=f"a probed cluster JSON file or a preset: {', '.join(cluster_presets())} "
+                            f"(default {DEFAULT_CLUSTER})")
+    group.add_argument("--gpu", help="GPU catalog name, overriding the preset's")
+    group.add_argument("--num-nodes", type=int, help="nodes, overriding the preset's")
+    group.add_argument("--gpus-per-node", type=int, help="GPUs per node, overriding the preset's")
+    group.add_argument("--layer-profile", metavar="FILE",
+                       help="measured layer profile JSON (python -m megatron_pipette.profile) instead of the roofline")
+
+
+def workload_from_args(ns: argparse.Namespace, default_model: str | None) -> Workload:
+    given = {f.name: getattr(ns, f.name) for f in workload_fields() if hasattr(ns, f.name)}
+    model = getattr(ns, "model", None)
+    if model is None:
+        typed = [n for n in REQUIRED_MODEL_FLAGS if n in given]
+        if typed or default_model is None:
+            missing = [flag(n) for n in REQUIRED_MODEL_FLAGS if n not in given]
+            if missing:
+                raise PipetteError(f"missing {', '.join(missing)} (or pick a preset with --model)")
+            return Workload(**given)
+        model = default_model
+    return workload_from_preset(model, **given)
+
+
+def layout_constraints(ns: argparse.Namespace) -> dict:
+    """The layout flags the user typed, as Layout field values."""
+    return {f.name: getattr(ns, f.name) for f in LAYOUT_FLAG_FIELDS if hasattr(ns, f.name)}
+
+
+def read_json(path: str, what: str) -> object:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PipetteError(f"{what} {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def cluster_from_args(ns: argparse.Namespace, precision: str) -> Cluster:
+    source = ns.cluster
+    if source in cluster_presets():
+        return preset_cluster(source, num_nodes=ns.num_nodes, gpus_per_node=ns.gpus_per_node, gpu=ns.gpu,
+                              precision=precision)
+    if not Path(source).exists():
+        raise PipetteError(f"--cluster {source!r} is neither a preset ({', '.join(cluster_presets())}) nor a file")
+    overrides = [flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
+    if overrides:
+        raise PipetteError(f"{', '.join(overrides)} cannot override a measured --cluster file")
+    return cluster_from_json(read_json(source, "--cluster"), where=f"--cluster {source}")
+
+
+def profile_from_args(ns: argparse.Namespace, workload: Workload) -> LayerProfile | None:
+    if not ns.layer_profile:
+        return None
+    where = f"--layer-profile {ns.layer_profile}"
+    profile = profile_from_json(read_json(ns.layer_profile, "--layer-profile"), where=where)
+    check_profile_matches(profile, workload, where=where)
+    return profile

@@ -1,0 +1,76 @@
+"""Plain-text reports of plans and estimates, for terminals and Megatron-style logs."""
+
+from __future__ import annotations
+
+from megatron_pipette.cost.memory import MemoryEstimate
+from megatron_pipette.cost.timing import TimeEstimate
+from megatron_pipette.plan.planner import Candidate, Plan
+
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def candidates_table(result: Plan) -> str:
+    rows = []
+    for i, c in enumerate(result.candidates, 1):
+        sim = f"{c.simulated_time_s:.3f}" if c.simulated_time_s is not None else "-"
+        placement = "default" if c.placement.is_default else "nodes " + ",".join(map(str, c.placement.node_order))
+        if len(placement) > 28:
+            placement = placement[:25] + "..."
+        rows.append([str(i), c.layout.describe(), f"{c.time.iteration_time_s:.3f}", sim,
+                     f"{c.time.tflops_per_gpu:.1f}",
+                     f"{_gib(c.memory.peak_bytes)}/{_gib(c.memory.capacity_bytes)}", placement])
+    return table(rows, ["#", "layout", "s/iter", "simulated", "TFLOP/s/GPU", "peak GiB/GPU", "placement"])
+
+
+def breakdown(time: TimeEstimate) -> str:
+    parts = {k: v for k, v in time.breakdown.as_dict().items() if v > 0}
+    total = time.iteration_time_s
+    rows = [[k.removesuffix("_s").replace("_", " "), f"{v:.4f}", f"{100 * v / total:.1f}%"] for k, v in parts.items()]
+    return table(rows, ["where the time goes", "seconds", "share"])
+
+
+def stage_memory(memory: MemoryEstimate) -> str:
+    rows = [[str(s.stage), _gib(s.weight_bytes), _gib(s.gradient_bytes), _gib(s.optimizer_bytes),
+             _gib(s.activation_bytes), _gib(s.transient_bytes), _gib(s.overhead_bytes), _gib(s.total_bytes),
+             "yes" if s.total_bytes <= memory.capacity_bytes else "NO"] for s in memory.stages]
+    header = ["stage", "weights", "grads", "optimizer", "activations", "transient", "overheads", "total GiB", "fits"]
+    return table(rows, header) + f"\ncapacity {_gib(memory.capacity_bytes)} GiB per GPU"
+
+
+def winner(c: Candidate) -> str:
+    lines = ["", "Best layout, as Megatron flags:", "  " + " \\\n  ".join(c.layout.megatron_args())]
+    if c.placement.is_default:
+        lines.append("Rank placement: Megatron's default order is already the best found.")
+    else:
+        gain = 100 * (1 - c.time.iteration_time_s / c.default_order_time_s)
+        lines.append(f"Rank placement: logical node k runs on physical node {list(c.placement.node_order)}[k] "
+                     f"({gain:.1f}% faster than the default order's {c.default_order_time_s:.3f} s); "
+                     f"`--auto-parallel` applies it inside the job.")
+    lines += ["", breakdown(c.time), "", stage_memory(c.memory)]
+    return "\n".join(lines)
+
+
+def plan_report(result: Plan) -> str:
+    head = (f"Planned {result.workload.name} on {result.cluster_name} ({result.world_size} GPUs): "
+            f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
+    return "\n".join([head, "", candidates_table(result), winner(result.candidates[0])])
+
+
+def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:
+    verdict = "fits" if memory.fits else "DOES NOT FIT"
+    return "\n".join([f"{layout_desc}: {time.iteration_time_s:.3f} s/iteration, "
+                      f"{time.tflops_per_gpu:.1f} TFLOP/s per GPU, peak {_gib(memory.peak_bytes)} GiB "
+                      f"of {_gib(memory.capacity_bytes)} GiB ({verdict})", "",
+                      breakdown(time), "", stage_memory(memory)])

@@ -1,0 +1,126 @@
+"""Rank placement: which physical node runs which logical node of Megatron's rank grid.
+
+Only whole nodes are permuted, so every process keeps its local GPU
+(`rank % gpus_per_node == LOCAL_RANK`) and tensor-parallel groups stay inside
+a node. The objective is the same predicted iteration time that ranks
+layouts (`cost.timing.estimate_time`), never a proxy.
+
+The search is a deterministic, bounded best-improvement local search over
+node swaps. It starts from Megatron's default order and accepts only strict
+improvements, so it is never worse than the default and returns the default
+on a uniform cluster. Swaps are tried for the nodes with the weakest links
+(by the harmonic mean of their inter-node bandwidths) against one node of
+every distinct pipeline role, so a round costs O(pipeline stages) estimates
+rather than O(nodes^2).
+
+Example: 4 nodes, PP 4 (one stage per node), node 1's links 10x slower.
+Default order puts it mid-pipeline with two slow hops; the search moves it
+to an end of the pipeline (one slow hop): node_order (0, 3, 2, 1) or similar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from megatron_pipette.cost.timing import TimeEstimate, estimate_time
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+WEAK_NODES_PER_ROUND = 3
+"""How many of the weakest-linked nodes a round tries to move."""
+MAX_ROUNDS = 16
+"""Upper bound on accepted swaps; each strictly improves the objective."""
+RELATIVE_IMPROVEMENT = 1e-9
+"""A swap must beat the current time by this fraction, so float noise never counts as a gain."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """node_order[k] = physical node that runs logical node k."""
+
+    node_order: tuple[int, ...]
+    gpus_per_node: int
+
+    @cached_property
+    def logical_to_physical(self) -> np.ndarray:
+        """Physical device (torchrun rank at probe time) of each logical Megatron rank."""
+        order = np.asarray(self.node_order)
+        local = np.arange(self.gpus_per_node)
+        return (order[:, None] * self.gpus_per_node + local[None, :]).reshape(-1)
+
+    @cached_property
+    def physical_to_logical(self) -> np.ndarray:
+        """The new rank of each process when torch.distributed is re-initialised."""
+        inverse = np.empty_like(self.logical_to_physical)
+        inverse[self.logical_to_physical] = np.arange(self.logical_to_physical.size)
+        return inverse
+
+    @property
+    def is_default(self) -> bool:
+        return self.node_order == tuple(range(len(self.node_order)))
+
+    def swapped(self, a: int, b: int) -> Placement:
+        order = list(self.node_order)
+        order[a], order[b] = order[b], order[a]
+        return Placement(tuple(order), self.gpus_per_node)
+
+
+def default_placement(cluster: Cluster) -> Placement:
+    """Megatron's own order: logical rank = torchrun rank."""
+    return Placement(tuple(range(cluster.num_nodes)), cluster.gpus_per_node)
+
+
+def node_link_weakness(cluster: Cluster) -> np.ndarray:
+    """Per node, the mean of 1/bandwidth over its links to other nodes (higher = weaker)."""
+    node = np.arange(cluster.world_size) // cluster.gpus_per_node
+    inter = node[:, None] != node[None, :]
+    inv = np.where(inter, 1.0 / cluster.bandwidth_Bps, 0.0) + np.where(inter, 1.0 / cluster.bandwidth_Bps.T, 0.0)
+    per_device = inv.sum(axis=1) / max(1, int(inter[0].sum()))
+    return per_device.reshape(cluster.num_nodes, cluster.gpus_per_node).mean(axis=1)
+
+
+def _role_representatives(layout: Layout, cluster: Cluster) -> list[int]:
+    """One logical node per distinct set of pipeline stages, ends of the pipeline first."""
+    gpn = cluster.gpus_per_node
+    stage_of_rank = np.arange(cluster.world_size) // (layout.tp * layout.dp)
+    seen: dict[tuple[int, ...], int] = {}
+    for k in range(cluster.num_nodes):
+        role = tuple(np.unique(stage_of_rank[k * gpn:(k + 1) * gpn]))
+        seen.setdefault(role, k)
+    last = layout.pp - 1
+    return sorted(seen.values(), key=lambda k: (min(abs(stage_of_rank[k * gpn]), abs(last - stage_of_rank[k * gpn])), k))
+
+
+def optimize_placement(workload: Workload, layout: Layout, cluster: Cluster, *,
+                       profile: LayerProfile | None = None) -> tuple[Placement, TimeEstimate]:
+    """The best node permutation found, and its predicted time (same model as the ranking)."""
+    current = default_placement(cluster)
+    best = estimate_time(workload, layout, cluster, current.logical_to_physical, profile=profile)
+    if cluster.num_nodes == 1:
+        return current, best
+    weakness = node_link_weakness(cluster)
+    if np.ptp(weakness) <= 1e-12 * weakness.max():
+        return current, best  # uniform fabric: every whole-node permutation costs the same
+    targets = _role_representatives(layout, cluster)
+    exhaustive = cluster.num_nodes <= 8
+    for _ in range(MAX_ROUNDS):
+        physical_weak = np.argsort(-weakness, kind="stable")[:WEAK_NODES_PER_ROUND]
+        logical_of_physical = np.argsort(np.asarray(current.node_order))
+        movers = [int(logical_of_physical[p]) for p in physical_weak]
+        pairs = ([(a, b) for a in range(cluster.num_nodes) for b in range(a + 1, cluster.num_nodes)]
+                 if exhaustive else [(a, b) for a in movers for b in targets if a != b])
+        found = None
+        for a, b in pairs:
+            trial = current.swapped(a, b)
+            estimate = estimate_time(workload, layout, cluster, trial.logical_to_physical, profile=profile)
+            if estimate.iteration_time_s < best.iteration_time_s * (1 - RELATIVE_IMPROVEMENT):
+                found, best = trial, estimate
+        if found is None:
+            break
+        current = found
+    return current, best

@@ -1,0 +1,137 @@
+"""The planner: every valid layout, pruned by memory, ranked by predicted time, placed.
+
+1. Enumerate the layouts Megatron accepts (plan.search), honouring constraints.
+2. Drop every layout whose worst pipeline stage does not fit (cost.memory).
+3. Rank the rest by the closed-form iteration time in Megatron's default order.
+4. For the best few, search a node placement that minimises the same time
+   (plan.placement) and re-rank; the event-driven simulator re-checks them.
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
+from megatron_pipette.cost.timing import TimeEstimate, estimate_time, group_links
+from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
+from megatron_pipette.plan.search import enumerate_layouts
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One ranked layout with its placement and predictions."""
+
+    layout: Layout
+    placement: Placement
+    time: TimeEstimate
+    """Predicted with the placement applied; the ranking key."""
+    default_order_time_s: float
+    """Predicted time in Megatron's default rank order, for comparison."""
+    memory: MemoryEstimate
+    simulated_time_s: float | None = None
+    """The event-driven simulator's figure for the same placement (top candidates only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    workload: Workload
+    cluster_name: str
+    world_size: int
+    candidates: tuple[Candidate, ...]
+    """Fitting layouts, best first (at most top_k)."""
+    considered: int
+    """Layouts enumerated."""
+    out_of_memory: int
+    """Layouts dropped because a stage does not fit."""
+    closest_misfit: tuple[Layout, MemoryEstimate] | None = None
+    """When nothing fits: the layout that came closest, to explain what would."""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def plan(workload: Workload, cluster: Cluster, *, profile: LayerProfile | None = None,
+         constraints: Mapping[str, Any] | None = None, top_k: int = 10, placement_top: int = 3,
+         allow_tp_across_nodes: bool = False, overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> Plan:
+    """Search every valid layout for this cluster and return the best ones, placed."""
+    considered = oom = 0
+    closest: tuple[float, Layout, MemoryEstimate] | None = None
+    links_cache: dict[tuple[int, int, int], object] = {}
+    identity = default_placement(cluster)
+    heap: list[tuple[float, int, Layout, TimeEstimate, MemoryEstimate]] = []
+    keep = max(top_k, placement_top)
+    for layout in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
+                                    allow_tp_across_nodes=allow_tp_across_nodes):
+        considered += 1
+        memory = estimate_memory(workload, layout, cluster.memory_bytes, profile=profile, overheads=overheads)
+        if not memory.fits:
+            oom += 1
+            ratio = memory.peak_bytes / memory.capacity_bytes
+            if closest is None or ratio < closest[0]:
+                closest = (ratio, layout, memory)
+            continue
+        grid = (layout.tp, layout.pp, layout.dp)
+        if grid not in links_cache:
+            links_cache[grid] = group_links(layout, cluster, identity.logical_to_physical)
+        time = estimate_time(workload, layout, cluster, identity.logical_to_physical, profile=profile,
+                             links=links_cache[grid])
+        entry = (-time.iteration_time_s, considered, layout, time, memory)
+        if len(heap) < keep:
+            heapq.heappush(heap, entry)
+        elif entry > heap[0]:
+            heapq.heapreplace(heap, entry)
+    ranked = sorted(heap, key=lambda e: (-e[0], e[1]))
+    candidates = []
+    for i, (_, _, layout, time, memory) in enumerate(ranked):
+        placement, placed_time = identity, time
+        if i < placement_top:
+            placement, placed_time = optimize_placement(workload, layout, cluster, profile=profile)
+        candidates.append(Candidate(layout=layout, placement=placement, time=placed_time,
+                                    default_order_time_s=time.iteration_time_s, memory=memory))
+    candidates.sort(key=lambda c: c.time.iteration_time_s)
+    candidates = [replace(c, simulated_time_s=estimate_time(
+        workload, c.layout, cluster, c.placement.logical_to_physical, profile=profile,
+        simulate=True).iteration_time_s) if i < placement_top else c for i, c in enumerate(candidates[:top_k])]
+    return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
+                candidates=tuple(candidates), considered=considered, out_of_memory=oom,
+                closest_misfit=None if closest is None else (closest[1], closest[2]))
+
+
+def evaluate(workload: Workload, layout: Layout, cluster: Cluster, *, profile: LayerProfile | None = None,
+             placement: Placement | None = None,
+             overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> tuple[TimeEstimate, MemoryEstimate]:
+    """Predict one given layout (any layout Megatron accepts, TP across nodes included)."""
+    placement = placement or default_placement(cluster)
+    time = estimate_time(workload, layout, cluster, placement.logical_to_physical, profile=profile)
+    return time, estimate_memory(workload, layout, cluster.memory_bytes, profile=profile, overheads=overheads)
+
+
+def misfit_advice(workload: Workload, cluster: Cluster, result: Plan) -> list[str]:
+    """What would make something fit, for the 'nothing fits' message."""
+    if result.closest_misfit is None:
+        return ["no layout is valid for this model and GPU count; check the divisibility messages above"]
+    layout, memory = result.closest_misfit
+    worst = memory.worst_stage
+    advice = [f"closest: {layout.describe()} needs {worst.total_bytes / 2**30:.1f} GiB on pipeline stage "
+              f"{worst.stage} of {memory.capacity_bytes / 2**30:.1f} GiB"]
+    static = worst.weight_bytes + worst.gradient_bytes + worst.optimizer_bytes
+    if layout.recompute_granularity != "full":
+        advice.append("try --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if layout.micro_batch_size > 1:
+        advice.append("try a smaller --micro-batch-size")
+    factor = memory.peak_bytes / memory.capacity_bytes
+    if static > memory.capacity_bytes * 0.5 or factor > 1:
+        more = cluster.world_size * max(2, int(factor + 1))
+        advice.append(f"or more GPUs: parameters, gradients and optimizer state alone take "
+                      f"{static / 2**30:.1f} GiB per GPU here; about {more} GPUs would leave room")
+    return advice

@@ -1,0 +1,121 @@
+"""Enumerate every layout Megatron accepts for a world size, within the user's constraints.
+
+Flags the user set explicitly (`--tensor-model-parallel-size 8` beside
+`--auto-parallel`) arrive as `constraints`: a mapping from Layout field name to
+the fixed value. Everything else is searched. The enumeration is exhaustive
+over Megatron's choices, except for the few restrictions documented here:
+tensor parallel stays inside a node unless `allow_tp_across_nodes`, uneven
+pipeline splits only shorten the first and/or last stage (Megatron's
+--decoder-first/last-pipeline-num-layers), the two nearest splits of each kind, and full
+recomputation is searched in Megatron's recommended form (uniform, 1 layer
+per group); block recomputation is available as a constraint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import fields, replace
+from itertools import product
+from typing import Any
+
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.layout import Layout, validate_layout
+from megatron_pipette.spec.workload import Workload
+
+LAYOUT_FIELDS = {f.name for f in fields(Layout)}
+MAX_MICRO_BATCH_SIZE = 32
+"""Larger micro-batches only add memory once GEMMs are saturated; Megatron users stay far below."""
+UNEVEN_SPLITS = 2
+"""Uneven pipeline splits tried per kind (lighter last stage; lighter first and last stages)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipeline_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None]]:
+    """(decoder_first, decoder_last) options: the even split, and the two nearest splits with a
+    lighter last stage and with lighter first and last stages (Megatron needs the middle stages
+    equal), which offset the output layer with loss and the embedding."""
+    if pp == 1:
+        return [(None, None)]
+    splits: list[tuple[int | None, int | None]] = [(None, None)] if num_layers % pp == 0 else []
+    ceiling = -(-num_layers // pp)
+    lighter_last = [(None, k) for k in range(ceiling - 1, 0, -1)
+                    if (num_layers - k) % (pp - 1) == 0 and (num_layers - k) // (pp - 1) > k]
+    lighter_ends = [(k, k) for k in range(ceiling - 1, 0, -1)
+                    if pp > 2 and (num_layers - 2 * k) % (pp - 2) == 0 and (num_layers - 2 * k) // (pp - 2) > k]
+    return splits + lighter_last[:UNEVEN_SPLITS] + lighter_ends[:UNEVEN_SPLITS]
+
+
+def _check_constraints(constraints: Mapping[str, Any]) -> None:
+    unknown = set(constraints) - LAYOUT_FIELDS
+    if unknown:
+        raise PipetteError(f"unknown layout constraint(s): {', '.join(sorted(unknown))}")
+
+
+def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
+                      constraints: Mapping[str, Any] | None = None, *,
+                      allow_tp_across_nodes: bool = False) -> Iterator[Layout]:
+    """Yield every valid layout (validate_layout passes) that honours the constraints."""
+    constraints = dict(constraints or {})
+    _check_constraints(constraints)
+
+    def choices(name: str, options):
+        return [constraints[name]] if name in constraints else list(options)
+
+    tp_max = world_size if allow_tp_across_nodes else gpus_per_node
+    for tp in choices("tensor_model_parallel_size", (d for d in divisors(world_size) if d <= tp_max)):
+        if world_size % tp or (not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
+                               and gpus_per_node % tp):
+            continue
+        for pp in choices("pipeline_model_parallel_size", divisors(world_size // tp)):
+            if world_size % (tp * pp):
+                continue
+            dp = world_size // (tp * pp)
+            if "data_parallel_size" in constraints and constraints["data_parallel_size"] != dp:
+                continue
+            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices)
+
+
+def _layouts_for_grid(workload, tp, pp, dp, constraints, choices) -> Iterator[Layout]:
+    if workload.global_batch_size % dp:
+        return
+    per_replica = workload.global_batch_size // dp
+    splits = _pipeline_splits(workload.num_layers, pp)
+    if "decoder_first_pipeline_num_layers" in constraints or "decoder_last_pipeline_num_layers" in constraints:
+        splits = [(constraints.get("decoder_first_pipeline_num_layers"),
+                   constraints.get("decoder_last_pipeline_num_layers"))]
+    recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
+    if any(k in constraints for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")):
+        g = constraints.get("recompute_granularity")
+        recomputes = [(g, constraints.get("recompute_method", "uniform" if g == "full" else None),
+                       constraints.get("recompute_num_layers", 1 if g == "full" else None))]
+    for (first, last), mbs, (rg, rm, rn), sp, dopt in product(
+            splits,
+            choices("micro_batch_size", (d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH_SIZE)),
+            recomputes,
+            choices("sequence_parallel", (True, False) if tp > 1 else (False,)),
+            choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):
+        base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                      micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
+                      recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
+                      decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                      overlap_grad_reduce=constraints.get("overlap_grad_reduce", dp > 1),
+                      overlap_param_gather=constraints.get("overlap_param_gather", dopt))
+        for lpv in _virtual_options(workload, base, constraints):
+            layout = replace(base, num_layers_per_virtual_pipeline_stage=lpv)
+            try:
+                validate_layout(workload, layout)
+            except Infeasible:
+                continue
+            yield layout
+
+
+def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:
+    if "num_layers_per_virtual_pipeline_stage" in constraints:
+        return [constraints["num_layers_per_virtual_pipeline_stage"]]
+    if layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers:
+        return [None]
+    per_stage = workload.num_layers // layout.pp
+    return [None] + [d for d in divisors(per_stage) if d < per_stage]

@@ -1,0 +1,98 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_pipette.cli.main import main
+from megatron_pipette.spec.cluster_file import cluster_to_json
+from megatron_pipette.spec.hardware import preset_cluster
+
+SMALL = ["--model", "gpt3-1.3b", "--global-batch-size", "64", "--num-nodes", "1"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_default_prints_table_flags_and_breakdown(capsys):
+    code, out, _ = run(capsys, "plan", "--top", "3")
+    assert code == 0
+    assert "Planned gpt3-13b on dgx-a100x4 (32 GPUs)" in out
+    assert "--tensor-model-parallel-size" in out and "where the time goes" in out and "capacity" in out
+
+
+def test_plan_json_lists_candidates_best_first(capsys):
+    code, out, _ = run(capsys, "plan", *SMALL, "--json", "--top", "4")
+    doc = json.loads(out)
+    times = [c["iteration_time_s"] for c in doc["candidates"]]
+    assert code == 0 and times == sorted(times) and len(times) == 4
+    c = doc["candidates"][0]
+    assert c["tflops_per_gpu"] > 0 and c["memory"]["fits"] is True
+    assert c["memory"]["capacity_bytes"] == preset_cluster("dgx-a100").memory_bytes
+    assert all(s["peak_bytes"] <= c["memory"]["capacity_bytes"] for s in c["memory"]["stages"])
+
+
+def test_estimate_accepts_tensor_parallel_across_nodes(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "gpt3-6.7b", "--num-nodes", "2",
+                       "--tensor-model-parallel-size", "16", "--sequence-parallel", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["layout"]["tensor_model_parallel_size"] == 16
+    assert doc["layout"]["data_parallel_size"] == 1
+    assert doc["breakdown_s"]["tp_comm_s"] > 0 and len(doc["memory"]["stages"]) == 1
+
+
+def test_estimate_text_reports_stages(capsys):
+    code, out, _ = run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "6")
+    assert code == 0 and "s/iteration" in out and out.count("yes") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", *SMALL, "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
+    (["estimate", "--model", "gpt3-1.3b", "--num-attention-heads", "15"], "--num-attention-heads 15"),
+    (["plan", "--num-layers", "24", "--hidden-size", "1024"], "missing --num-attention-heads"),
+    (["plan", "--model", "gpt3-1.3b", "--num-layers", "-2"], "--num-layers must be a positive integer"),
+    (["plan", "--gpu", "B300"], "--gpu 'B300'"),
+    (["plan", "--cluster", "/nonexistent.json"], "--cluster '/nonexistent.json'"),
+    (["plan", "--micro-batch-size", "0"], "--micro-batch-size must be a positive integer"),
+    (["plan", "--top", "0"], "--top must be a positive integer"),
+    (["estimate", *SMALL, "--pipeline-model-parallel-size", "5"], "does not divide the 8 GPUs"),
+    (["estimate", "--model", "gpt3-1.3b", "--num-nodes", "5", "--gpus-per-node", "1",
+      "--pipeline-model-parallel-size", "5"], "--num-layers 24"),
+])
+def test_bad_input_is_one_clear_message(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_bad_cluster_file(capsys, tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text("{not json")
+    code, _, err = run(capsys, "plan", "--cluster", str(bad))
+    assert code == 2 and "not valid JSON" in err
+
+
+def test_nothing_fits_exits_nonzero_with_advice(capsys):
+    code, _, err = run(capsys, "plan", "--model", "gpt3-175b", "--num-nodes", "1")
+    assert code == 3
+    assert "nothing fits" in err and "more GPUs" in err
+
+
+def test_plan_and_show_read_a_cluster_file(capsys, tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(cluster_to_json(preset_cluster("dgx-h100", num_nodes=2))))
+    code, out, _ = run(capsys, "plan", "--model", "gpt3-1.3b", "--global-batch-size", "64", "--cluster",
+                       str(path), "--top", "2")
+    assert code == 0 and "(16 GPUs)" in out
+    png = tmp_path / "links.png"
+    code, out, _ = run(capsys, "show", str(path), "--heatmap", str(png))
+    assert code == 0 and png.stat().st_size > 1000
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "megatron_pipette.cli.main", "plan", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--tensor-model-parallel-size" in out and "--num-query-groups" in out and "--cluster" in out

@@ -1,0 +1,65 @@
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.plan.search import _pipeline_splits, enumerate_layouts
+from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.workload import Workload, workload_from_preset
+
+GPT3 = workload_from_preset("gpt3-175b")
+
+
+def test_megatron_paper_layout_is_among_the_candidates():
+    layouts = set(enumerate_layouts(GPT3, 1024, 8))
+    paper = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=16, data_parallel_size=8,
+                   micro_batch_size=1, num_layers_per_virtual_pipeline_stage=3, sequence_parallel=True,
+                   use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+    assert paper in layouts
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.sampled_from([4, 6, 12, 30]), heads=st.sampled_from([4, 8, 12]),
+       nodes=st.integers(1, 4), gpn=st.sampled_from([1, 2, 4, 8]), gbs=st.sampled_from([8, 12, 32]))
+def test_every_layout_is_valid_and_uses_every_gpu(layers, heads, nodes, gpn, gbs):
+    w = Workload(num_layers=layers, hidden_size=heads * 16, num_attention_heads=heads, seq_length=64,
+                 global_batch_size=gbs)
+    world = nodes * gpn
+    seen = set()
+    for layout in enumerate_layouts(w, world, gpn):
+        validate_layout(w, layout, world)
+        assert gpn % layout.tp == 0, "tensor parallel must stay inside a node by default"
+        assert layout not in seen
+        seen.add(layout)
+
+
+def test_constraints_fix_fields():
+    layouts = list(enumerate_layouts(GPT3, 64, 8, {"tensor_model_parallel_size": 4, "sequence_parallel": True,
+                                                    "recompute_granularity": "full"}))
+    assert layouts
+    assert all(l.tp == 4 and l.sequence_parallel and l.recompute_granularity == "full"
+               and l.recompute_method == "uniform" for l in layouts)
+
+
+def test_tensor_parallel_across_nodes_only_when_allowed():
+    w = workload_from_preset("gpt3-1.3b")
+    assert max(l.tp for l in enumerate_layouts(w, 16, 8)) == 8
+    assert max(l.tp for l in enumerate_layouts(w, 16, 8, allow_tp_across_nodes=True)) == 16
+    # An explicit user constraint is honoured even across nodes (Megatron accepts it).
+    assert all(l.tp == 16 for l in enumerate_layouts(w, 16, 8, {"tensor_model_parallel_size": 16}))
+
+
+def test_uneven_pipeline_splits_use_megatron_flags():
+    w = workload_from_preset("gpt3-175b", num_layers=30)
+    splits = {stage_layers(w, l) and (l.decoder_first_pipeline_num_layers, l.decoder_last_pipeline_num_layers)
+              for l in enumerate_layouts(w, 32, 8, {"pipeline_model_parallel_size": 4})}
+    assert (None, None) not in splits  # 30 is not divisible by 4
+    assert splits and all(sum(stage_layers(w, Layout(pipeline_model_parallel_size=4,
+                                                     decoder_first_pipeline_num_layers=f,
+                                                     decoder_last_pipeline_num_layers=l))) == 30
+                          for f, l in splits)
+    assert (None, 5) in _pipeline_splits(96, 8) and (6, 6) in _pipeline_splits(96, 8)  # a lighter last stage offsets the output layer
+
+
+def test_unknown_constraint_is_a_user_error():
+    with pytest.raises(PipetteError, match="tensor_parallel"):
+        list(enumerate_layouts(GPT3, 64, 8, {"tensor_parallel": 2}))
