@@ -14,6 +14,8 @@ $(VENV)/.installed: requirements.txt setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
+	@# Editable installs do not ship the .pth that enables --auto-parallel; copy it (a wheel install does).
+	cp megatron_pipette_autoload.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	touch $@
 
 demo: venv

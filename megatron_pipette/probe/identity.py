@@ -19,6 +19,13 @@ def _env_int(name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def node_name() -> str:
+    """The node this process runs on: the host, and torchrun's node rank (GROUP_RANK) when set,
+    so that several torchrun agents on one host (containers, emulated clusters) count as nodes."""
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() if group is None else f"{socket.gethostname()}/{group}"
+
+
 def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
     """Physical memory of this host: MemTotal from /proc/meminfo, else sysconf."""
     try:
@@ -43,7 +50,7 @@ def identify(device: torch.device) -> dict:
     On CPU the memory figure is the host's; rank 0 divides it among the ranks
     on that host (LOCAL_WORLD_SIZE when torchrun set it).
     """
-    ident: dict = {"host": socket.gethostname(), "local_rank": _env_int("LOCAL_RANK"),
+    ident: dict = {"host": node_name(), "local_rank": _env_int("LOCAL_RANK"),
                    "local_world_size": _env_int("LOCAL_WORLD_SIZE"),
                    "host_memory_bytes": host_memory_bytes()}
     if device.type == "cuda":
