@@ -1,0 +1,285 @@
+"""Pipeline schedules: time of one forward-backward pass from per-stage times.
+
+Every schedule is a function (StageTimes, micro-batches) -> PipelineTime,
+vectorised over a leading batch axis (the data-parallel replicas), behind a
+registry so a new schedule touches only this file. The derivations are in
+docs/time-model.md; `cost.simulator` is the reference the tests hold them to.
+
+- "1f1b": megatron-core's forward_backward_pipelining_without_interleaving with
+  its blocking, batched p2p calls. Exact: a closed form for m >= 2p-1, a
+  dynamic programme over the same event lattice for p <= m < 2p-1, and the
+  simulator for m < p (where stages run all-warmup and the lattice changes).
+- "interleaved": forward_backward_pipelining_with_interleaving (async p2p).
+  An approximation (no exact closed form is known to us); its error against
+  the simulator is measured in the tests and documented.
+- "no-pipelining": PP = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_pipette.cost import simulator
+
+NEG = -np.inf
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTimes:
+    """What a schedule needs, with a leading batch axis (replicas)."""
+
+    forward_s: np.ndarray
+    """(B, p, v) forward time of one micro-batch of each model chunk on each pipeline rank."""
+    backward_s: np.ndarray
+    """(B, p, v) backward time (recomputation included)."""
+    fwd_comm_s: np.ndarray
+    """(B, p) one activation message on hop h, rank h -> (h+1) % p; hop p-1 wraps (interleaving only)."""
+    bwd_comm_s: np.ndarray
+    """(B, p) one gradient message on hop h, rank (h+1) % p -> h."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.forward_s.shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineTime:
+    total_s: np.ndarray
+    """(B,) end of the forward-backward pass (the last rank's last op)."""
+    finish_s: np.ndarray
+    """(B, p) end of each rank's last backward: its data-parallel reduction may start then."""
+    busy_s: np.ndarray
+    """(B, p) time each rank spends in its own compute and blocking p2p calls."""
+    p2p_s: np.ndarray
+    """(B, p) the p2p part of busy_s."""
+    exact: bool
+    """False where the schedule's closed form is an approximation."""
+
+
+Schedule = Callable[[StageTimes, int], PipelineTime]
+SCHEDULES: dict[str, Schedule] = {}
+PROGRAMS: dict[str, Callable[[int, int, int], tuple]] = {}
+
+
+def register(name: str, program: Callable[[int, int, int], tuple] | None = None):
+    """Add a schedule (and the simulator program that checks it) under a name."""
+    def wrap(fn: Schedule) -> Schedule:
+        SCHEDULES[name] = fn
+        if program is not None:
+            PROGRAMS[name] = program
+        return fn
+    return wrap
+
+
+def pipeline_time(name: str, times: StageTimes, m: int) -> PipelineTime:
+    return SCHEDULES[name](times, m)
+
+
+def simulate_pipeline(name: str, times: StageTimes, m: int) -> PipelineTime:
+    """The same quantities from the event-driven simulator (slow, exact)."""
+    if name not in PROGRAMS:
+        return SCHEDULES[name](times, m)
+    batch, p, v = times.shape
+    program = PROGRAMS[name](p, m, v)
+    total, finish = np.empty(batch), np.empty((batch, p))
+    for i in range(batch):
+        r = simulator.simulate(program, times.forward_s[i], times.backward_s[i],
+                               times.fwd_comm_s[i], times.bwd_comm_s[i])
+        total[i], finish[i] = r.total_s, r.finish_s
+    busy, p2p = _busy_1f1b(times, m) if name == "1f1b" else _busy_interleaved(times, m)
+    return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=True)
+
+
+# --- no pipelining -----------------------------------------------------------------------------
+
+@register("no-pipelining")
+def no_pipelining(times: StageTimes, m: int) -> PipelineTime:
+    work = m * (times.forward_s.sum(axis=2) + times.backward_s.sum(axis=2))
+    zero = np.zeros_like(work)
+    return PipelineTime(total_s=work[:, 0], finish_s=work, busy_s=work, p2p_s=zero, exact=True)
+
+
+# --- 1F1B --------------------------------------------------------------------------------------
+
+def _hops(times: StageTimes) -> tuple[np.ndarray, ...]:
+    """Per-hop durations padded with the virtual hops -1 and p-1 (zero): index h+1 is hop h."""
+    batch, p, _ = times.shape
+    z = np.zeros((batch, 1))
+    phi = np.concatenate([z, times.fwd_comm_s[:, :p - 1], z], axis=1)
+    beta = np.concatenate([z, times.bwd_comm_s[:, :p - 1], z], axis=1)
+    return phi, beta, np.maximum(phi, beta)
+
+
+def _busy_1f1b(times: StageTimes, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each stage's own compute plus its p2p calls (the event counts of the lattice)."""
+    batch, p, _ = times.shape
+    phi, beta, x = _hops(times)
+    s = np.arange(p)
+    w = np.minimum(p - s - 1, m)
+    steady = m - w
+    # hop s-1 (index s): w+1 forward receives, steady-1 exchanges, 1 + w backward sends;
+    # hop s (index s+1): w forward sends, steady exchanges, w backward receives.
+    prev = (w + (steady > 0)) * phi[:, :p] + np.maximum(steady - 1, 0) * x[:, :p] + (w + (steady > 0)) * beta[:, :p]
+    nxt = w * phi[:, 1:] + steady * x[:, 1:] + w * beta[:, 1:]
+    p2p = prev + nxt
+    return m * (times.forward_s[:, :, 0] + times.backward_s[:, :, 0]) + p2p, p2p
+
+
+def _prefix(a: np.ndarray) -> np.ndarray:
+    """Prefix sums along the last axis with a leading zero: out[k] = sum(a[:k])."""
+    return np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], axis=-1)
+
+
+def _one_f_one_b_closed(f, b, phi, beta, x, m):
+    """Exact for m >= 2p-1: per region (warmup, steady, cooldown) the longest path cycles at
+    one stage; entry/exit hops join the regions (docs/time-model.md, "1F1B")."""
+    batch, p = f.shape
+    c = f + b + x[:, 1:] + x[:, :-1]            # steady cycle of stage s: F, exchange, B, exchange
+    cw = f + phi[:, 1:] + phi[:, :-1]           # warmup cycle: receive, F, send
+    cc = b + beta[:, 1:] + beta[:, :-1]         # cooldown cycle: receive, B, send
+    g = np.cumsum(f + x[:, 1:], axis=1)         # g[k] = sum_{s<=k} f_s + x_s
+    gw, pc, pcw, pcc = _prefix(f + phi[:, 1:]), _prefix(c), _prefix(cw), _prefix(cc)
+    h = np.arange(p)[:, None]                   # entry/exit hop
+    sg = np.arange(p)[None, :]                  # cycling stage
+    # W(h): longest path to the first steady event on hop h (warmup cycles at sigma).
+    n = p - 1 - np.maximum(h, sg)
+    ok = (sg < h) | (n >= 1)
+    cand = (pcw[:, None, :p] - pcw[:, :p, None]) * (sg > h) + n * cw[:, None, :]
+    entry = gw[:, :p] + np.where(ok, cand, NEG).max(axis=2) + f + x[:, 1:]
+    # A(sigma): best entry into cycling at sigma in the steady region.
+    a = ((entry - g)[:, :, None] + (pc[:, 1:, None] - pc[:, None, 1:]) * (h > sg)
+         + np.minimum(h, sg) * c[:, None, :]).max(axis=1)
+    # E(h): longest path to the last steady event on hop h.
+    z = (pc[:, None, :p] - pc[:, 1:, None]) * (sg > h + 1) - np.maximum(0, sg - h - 1) * c[:, None, :]
+    exit_ = ((m - p) * c + a)[:, None, :] + z
+    return exit_.max(axis=2) + g
+
+
+def _cooldown(e, b, beta, m):
+    """Column-by-column longest paths through the cooldown triangle from the steady exits e."""
+    batch, p = b.shape
+    finish = np.empty((batch, p))
+    finish[:, p - 1] = e[:, p - 1] + b[:, p - 1]
+    up = e + b + beta[:, :p]                    # up[k]: arrives at hop k-1 in column m
+    col = up
+    for j in range(m, m + p):
+        top = m + p - 2 - j                     # deepest hop in column j
+        pre = np.cumsum(beta[:, :top + 2], axis=1)
+        col = np.maximum.accumulate(up[:, :top + 2] - pre, axis=1) + pre
+        if top >= 0:
+            finish[:, top] = col[:, top + 1] + b[:, top]
+            up = col[:, 1:] + b[:, :top + 1] + beta[:, :top + 1]
+    return col[:, 0], finish
+
+
+def _one_f_one_b_lattice(f, b, phi, beta, x, m):
+    """Exact longest path over the whole event lattice, column by column (p <= m)."""
+    batch, p = f.shape
+    hops = np.arange(-1, p)
+    fpad = np.concatenate([np.zeros((batch, 1)), f], axis=1)
+    finish = np.empty((batch, p))
+    prev = None
+    for j in range(m + p):
+        top = p - 1 if j < m else m + p - 2 - j
+        n = top + 2
+        u = hops[:n] + j
+        fw, bw = j < m, u >= p - 1
+        d = np.where(fw & bw, x[:, :n], phi[:, :n] if fw else beta[:, :n])
+        if j == 0:
+            arrive = np.full((batch, n), NEG)
+            arrive[:, 0] = 0.0
+        else:
+            k = min(n, prev.shape[1] - 1)
+            arrive = np.full((batch, n), NEG)
+            arrive[:, :k] = prev[:, 1:k + 1] + b[:, :k] * (hops[1:k + 1] + j - 1 >= p - 1)
+        s = np.cumsum(fpad[:, :n] * fw + d, axis=1)
+        prev = s + np.maximum.accumulate(arrive + d - s, axis=1)
+        if j >= m and 0 <= top <= p - 2:
+            finish[:, top] = prev[:, top + 1] + b[:, top]
+        if j == m - 1:
+            finish[:, p - 1] = prev[:, p] + b[:, p - 1]
+    return prev[:, 0], finish
+
+
+@register("1f1b", lambda p, m, v: simulator.program_1f1b(p, m))
+def one_f_one_b(times: StageTimes, m: int) -> PipelineTime:
+    batch, p, v = times.shape
+    assert v == 1, "1F1B runs one model chunk per rank"
+    busy, p2p = _busy_1f1b(times, m)
+    if m < p:
+        sim = simulate_pipeline("1f1b", times, m)
+        return PipelineTime(total_s=sim.total_s, finish_s=sim.finish_s, busy_s=busy, p2p_s=p2p, exact=True)
+    f, b = times.forward_s[:, :, 0], times.backward_s[:, :, 0]
+    phi, beta, x = _hops(times)
+    if m >= 2 * p - 1:
+        total, finish = _cooldown(_one_f_one_b_closed(f, b, phi, beta, x, m), b, beta, m)
+    else:
+        total, finish = _one_f_one_b_lattice(f, b, phi, beta, x, m)
+    return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=True)
+
+
+# --- interleaved -------------------------------------------------------------------------------
+
+def _send_wait(times: StageTimes) -> np.ndarray:
+    """(B, p) average forward-send wait per forward step: Megatron waits for each activation
+    send at once (deallocate_pipeline_outputs); the last rank does not send its last chunk."""
+    batch, p, v = times.shape
+    share = np.ones(p)
+    share[-1] = (v - 1) / v
+    return times.fwd_comm_s * share
+
+
+def _interleaved_steps(times: StageTimes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(B, p) per chunk-step time on each rank in warmup (a blocking send + receive call after each
+    forward), steady state (forward, its send wait, backward; gradient sends are async) and
+    cooldown (a blocking send + receive call after each backward)."""
+    f, b = times.forward_s.mean(axis=2), times.backward_s.mean(axis=2)
+    send = _send_wait(times)
+    recv_f = np.roll(times.fwd_comm_s, 1, axis=1)       # rank r receives activations on hop r-1
+    recv_b = times.bwd_comm_s                           # and gradients on hop r
+    send_b = np.roll(times.bwd_comm_s, 1, axis=1)       # and sends gradients on hop r-1
+    return f + np.maximum(send, recv_f), f + send + b, b + np.maximum(send_b, recv_b)
+
+
+def _busy_interleaved(times: StageTimes, m: int) -> tuple[np.ndarray, np.ndarray]:
+    batch, p, v = times.shape
+    warm_step, steady_step, cool_step = _interleaved_steps(times)
+    f, b = times.forward_s.mean(axis=2), times.backward_s.mean(axis=2)
+    warm = np.array([simulator.interleaved_warmup(p, r, m, v, p) for r in range(p)])
+    p2p = warm * (warm_step - f + cool_step - b) + (m * v - warm) * (steady_step - f - b)
+    return m * (times.forward_s.sum(axis=2) + times.backward_s.sum(axis=2)) + p2p, p2p
+
+
+@register("interleaved", lambda p, m, v: simulator.program_interleaved(p, m, v))
+def interleaved(times: StageTimes, m: int) -> PipelineTime:
+    """Approximation: the larger of (a) 1F1B over m*v chunk-steps with per-rank mean chunk
+    times and the send wait folded into the forward, plus the p2p transit of the first
+    micro-batch down and back, and (b) a three-regime path: the (v-1)p warmup steps paced by
+    the slowest warmup rank, the steady steps by the slowest rank, the cooldown steps by the
+    slowest cooldown rank; never below any rank's fill + own busy time + drain."""
+    batch, p, v = times.shape
+    mv, warm = m * v, min((v - 1) * p, m * v)
+    warm_step, steady_step, cool_step = _interleaved_steps(times)
+    fw = times.forward_s.mean(axis=2) + _send_wait(times)
+    bw = times.backward_s.mean(axis=2)
+    z = np.zeros((batch, p + 1))
+    transit = times.fwd_comm_s[:, :p - 1].sum(axis=1) + times.bwd_comm_s[:, :p - 1].sum(axis=1)
+    t1, _ = (_cooldown(_one_f_one_b_closed(fw, bw, z, z, z, mv), bw, z, mv) if mv >= 2 * p - 1
+             else _one_f_one_b_lattice(fw, bw, z, z, z, mv))
+    fill = _prefix(times.forward_s[:, :, 0] + times.fwd_comm_s)[:, :p]
+    drain = _prefix(times.backward_s[:, :, 0] + times.bwd_comm_s)[:, :p]
+    t2 = ((fill + warm * warm_step).max(axis=1) + (mv - warm) * steady_step.max(axis=1)
+          + (warm * cool_step + drain).max(axis=1))
+    busy, p2p = _busy_interleaved(times, m)
+    total = np.maximum(np.maximum(t1 + transit, t2), (fill + busy + drain).max(axis=1))
+    return PipelineTime(total_s=total, finish_s=total[:, None] - drain, busy_s=busy, p2p_s=p2p, exact=False)
+
+
+def schedule_name(pp: int, virtual_stages: int) -> str:
+    """Megatron's choice: no pipelining at PP 1, interleaving with model chunks, else 1F1B."""
+    if pp == 1:
+        return "no-pipelining"
+    return "interleaved" if virtual_stages > 1 else "1f1b"

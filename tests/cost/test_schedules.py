@@ -1,0 +1,172 @@
+"""Pipeline schedules: closed forms against the event-driven simulator and known answers."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from megatron_pipette.cost import simulator
+from megatron_pipette.cost.schedules import (SCHEDULES, StageTimes, pipeline_time, schedule_name,
+                                             simulate_pipeline)
+
+
+def times(f, b, phi=None, beta=None) -> StageTimes:
+    f, b = np.asarray(f, float), np.asarray(b, float)
+    if f.ndim == 2:
+        f, b = f[None], b[None]
+    batch, p, _ = f.shape
+    phi = np.zeros((batch, p)) if phi is None else np.asarray(phi, float).reshape(batch, p)
+    beta = np.zeros((batch, p)) if beta is None else np.asarray(beta, float).reshape(batch, p)
+    return StageTimes(forward_s=f, backward_s=b, fwd_comm_s=phi, bwd_comm_s=beta)
+
+
+def uniform(p, v, f=1.0, b=2.0):
+    return times(np.full((p, v), f / v), np.full((p, v), b / v))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 2), (4, 4), (4, 6), (4, 7), (4, 20), (8, 8), (8, 30), (3, 100)])
+def test_1f1b_uniform_stages_take_m_plus_p_minus_1_slots(p, m):
+    # covers the simulator fallback (m < p), the lattice (p <= m < 2p-1) and the closed form
+    expected = (m + p - 1) * 3.0
+    assert pipeline_time("1f1b", uniform(p, 1), m).total_s[0] == pytest.approx(expected)
+    assert simulate_pipeline("1f1b", uniform(p, 1), m).total_s[0] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 3), (8, 16, 2), (8, 8, 3)])
+def test_interleaved_uniform_stages_follow_narayanan(p, m, v):
+    # megatron-core's interleaved 1F1B: bubble (p-1)(f+b)/v with f, b the per-rank totals
+    expected = m * 3.0 + (p - 1) * 3.0 / v
+    assert simulate_pipeline("interleaved", uniform(p, v), m).total_s[0] == pytest.approx(expected)
+    assert pipeline_time("interleaved", uniform(p, v), m).total_s[0] == pytest.approx(expected)
+
+
+def test_no_pipelining_is_every_microbatch_back_to_back():
+    assert pipeline_time("no-pipelining", times([[0.5]], [[1.5]]), 7).total_s[0] == pytest.approx(14.0)
+
+
+def test_registry_picks_megatrons_schedule():
+    assert schedule_name(1, 1) == "no-pipelining"
+    assert schedule_name(4, 1) == "1f1b"
+    assert schedule_name(4, 2) == "interleaved"
+    assert set(SCHEDULES) >= {"no-pipelining", "1f1b", "interleaved"}
+
+
+durations = st.floats(0.01, 10.0, allow_nan=False)
+comm = st.floats(0.0, 5.0, allow_nan=False)
+
+
+@st.composite
+def pipelines(draw, interleaved=False):
+    p = draw(st.integers(2, 8 if not interleaved else 6))
+    v = draw(st.integers(2, 4)) if interleaved else 1
+    m = p * draw(st.integers(1, 4)) if interleaved else draw(st.integers(1, 4 * p))
+    shape = (2, p, v)
+    f = np.array(draw(st.lists(durations, min_size=2 * p * v, max_size=2 * p * v))).reshape(shape)
+    b = np.array(draw(st.lists(durations, min_size=2 * p * v, max_size=2 * p * v))).reshape(shape)
+    phi = np.array(draw(st.lists(comm, min_size=2 * p, max_size=2 * p))).reshape(2, p)
+    beta = phi if draw(st.booleans()) else np.array(draw(st.lists(comm, min_size=2 * p, max_size=2 * p))).reshape(2, p)
+    return times(f, b, phi, beta), m
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines())
+def test_1f1b_closed_form_is_the_simulator(case):
+    """Exact: unequal stages, asymmetric per-hop p2p, every regime of m."""
+    t, m = case
+    closed, sim = pipeline_time("1f1b", t, m), simulate_pipeline("1f1b", t, m)
+    np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)
+    np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
+    assert np.all(closed.busy_s <= closed.total_s[:, None] * (1 + 1e-12))   # bubble never negative
+    np.testing.assert_allclose(closed.finish_s[:, 0], closed.total_s)        # stage 0 finishes last
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.integers(2, 4), st.integers(1, 6), st.floats(0.0, 0.5), st.floats(0.0, 0.5))
+def test_interleaved_within_2pct_without_p2p_cost(p, v, groups, heavy_last, heavy_first):
+    """The approximation's verified domain: equal ranks, heavier embedding/output chunks, free p2p."""
+    t = uniform(p, v)
+    t.forward_s[0, -1, -1] *= 1 + heavy_last
+    t.backward_s[0, -1, -1] *= 1 + heavy_last
+    t.forward_s[0, 0, 0] *= 1 + heavy_first
+    m = p * groups
+    closed, sim = pipeline_time("interleaved", t, m), simulate_pipeline("interleaved", t, m)
+    assert closed.total_s[0] == pytest.approx(sim.total_s[0], rel=0.02)
+
+
+@pytest.mark.xfail(strict=True, reason="the interleaved closed form is an approximation: against the simulator "
+                   "its worst error is ~10-17% with unequal ranks and p2p costs (docs/time-model.md)")
+@settings(max_examples=80, deadline=None, phases=[Phase.generate])
+@given(pipelines(interleaved=True))
+def test_interleaved_closed_form_within_2pct_of_simulator(case):
+    t, m = case
+    closed, sim = pipeline_time("interleaved", t, m), simulate_pipeline("interleaved", t, m)
+    np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=0.02)
+
+
+def test_interleaved_error_stays_where_documented():
+    """Regression guard for the approximation on realistic stages (measured: median ~0.5%, worst ~10%)."""
+    rng = np.random.default_rng(8)
+    errors = []
+    for _ in range(120):
+        p, v = int(rng.choice([2, 4, 8])), int(rng.integers(2, 5))
+        m = p * int(rng.integers(1, 9))
+        speed = rng.uniform(0.8, 1.2, (p, 1))
+        f, b = np.ones((p, v)) * speed, 2 * np.ones((p, v)) * speed
+        f[-1, -1] *= 1 + rng.uniform(0, 0.5)
+        b[-1, -1] *= 1 + rng.uniform(0, 0.5)
+        phi = rng.uniform(0, 0.3) * rng.choice([0.1, 1.0], p)
+        t = times(f, b, phi, phi * rng.uniform(0.9, 1.1, p))
+        sim = simulate_pipeline("interleaved", t, m).total_s[0]
+        errors.append(abs(pipeline_time("interleaved", t, m).total_s[0] - sim) / sim)
+    assert np.median(errors) < 0.01
+    assert max(errors) < 0.12
+
+
+def test_interleaved_closed_form_never_below_a_ranks_own_work():
+    t = uniform(4, 2)
+    t.backward_s[0, 2] *= 5
+    closed = pipeline_time("interleaved", t, 8)
+    assert np.all(closed.busy_s <= closed.total_s[:, None])
+
+
+def test_simulator_detects_deadlock():
+    counters: dict = {}
+    a, b = simulator._Builder(0, 2, counters), simulator._Builder(1, 2, counters)
+    a.call(recv_next=True)    # rank 0 waits for a gradient that rank 1 sends only after...
+    a.call(send_next=True)
+    b.call(recv_prev=True)    # ...rank 1 received an activation that rank 0 sends only after that
+    b.call(send_prev=True)
+    program = simulator._finish([a, b])
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulator.simulate(program, np.ones((2, 1)), np.ones((2, 1)), np.zeros(2), np.zeros(2))
+
+
+def test_simulator_rejects_unmatched_messages():
+    counters: dict = {}
+    a, b = simulator._Builder(0, 2, counters), simulator._Builder(1, 2, counters)
+    a.call(send_next=True)
+    with pytest.raises(AssertionError, match="unmatched"):
+        simulator._finish([a, b])
+
+
+def test_simulator_rendezvous_blocks_the_sender():
+    """A blocking send cannot start before the receiver posts: rank 0 waits for rank 1's compute."""
+    counters: dict = {}
+    a, b = simulator._Builder(0, 2, counters), simulator._Builder(1, 2, counters)
+    a.call(send_next=True)
+    a.compute(simulator.FORWARD, 0, 0)
+    b.compute(simulator.FORWARD, 0, 0)
+    b.call(recv_prev=True)
+    result = simulator.simulate(simulator._finish([a, b]), np.array([[1.0], [5.0]]), np.ones((2, 1)),
+                                np.array([0.5, 0.0]), np.zeros(2))
+    assert result.end_s[0] == pytest.approx(5.0 + 0.5 + 1.0)
+    assert result.end_s[1] == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (3, 6, 3)])
+def test_interleaved_program_matches_megatron_without_p2p_overlap(p, m, v):
+    """--no-overlap-p2p-communication (blocking combined calls) gives the same uniform answer."""
+    program = simulator.program_interleaved(p, m, v, overlap_p2p_comm=False)
+    t = uniform(p, v)
+    result = simulator.simulate(program, t.forward_s[0], t.backward_s[0], np.zeros(p), np.zeros(p))
+    assert result.total_s == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
