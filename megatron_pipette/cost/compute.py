@@ -1,0 +1,223 @@
+"""Compute time of one micro-batch, per pipeline stage and model chunk.
+
+Work is kept in two parts so one array operation prices every tensor-parallel
+group at its own speed: `flops` (effective GEMM FLOPs, already divided by the
+size-dependent GEMM efficiency) run at the group's slowest device's
+`gemm_flops`; `mem_s` (memory-bound operations, bytes / memory bandwidth) does
+not scale with GEMM speed. A LayerProfile replaces the roofline: its times
+were measured on device `profile.rank`, so they become flops = time * that
+device's rate and scale with each group's speed.
+
+Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
+hidden, a heads, g query groups, d head dim, f ffn, t TP):
+  forward GEMM FLOPs  2bs h(a+2g)d/t  (QKV)  + 4b s^2 a d/t (scores, AV; every
+                      backend does this math) + 2bs a d h/t (proj)
+                      + 2bs h f (2 or 3 with SwiGLU)/t (MLP)
+  backward            2x the forward GEMM FLOPs
+  memory-bound        norms, bias-dropout-add, activation, RoPE, and the
+                      softmax/dropout of the score matrix without flash
+                      attention (bytes moved, docs/time-model.md); backward 2x
+Recomputation adds forward work to the backward: full, the whole layer for
+each recomputed layer (uniform: all, block n: n per model chunk); selective,
+the attention core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import Layout, stage_layers
+from megatron_pipette.spec.workload import Workload
+
+GEMM_HALF_DIM = 32
+"""A GEMM dimension n runs at n / (n + 32) of the large-GEMM rate; the product over
+M, N, K is the efficiency (a 128-wide dimension costs 20%, 4096 under 1%)."""
+FLASH_BACKENDS = ("auto", "flash", "fused")
+"""Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic)."""
+BACKWARD_MEMORY_FACTOR = 2.0
+"""Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
+
+
+def gemm_efficiency(m: float, n: float, k: float) -> float:
+    """Fraction of the large-GEMM rate a (m x k) @ (k x n) GEMM attains."""
+    return float(np.prod([x / (x + GEMM_HALF_DIM) for x in (m, n, k)]))
+
+
+def _gemm(m: float, n: float, k: float, count: float = 1.0) -> float:
+    """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape."""
+    return 2.0 * m * n * k * count / gemm_efficiency(m, n, k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """Work of one micro-batch on one device."""
+
+    flops: float = 0.0
+    """Effective GEMM FLOPs: seconds = flops / the device's gemm_flops."""
+    mem_s: float = 0.0
+    """Memory-bound seconds."""
+
+    def __add__(self, other: Work) -> Work:
+        return Work(flops=self.flops + other.flops, mem_s=self.mem_s + other.mem_s)
+
+    def scaled(self, k: float) -> Work:
+        return Work(flops=self.flops * k, mem_s=self.mem_s * k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartWork:
+    """Forward, backward and recomputed work of one part of the model."""
+
+    forward: Work
+    backward: Work
+    """Without recomputation."""
+    recompute: Work = Work()
+    """Extra forward work redone in the backward, when this part is recomputed."""
+
+
+def _shape(workload: Workload, layout: Layout) -> dict:
+    w, t = workload, layout.tp
+    return dict(n=layout.micro_batch_size * w.seq_length, b=layout.micro_batch_size, s=w.seq_length,
+                h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, d=w.head_dim,
+                f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
+
+
+def roofline_layer(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+    """One transformer layer on one TP rank."""
+    w, x = workload, _shape(workload, layout)
+    n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
+    core = _gemm(s, s, d, b * a) + _gemm(s, d, s, b * a)
+    gemm = (_gemm(n, (a + 2 * g) * d, h) + core + _gemm(n, h, a * d)
+            + _gemm(n, f * (2 if w.swiglu else 1), h) + _gemm(n, h, f))
+    drop = 1 if w.hidden_dropout > 0 else 0
+    hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
+    act = (3 if w.swiglu else 2) * e * n * f
+    rope = 2 * e * n * (a + g) * d if w.position_embedding_type == "rope" else 0
+    scores = 0.0
+    if w.attention_backend not in FLASH_BACKENDS:
+        scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
+    mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
+    forward = Work(flops=gemm, mem_s=mem)
+    backward = Work(flops=2 * gemm, mem_s=BACKWARD_MEMORY_FACTOR * mem)
+    if layout.recompute_granularity == "full":
+        recompute = forward
+    elif layout.recompute_granularity == "selective":
+        recompute = Work(flops=core, mem_s=scores / memory_bandwidth_Bps)
+    else:
+        recompute = Work()
+    return PartWork(forward=forward, backward=backward, recompute=recompute)
+
+
+def roofline_embedding(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+    """Word (+ learned position) embedding on the first stage: a memory-bound gather.
+
+    The backward writes a dense (vocab/t x h) gradient and adds it into the fp32 main grad."""
+    w, x = workload, _shape(workload, layout)
+    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    fwd = 2 * e * n * h + (3 * e * n * h if w.position_embedding_type == "learned_absolute" else 0)
+    fwd += (2 * e + 1) * n * h / sp if w.hidden_dropout > 0 else 0
+    bwd = 2 * e * n * h + w.padded_vocab_size(layout.tp) // layout.tp * h * (e + 8)
+    return PartWork(forward=Work(mem_s=fwd / memory_bandwidth_Bps), backward=Work(mem_s=bwd / memory_bandwidth_Bps))
+
+
+def roofline_output(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+    """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
+    w, x = workload, _shape(workload, layout)
+    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    vocab = w.padded_vocab_size(layout.tp) // layout.tp
+    gemm = _gemm(n, vocab, h)
+    fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
+    bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
+    return PartWork(forward=Work(flops=gemm, mem_s=fwd), backward=Work(flops=2 * gemm, mem_s=bwd))
+
+
+def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
+    return PartWork(forward=Work(flops=fwd_s * rate), backward=Work(flops=bwd_s * rate),
+                    recompute=Work(flops=rc_s * rate))
+
+
+def profile_layer(profile: LayerProfile, workload: Workload, layout: Layout, cluster: Cluster) -> PartWork | None:
+    """The measured layer (None when this TP size was not profiled). Entries with
+    recomputation include the recomputed forward in backward_s; split it out."""
+    tp, mbs, sp, rc = layout.tp, layout.micro_batch_size, layout.sequence_parallel, layout.recompute_granularity
+    base = profile.layer(tp, mbs, sp, None)
+    with_rc = profile.layer(tp, mbs, sp, rc) if rc else None
+    if base is None and with_rc is None:
+        return None
+    rate = float(cluster.gemm_flops[profile.rank])
+    fwd = (base or with_rc).forward_s
+    if rc is None:
+        return _profiled(fwd, base.backward_s, 0.0, rate)
+    if base is not None and with_rc is not None:
+        extra = max(with_rc.backward_s - base.backward_s, 0.0)
+    else:
+        model = roofline_layer(workload, layout, cluster.memory_bandwidth_Bps)
+        share = (model.recompute.flops / rate + model.recompute.mem_s) / (model.forward.flops / rate + model.forward.mem_s)
+        extra = fwd * share
+    backward = base.backward_s if base is not None else with_rc.backward_s - extra
+    return _profiled(fwd, backward, extra, rate)
+
+
+def _profile_part(entry, rate: float) -> PartWork | None:
+    return None if entry is None else _profiled(entry.forward_s, entry.backward_s, 0.0, rate)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageWork:
+    """Work of one micro-batch per (pipeline stage, model chunk), compute only."""
+
+    forward: np.ndarray
+    """(2, p, v): [0] effective FLOPs, [1] memory-bound seconds."""
+    backward: np.ndarray
+    """(2, p, v) without recomputation."""
+    recompute: np.ndarray
+    """(2, p, v) recomputed forward work, added to the backward."""
+    layers: np.ndarray
+    """(p, v) transformer layers per chunk."""
+    recomputed_layers: np.ndarray
+    """(p, v) layers whose forward (and its TP collectives) is redone: full recomputation only."""
+    profiled: bool
+    """True when the layer times came from the LayerProfile."""
+
+
+def _as_array(work: Work) -> np.ndarray:
+    return np.array([work.flops, work.mem_s])
+
+
+def stage_work(workload: Workload, layout: Layout, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
+    """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
+    p, v = layout.pp, layout.virtual_stages(workload)
+    bw = cluster.memory_bandwidth_Bps
+    layer = profile_layer(profile, workload, layout, cluster) if profile else None
+    profiled = layer is not None
+    layer = layer or roofline_layer(workload, layout, bw)
+    rate = float(cluster.gemm_flops[profile.rank]) if profile else 0.0
+    embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
+        or roofline_embedding(workload, layout, bw)
+    out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \
+        or roofline_output(workload, layout, bw)
+    layers = np.array(stage_layers(workload, layout), dtype=float)[:, None] / v * np.ones(v)
+    recomputed = _recomputed_layers(layout, layers)
+    rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
+    fwd = _as_array(layer.forward)[:, None, None] * layers
+    bwd = _as_array(layer.backward)[:, None, None] * layers
+    rc = _as_array(layer.recompute)[:, None, None] * rc_layers
+    fwd[:, 0, 0] += _as_array(embed.forward)
+    bwd[:, 0, 0] += _as_array(embed.backward)
+    fwd[:, -1, -1] += _as_array(out.forward)
+    bwd[:, -1, -1] += _as_array(out.backward)
+    return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
+                     profiled=profiled)
+
+
+def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:
+    """Layers under full recomputation: uniform recomputes all; block the first n of each chunk."""
+    if layout.recompute_granularity != "full":
+        return np.zeros_like(layers)
+    if layout.recompute_method == "block":
+        return np.minimum(layers, layout.recompute_num_layers)
+    return layers.copy()

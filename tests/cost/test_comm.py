@@ -1,0 +1,80 @@
+"""Alpha-beta collectives and p2p on each group's actual links."""
+
+import time
+
+import numpy as np
+import pytest
+
+from megatron_pipette.cost.comm import group_links, rings
+from megatron_pipette.spec.hardware import Cluster, preset_cluster
+
+
+def cluster(nodes=2, gpn=4, intra=100e9, inter=10e9, lat=1e-5) -> Cluster:
+    n = nodes * gpn
+    node = np.arange(n) // gpn
+    same = node[:, None] == node[None, :]
+    return Cluster(name="t", num_nodes=nodes, gpus_per_node=gpn, memory_bytes=80 * 2**30,
+                   memory_bandwidth_Bps=2e12, gemm_flops=np.full(n, 200e12),
+                   bandwidth_Bps=np.where(same, intra, inter).astype(float), latency_s=np.full((n, n), lat))
+
+
+def test_ring_all_reduce_known_answer():
+    c = cluster(1, 4)
+    r = rings(np.arange(4)[None], c)
+    s = 1e9
+    assert r.all_reduce_s(s)[0] == pytest.approx(2 * 3 * (1e-5 + s / 4 / 100e9))
+    assert r.reduce_scatter_s(s)[0] == pytest.approx(3 * (1e-5 + s / 4 / 100e9))
+    assert r.all_gather_s(s)[0] == r.reduce_scatter_s(s)[0]
+
+
+def test_single_rank_groups_cost_nothing():
+    links = group_links(1, 1, 8, cluster())
+    assert links.tensor.all_reduce_s(1e9).max() == 0
+    assert np.all(links.p2p_s(1e9) == 0)
+
+
+def test_groups_follow_megatrons_rank_order():
+    # logical rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    links = group_links(2, 2, 2, cluster())
+    assert links.devices[1, 0, 1] == 1 + 2 * (0 + 2 * 1)
+    placement = np.arange(8)[::-1]
+    assert group_links(2, 2, 2, cluster(), placement).devices[1, 0, 1] == placement[5]
+
+
+def test_ring_uses_its_slowest_link_and_only_its_own():
+    c = cluster(1, 8)
+    c.bandwidth_Bps[2, 3] = 1e9                       # inside TP group (pp 0, dp 1): devices 2, 3
+    links = group_links(2, 1, 4, c)
+    cost = links.tensor.all_reduce_s(1e8)
+    assert cost[0, 1] > cost[0, 0] * 5
+    assert cost[0, 0] == cost[0, 2] == cost[0, 3]
+
+
+def test_p2p_is_the_slowest_tp_ranks_link_and_wraps():
+    c = cluster(2, 4)
+    links = group_links(2, 2, 2, c)                    # stage 0 on node 0, stage 1 on node 1
+    c2 = cluster(2, 4)
+    c2.bandwidth_Bps[1, 5] = 1e9                       # TP rank 1 of dp 0, stage 0 -> stage 1
+    slow = group_links(2, 2, 2, c2)
+    fwd, bwd = links.p2p_s(1e8), slow.p2p_s(1e8)
+    assert fwd.shape == (2, 2, 2)                      # (direction, dp, hop)
+    assert bwd[0, 0, 0] > fwd[0, 0, 0] * 5             # the slow TP rank sets the hop's time
+    assert bwd[0, 1, 0] == fwd[0, 1, 0]                # the other replica is untouched
+    assert bwd[1, 0, 0] == fwd[1, 0, 0]                # the way back uses the reverse link
+    assert fwd[0, 0, 1] == fwd[0, 0, 0]                # hop 1 wraps 1 -> 0 across nodes too
+
+
+def test_slowest_device_sets_the_tensor_group_pace():
+    c = cluster(1, 8)
+    c.gemm_flops[5] = 50e12
+    links = group_links(4, 2, 1, c)
+    assert links.gemm_flops[1, 0] == 50e12 and links.gemm_flops[0, 0] == 200e12
+
+
+def test_links_for_1024_gpus_take_milliseconds():
+    c = preset_cluster("dgx-a100", num_nodes=128)
+    group_links(8, 8, 16, c)
+    start = time.perf_counter()
+    for _ in range(5):
+        group_links(8, 8, 16, c)
+    assert (time.perf_counter() - start) / 5 < 0.05   # measured ~0.2 ms
