@@ -1,0 +1,14 @@
+"""Single-device layer profile: measured per-rank compute time and activation memory.
+
+`profile_layers(workload, tp_sizes=..., micro_batch_sizes=...)` builds one Megatron
+transformer layer (and the embedding and the output layer with its loss) with the
+per-rank shapes of each tensor-parallel size, on one GPU or CPU, and measures
+forward and backward time and the bytes each micro-batch keeps for backward. It
+returns the layer-profile document (`megatron_pipette.spec.layer_profile`) the
+planner uses in place of its roofline estimate. Standalone:
+`python -m megatron_pipette.profile --model gpt3-1.3b --tp 1 2 4 --mbs 1 2 4 --out layer_profile.json`.
+"""
+
+from megatron_pipette.profile.profiler import profile_layers
+
+__all__ = ["profile_layers"]

@@ -1,0 +1,120 @@
+"""Measured layer profile vs the planner's roofline: how far off is the model?
+
+    python -m megatron_pipette.profile.compare layer_profile.json [--gpu H100-80GB]
+
+For every layer entry: measured and modelled forward and backward time and
+activation bytes, and their ratio (measured / model). Times use the planner's
+own roofline (cost.compute.roofline_layer, at the catalog GPU's peak times the
+default GEMM efficiency and datasheet memory bandwidth); activations its
+formula (cost.memory.activation_bytes_per_layer). The workload is rebuilt from
+the profile's "model" block. A profile taken with megatron-core's local layer
+spec ran unfused attention whatever --attention-backend says, so the formula is
+asked for unfused attention too. Without a catalog GPU (a CPU profile) only the
+activations are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from megatron_pipette.cost.compute import roofline_layer
+from megatron_pipette.cost.memory import activation_bytes_per_layer
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU, gpu_catalog, lookup_gpu
+from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+
+def workload_from_profile(doc: dict) -> Workload:
+    """The profiled model as a Workload (one layer; the batch does not matter here)."""
+    m = doc.get("model", {})
+    try:
+        gqa = m["num_query_groups"] != m["num_attention_heads"]
+        fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                                    "swiglu", "precision")}
+        optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
+                                      "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
+    except KeyError as e:
+        raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
+    workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
+                        num_query_groups=m["num_query_groups"] if gqa else None,
+                        kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
+    if doc.get("measurement", {}).get("layer_spec") == "local":
+        workload = dataclasses.replace(workload, attention_backend="unfused")
+    return workload
+
+
+def compare(doc: dict, gpu: GPU | None) -> list[dict]:
+    """One row per layer entry: measured, model and measured/model for time and activations."""
+    profile = profile_from_json(doc, where="layer profile")
+    workload = workload_from_profile(doc)
+    rows = []
+    for e in profile.layers:
+        rc = e.recompute_granularity
+        layout = Layout(tensor_model_parallel_size=e.tensor_model_parallel_size, micro_batch_size=e.micro_batch_size,
+                        sequence_parallel=e.sequence_parallel, recompute_granularity=rc,
+                        recompute_method="uniform" if rc == "full" else None,
+                        recompute_num_layers=1 if rc == "full" else None)
+        row = {"tp": e.tensor_model_parallel_size, "mbs": e.micro_batch_size, "sp": e.sequence_parallel,
+               "recompute": rc, "measured": e.measured, "activation_bytes": e.activation_bytes,
+               "model_activation_bytes": activation_bytes_per_layer(workload, layout)}
+        row["activation_ratio"] = row["activation_bytes"] / row["model_activation_bytes"]
+        if gpu is not None:
+            rate = gpu.peak(workload.precision) * DEFAULT_GEMM_EFFICIENCY
+            work = roofline_layer(workload, layout, gpu.memory_bandwidth_Bps)
+            fwd = work.forward.flops / rate + work.forward.mem_s
+            bwd = (work.backward.flops + work.recompute.flops) / rate + work.backward.mem_s + work.recompute.mem_s
+            row.update(forward_s=e.forward_s, model_forward_s=fwd, forward_ratio=e.forward_s / fwd,
+                       backward_s=e.backward_s, model_backward_s=bwd, backward_ratio=e.backward_s / bwd)
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    timed = rows and "forward_ratio" in rows[0]
+    head = f"{'tp':>3} {'mbs':>4} {'sp':>3} {'recompute':>9} {'meas':>4}  {'act MiB':>9} {'model':>9} {'ratio':>6}"
+    if timed:
+        head += f"  {'fwd ms':>8} {'model':>8} {'ratio':>6}  {'bwd ms':>8} {'model':>8} {'ratio':>6}"
+    lines = [head]
+    for r in rows:
+        line = (f"{r['tp']:>3} {r['mbs']:>4} {'y' if r['sp'] else '-':>3} {r['recompute'] or '-':>9} "
+                f"{'y' if r['measured'] else '-':>4}  {r['activation_bytes'] / 2**20:>9.3f} "
+                f"{r['model_activation_bytes'] / 2**20:>9.3f} {r['activation_ratio']:>6.3f}")
+        if timed:
+            line += (f"  {r['forward_s'] * 1e3:>8.3f} {r['model_forward_s'] * 1e3:>8.3f} {r['forward_ratio']:>6.2f}"
+                     f"  {r['backward_s'] * 1e3:>8.3f} {r['model_backward_s'] * 1e3:>8.3f} {r['backward_ratio']:>6.2f}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_pipette.profile.compare",
+                                     description="Compare a measured layer profile with the planner's roofline.")
+    parser.add_argument("profile", help="layer-profile JSON (python -m megatron_pipette.profile)")
+    parser.add_argument("--gpu", help="catalog GPU for the roofline times (default: the profiled device's name)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ns = parser.parse_args(argv)
+    try:
+        try:
+            doc = json.loads(Path(ns.profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PipetteError(f"{ns.profile}: cannot read a JSON layer profile ({e})") from None
+        name = ns.gpu or doc.get("device", {}).get("device_name", "")
+        gpu = lookup_gpu(ns.gpu) if ns.gpu else gpu_catalog().get(name.lower())
+        rows = compare(doc, gpu)
+    except PipetteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if ns.json else render(rows))
+    if gpu is None:
+        print(f"(device {name!r} is not a catalog GPU: times not compared; pass --gpu to force)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

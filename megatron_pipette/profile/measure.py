@@ -1,0 +1,183 @@
+"""Timing forward/backward and counting the activations a micro-batch keeps for backward.
+
+Activation memory is counted with `torch.autograd.graph.saved_tensors_hooks`: every
+tensor autograd saves for backward passes through the pack hook, and the bytes of
+the distinct storages behind them (parameters and shared inputs such as the mask
+excluded) are what a micro-batch holds from its forward to its backward. This works
+the same on CPU and GPU, does not depend on the caching allocator, and counts
+storage once however many views of it are saved (Q, K and V are views of one QKV
+output). Only what the graph still holds when forward ends counts: tensors packed
+under no_grad and dropped at once (full recompute's first forward) do not. It misses tensors a custom autograd function keeps as plain ctx
+attributes instead of `save_for_backward` (megatron keeps only RNG states and
+shapes that way). On a GPU the allocator's view is recorded next to it as a
+cross-check: the `memory_allocated` growth across forward with the graph alive
+(minus the output) and the forward's peak growth (`max_memory_allocated`,
+which also holds transient workspaces).
+
+Each saved tensor is attributed to the innermost module running when it was saved,
+so the profiler can tell which bytes sequence parallelism would shard.
+
+Times are wall-clock medians over `iters` iterations after `warmup`: perf_counter
+on CPU, CUDA events (synchronised after each iteration) on GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_pipette.profile.build import Step
+
+
+@dataclass
+class SavedBytes:
+    """What one forward pass saved for backward."""
+
+    total: int = 0
+    by_module: dict[str, int] = field(default_factory=dict)
+    """Bytes per innermost module name ("" is the root module)."""
+
+    def in_modules(self, names: frozenset[str]) -> int:
+        return sum(v for k, v in self.by_module.items() if k in names)
+
+
+@contextlib.contextmanager
+def count_saved_tensors(root: torch.nn.Module, exclude: tuple[torch.Tensor, ...] = ()) -> Iterator[SavedBytes]:
+    """Count distinct storages autograd saves inside the block and still holds at its end.
+
+    The pack hook wraps each saved tensor in a holder that only the graph references;
+    holders that died by the end (custom autograd functions called under no_grad, as
+    in full recompute's first forward, pack what they save but keep no graph) are not
+    activations. The result is filled in when the block exits, with the graph alive.
+    """
+    excluded = {_storage_key(t) for t in (*root.parameters(), *root.buffers(), *exclude)}
+    held: list[weakref.ref[_Held]] = []
+    stack: list[str] = []
+    result = SavedBytes()
+
+    def pack(t: torch.Tensor) -> _Held:
+        holder = _Held(t, stack[-1] if stack else "")
+        held.append(weakref.ref(holder))
+        return holder
+
+    def unpack(holder: _Held) -> torch.Tensor:
+        return holder.tensor
+
+    def enter(name: str) -> None:
+        stack.append(name)
+
+    def leave() -> None:  # a forward hook's return value would replace the module's output
+        stack.pop()
+
+    handles = []
+    for name, module in root.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: enter(n)))
+        handles.append(module.register_forward_hook(lambda _m, _a, _o: leave()))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield result
+    finally:
+        for h in handles:
+            h.remove()
+    # Holders of graphs that were never kept (no_grad) are gone by now: refcounting
+    # frees them when the function returns, no garbage collection needed.
+    seen: set[tuple[int, int]] = set()
+    for ref in held:
+        holder = ref()
+        if holder is None:
+            continue
+        key = _storage_key(holder.tensor)
+        if key in excluded or key in seen:
+            continue
+        seen.add(key)
+        nbytes = _storage_bytes(holder.tensor)
+        result.total += nbytes
+        result.by_module[holder.module] = result.by_module.get(holder.module, 0) + nbytes
+
+
+class _Held:
+    """A saved tensor as the graph holds it, with the module that saved it."""
+
+    __slots__ = ("tensor", "module", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, module: str) -> None:
+        self.tensor = tensor
+        self.module = module
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        return (t.untyped_storage().data_ptr(), 0)
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without one storage (FP8)
+        return (id(t), 1)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Timing:
+    forward_s: float
+    backward_s: float
+
+
+def activation_pass(step: Step, device: torch.device) -> tuple[SavedBytes, dict[str, int]]:
+    """One untimed forward (counting saved tensors) and backward; GPU allocator deltas as extras."""
+    extra: dict[str, int] = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with count_saved_tensors(step.module, step.shared) as saved:
+        out = step.forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out_bytes = out.numel() * out.element_size()
+        extra["allocator_activation_bytes"] = torch.cuda.memory_allocated(device) - before - out_bytes
+        extra["forward_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    out.backward(step.output_grad(out))
+    step.reset()
+    del out
+    return saved, extra
+
+
+def time_step(step: Step, device: torch.device, warmup: int, iters: int) -> Timing:
+    """Median forward and backward wall time over `iters` after `warmup` iterations."""
+    forward, backward = [], []
+    for i in range(warmup + iters):
+        f, b = _cuda_iteration(step, device) if device.type == "cuda" else _cpu_iteration(step)
+        step.reset()
+        if i >= warmup:
+            forward.append(f)
+            backward.append(b)
+    return Timing(statistics.median(forward), statistics.median(backward))
+
+
+def _cpu_iteration(step: Step) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    out = step.forward()
+    t1 = time.perf_counter()
+    out.backward(step.output_grad(out))
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def _cuda_iteration(step: Step, device: torch.device) -> tuple[float, float]:
+    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start.record()
+    out = step.forward()
+    mid.record()
+    out.backward(step.output_grad(out))
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(mid) / 1e3, mid.elapsed_time(end) / 1e3

@@ -1,0 +1,134 @@
+"""`profile_layers`: measure one transformer layer, the embedding and the output layer on one device.
+
+The result is the layer-profile document (megatron_pipette.spec.layer_profile,
+schema version 1) the planner reads instead of its roofline estimate. Beyond the
+schema's keys it records, in "measurement", how it was taken: the spec used, the
+budget, and which shapes were measured and which the budget cut.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.profile import build, measure
+from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
+from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
+from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_fields
+from megatron_pipette.spec.layout import RECOMPUTE_GRANULARITIES
+from megatron_pipette.spec.workload import Workload
+
+
+def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
+                   recompute: Sequence[str | None] = (None, "selective", "full"),
+                   sequence_parallel: Sequence[bool] = (False, True), device: str | torch.device | None = None,
+                   budget_s: float = 300.0, warmup: int = 3, iters: int = 10, rank: int | None = None) -> dict:
+    """Measure per-rank compute time and activation memory for each TP size; return the schema document.
+
+    For each TP size the layer is built with that rank's shapes (see profile.build) and
+    timed forward and backward; the smallest and largest micro-batch sizes are measured
+    and the others interpolated ("measured": false). Shapes are measured most useful
+    first (profile.shapes.plan_shapes) and skipped once `budget_s` (wall seconds)
+    would be exceeded by the estimated cost of the next one; the first layer shape is
+    always measured. The budget clock starts once megatron-core is imported and the
+    process groups are up (a few seconds, recorded as "setup_s"). `rank` is the
+    device's rank in the cluster file (default: this process's torch.distributed rank).
+    """
+    _check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters)
+    dev = resolve_device(device)
+    results: list[Measured] = []
+    skipped: list[dict] = []
+    setup = time.perf_counter()
+    with single_device_megatron(dev) as env:
+        te = build.have_transformer_engine()
+        start = time.perf_counter()
+        for shape in plan_shapes(tp_sizes, micro_batch_sizes, recompute):
+            estimate = estimate_wall_s(shape, results)
+            have_layer = any(m.shape.part == "layer" for m in results)
+            if have_layer and estimate is not None and time.perf_counter() - start + estimate > budget_s:
+                skipped.append({**shape.describe(), "reason": f"budget (estimated {estimate:.2f} s)"})
+                continue
+            results.append(_measure(workload, shape, env, te, warmup, iters))
+        elapsed = time.perf_counter() - start
+        record = device_record(dev, env.rank if rank is None else rank)
+    return {
+        "schema": SCHEMA, "version": VERSION, "device": record,
+        "model": {**profile_model_fields(workload), "vocab_size": workload.vocab_size,
+                  "normalization": workload.normalization, "add_bias_linear": workload.add_bias_linear,
+                  "position_embedding_type": workload.position_embedding_type,
+                  "attention_backend": workload.attention_backend, "hidden_dropout": workload.hidden_dropout,
+                  "attention_dropout": workload.attention_dropout},
+        "layers": layer_entries(results, tp_sizes=tp_sizes, micro_batch_sizes=micro_batch_sizes,
+                                recompute=recompute, sequence_parallel=sequence_parallel,
+                                seq_length=workload.seq_length),
+        "embedding": part_entries(results, "embedding", tp_sizes=tp_sizes, micro_batch_sizes=micro_batch_sizes),
+        "output_layer": part_entries(results, "output_layer", tp_sizes=tp_sizes,
+                                     micro_batch_sizes=micro_batch_sizes),
+        "measurement": {
+            "layer_spec": "transformer_engine" if te else "local",
+            "torch": torch.__version__, "megatron_core": _megatron_version(),
+            "timing": "cuda events" if dev.type == "cuda" else "perf_counter",
+            "activation_bytes": "saved-tensor hooks, distinct storages, parameters and shared inputs excluded",
+            "tp_communication": "excluded (one-rank groups); the planner models it from the link matrix",
+            "sequence_parallel": "activations of norms, dropout and QKV/FC1 inputs divided by TP; "
+                                 "times are the non-SP measurement's",
+            "warmup": warmup, "iters": iters, "budget_s": budget_s,
+            "setup_s": round(start - setup, 3), "elapsed_s": round(elapsed, 3),
+            "measured": [{**m.shape.describe(), "wall_s": round(m.wall_s, 3)} for m in results],
+            "skipped": skipped,
+        },
+    }
+
+
+def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmup: int, iters: int) -> Measured:
+    t0 = time.perf_counter()
+    tp, mbs = shape.tensor_model_parallel_size, shape.micro_batch_size
+    if shape.part == "layer":
+        step = build.layer_step(workload, tp, mbs, shape.recompute_granularity, env, te)
+    elif shape.part == "embedding":
+        step = build.embedding_step(workload, tp, mbs, env, te)
+    else:
+        step = build.output_step(workload, tp, mbs, env, te)
+    saved, extra = measure.activation_pass(step, env.device)
+    timing = measure.time_step(step, env.device, warmup, iters)
+    sharded = saved.in_modules(build.SEQUENCE_SHARDED_MODULES) if shape.part == "layer" else 0
+    del step
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Measured(shape=shape, forward_s=timing.forward_s, backward_s=timing.backward_s,
+                    activation_bytes=saved.total, sequence_sharded_bytes=sharded,
+                    wall_s=time.perf_counter() - t0, run_s=(1 + warmup + iters) * (timing.forward_s + timing.backward_s),
+                    extra=tuple(sorted(extra.items())))
+
+
+def _check_request(workload: Workload, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
+                   recompute: Sequence[str | None], sequence_parallel: Sequence[bool], budget_s: float,
+                   warmup: int, iters: int) -> None:
+    if not tp_sizes:
+        raise PipetteError("--tp needs at least one tensor-parallel size")
+    build.check_tensor_parallel_sizes(workload, list(tp_sizes))
+    if not micro_batch_sizes or any(not isinstance(m, int) or m <= 0 for m in micro_batch_sizes):
+        raise PipetteError(f"--mbs must be positive integers, got {list(micro_batch_sizes)!r}")
+    bad = [r for r in recompute if r not in RECOMPUTE_GRANULARITIES]
+    if not recompute or bad:
+        raise PipetteError(f"--recompute must be among none, selective, full; got {list(recompute)!r}")
+    if not sequence_parallel or any(not isinstance(s, bool) for s in sequence_parallel):
+        raise PipetteError(f"sequence_parallel must be a non-empty list of booleans, got {sequence_parallel!r}")
+    if False not in sequence_parallel and all(t == 1 for t in tp_sizes):
+        raise PipetteError("--sequence-parallel needs a --tp size > 1")
+    if not budget_s > 0:
+        raise PipetteError(f"--budget-s must be positive, got {budget_s!r}")
+    if warmup < 0 or iters < 1:
+        raise PipetteError(f"--warmup must be >= 0 and --iters >= 1, got {warmup} and {iters}")
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "unknown"
