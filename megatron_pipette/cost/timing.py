@@ -1,0 +1,265 @@
+"""Iteration time of one layout on one cluster under one rank placement.
+
+Per data-parallel replica, each pipeline stage's forward and backward time
+per micro-batch is its compute (`cost.compute`, at its TP group's slowest
+device) plus its tensor-parallel collectives on that group's own links; the
+pipeline schedule (`cost.schedules`) turns them, with each hop's p2p time, into
+the replica's forward-backward time and each stage's finish. Then, per stage,
+the data-parallel gradient reduction on that stage's own DP groups (it starts
+when the stage has finished in every replica), the tied-embedding all-reduce
+between the first and last stage, and the optimizer step.
+
+The breakdown attributes the critical replica's pipeline time to the stage
+that is busiest in it (its compute, recomputation, TP and p2p time, summed
+over micro-batches); what is left is the bubble. Everything after the
+pipeline is attributed to the step that ends last. docs/time-model.md has the
+formulas and the Megatron behaviour they follow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from megatron_pipette.cost import schedules
+from megatron_pipette.cost.comm import GroupLinks
+from megatron_pipette.cost.comm import group_links as _group_links
+from megatron_pipette.cost.compute import StageWork, stage_work
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import Layout, stage_layers
+from megatron_pipette.spec.workload import Workload
+
+OPTIMIZER_BYTES_PER_PARAM = 40
+"""Memory traffic of one mixed-precision Adam step per parameter: fp32 main param, exp_avg and
+exp_avg_sq read and written (24), fp32 grad read for the norm, the clip scale and the update
+(12), the 16-bit model param written (2) and the grad buffer zeroed (2, amortised)."""
+DDP_MIN_BUCKET_PARAMS = 40_000_000
+"""Megatron's default bucket: max(40M, 1M x DP) parameters, first pipeline stage only."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeBreakdown:
+    """Seconds on the critical path of one iteration; the fields sum to the iteration time."""
+
+    compute_s: float
+    """Forward and backward compute of the busiest stage of the slowest replica, all micro-batches."""
+    recompute_s: float
+    """Recomputed forward compute of that stage."""
+    tp_comm_s: float
+    """Tensor-parallel collectives of that stage (recomputed ones included)."""
+    pp_comm_s: float
+    """That stage's p2p sends and receives."""
+    pipeline_bubble_s: float
+    """The rest of the forward-backward pass: warmup, cooldown and waiting on other stages."""
+    dp_comm_exposed_s: float
+    """Data-parallel gradient reduction (and parameter all-gather) not hidden behind compute."""
+    embedding_allreduce_s: float
+    """Tied word-embedding gradient all-reduce between the first and last stage."""
+    optimizer_s: float
+    """The optimizer step (memory bound)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTime:
+    forward_s: float
+    """Forward time of one micro-batch on this pipeline rank (all its chunks), worst replica."""
+    backward_s: float
+    """Backward time of one micro-batch (recomputation included), worst replica."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeEstimate:
+    iteration_time_s: float
+    tflops_per_gpu: float
+    """Model FLOPs per iteration / time / GPUs, in TFLOP/s (Megatron's MFU convention)."""
+    breakdown: TimeBreakdown
+    stage_times: tuple[StageTime, ...]
+    """Per pipeline rank, for reports."""
+    schedule: str = "1f1b"
+    """The pipeline schedule Megatron runs for this layout."""
+    exact_schedule: bool = True
+    """False when the schedule time is the interleaved approximation (not simulated)."""
+
+
+def group_links(layout: Layout, cluster: Cluster, placement=None) -> GroupLinks:
+    """Link summary for a layout's rank grid; share it across layouts with the same grid."""
+    return _group_links(layout.tp, layout.pp, layout.dp, cluster, placement)
+
+
+_WORK_CACHE: dict = {}
+
+
+def _cached_work(workload: Workload, layout: Layout, cluster: Cluster, profile: LayerProfile | None) -> StageWork:
+    """stage_work is placement independent: the placement search re-prices one layout many times."""
+    key = (workload, layout, cluster, id(profile))
+    hit = _WORK_CACHE.get(key)
+    if hit is None or hit[0] is not profile:
+        if len(_WORK_CACHE) > 4096:
+            _WORK_CACHE.clear()
+        hit = _WORK_CACHE[key] = (profile, stage_work(workload, layout, cluster, profile))
+    return hit[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Stages:
+    """Per-replica stage times and their parts, (dp, pp, v)."""
+
+    times: schedules.StageTimes
+    compute: np.ndarray
+    recompute: np.ndarray
+    tp_comm: np.ndarray
+
+
+def _stage_times(workload: Workload, layout: Layout, work: StageWork, links: GroupLinks) -> _Stages:
+    sp, mbs = layout.sequence_parallel, layout.micro_batch_size
+    act = mbs * workload.seq_length * workload.hidden_size * workload.bytes_per_element
+    ring = links.tensor
+    ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
+    # SP: 2 all-gathers + 2 reduce-scatters each way (the backward's input re-gather for the weight
+    # gradient runs asynchronously behind the data-gradient GEMM and is not counted); else 2 all-reduces.
+    layer_fwd = layer_bwd = 4 * ag if sp else 2 * ar
+    tp_f = layer_fwd * work.layers
+    tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
+    if links.tp > 1:
+        ce = ring.all_reduce_s(3 * 4 * mbs * workload.seq_length).T
+        tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
+        tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
+        tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
+        tp_b[:, -1, -1] += ag[:, -1, 0] if sp else ar[:, -1, 0]
+    rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
+    fwd = work.forward[0] / rate + work.forward[1]
+    bwd = work.backward[0] / rate + work.backward[1]
+    rc = work.recompute[0] / rate + work.recompute[1]
+    seq = workload.seq_length // (layout.tp if sp else 1)
+    hop = links.p2p_s(seq * mbs * workload.hidden_size * workload.bytes_per_element)
+    times = schedules.StageTimes(forward_s=fwd + tp_f, backward_s=bwd + rc + tp_b,
+                                 fwd_comm_s=hop[0], bwd_comm_s=hop[1])
+    return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b)
+
+
+def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool) -> schedules.PipelineTime:
+    """Run the schedule once per distinct replica (all replicas alike on a uniform cluster)."""
+    same = all(np.ptp(a, axis=0).max() == 0 for a in (times.forward_s, times.backward_s,
+                                                       times.fwd_comm_s, times.bwd_comm_s))
+    one = schedules.StageTimes(**{k: getattr(times, k)[:1] for k in ("forward_s", "backward_s", "fwd_comm_s",
+                                                                      "bwd_comm_s")}) if same else times
+    run = schedules.simulate_pipeline if simulate else schedules.pipeline_time
+    out = run(name, one, m)
+    if not same:
+        return out
+    dp = times.forward_s.shape[0]
+    return schedules.PipelineTime(**{k: np.repeat(getattr(out, k), dp, axis=0) for k in
+                                     ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
+
+
+def _stage_parameters(workload: Workload, layout: Layout) -> np.ndarray:
+    """(pp,) parameters per TP rank of each stage (replicated norms counted as sharded)."""
+    tp = layout.tp
+    params = np.array(stage_layers(workload, layout), dtype=float) * workload.layer_parameters() / tp
+    words = workload.padded_vocab_size(tp) * workload.hidden_size / tp
+    params[0] += workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * workload.hidden_size + words
+    params[-1] += workload.norm_parameters()
+    if workload.untie_embeddings_and_output_weights or layout.pp > 1:
+        params[-1] += words
+    return params
+
+
+def _grad_bytes(workload: Workload) -> int:
+    """Megatron reduces gradients in fp32 for bf16 (accumulate_allreduce_grads_in_fp32), else in the param dtype."""
+    return 4 if workload.precision in ("bf16", "fp32") else 2
+
+
+def _overlapped(total: float, window: float, buckets: int) -> float:
+    """Exposed part of a reduction issued bucket by bucket while a backward of `window` seconds
+    produces the gradients: all but the last bucket hide, as far as the window allows."""
+    return max(total / buckets, total - window * (1 - 1 / buckets))
+
+
+def _dp_exposed(workload: Workload, layout: Layout, links: GroupLinks, name: str, stages: _Stages,
+                crit: int, params: np.ndarray) -> tuple[np.ndarray, float]:
+    """(pp,) gradient reduction per stage still running after the stage's finish, and the
+    exposed parameter all-gather of the distributed optimizer.
+
+    With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
+    reduction with its last backward, bucket by bucket; later stages start theirs when they
+    finish (one bucket each), which the max over stages hides behind the others' cooldown.
+    Interleaved: each chunk's share starts PP backward steps after that chunk's last backward,
+    so all but chunk 0's share hide behind the last PP chunk-0 backward steps."""
+    p, v = layout.pp, stages.times.shape[2]
+    if layout.dp == 1:
+        return np.zeros(p), 0.0
+    ring = links.data
+    collective = ring.reduce_scatter_s if layout.use_distributed_optimizer else ring.all_reduce_s
+    reduce = collective(params[:, None] * _grad_bytes(workload)).max(axis=1)      # worst TP rank's group
+    buckets = max(1, math.ceil(params[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * layout.dp)))
+    last_b = stages.times.backward_s[crit]                                      # (p, v)
+    exposed = reduce.copy()
+    if layout.overlap_grad_reduce:
+        if name == "interleaved":
+            exposed = reduce / v + np.maximum(0.0, reduce * (v - 1) / v - p * last_b[:, 0])
+            exposed[0] += _overlapped(reduce[0] / v, last_b[0, 0], buckets) - reduce[0] / v
+        else:
+            exposed[0] = _overlapped(reduce[0], last_b[0, 0], buckets)
+    gather = 0.0
+    if layout.use_distributed_optimizer:
+        ag = ring.all_gather_s(params[:, None] * workload.bytes_per_element).max(axis=1)
+        if layout.overlap_param_gather:
+            # issued bucket by bucket in the next forward; later stages hide it behind the fill
+            fill = np.concatenate([[0.0], np.cumsum(stages.times.forward_s[crit].sum(axis=1)
+                                                    + stages.times.fwd_comm_s[crit])[:-1]])
+            ag[0] /= buckets
+            ag[1:] = np.maximum(0.0, ag[1:] - fill[1:])
+        gather = float(ag.max())
+    return exposed, gather
+
+
+def estimate_time(workload: Workload, layout: Layout, cluster: Cluster, placement=None, *,
+                  profile: LayerProfile | None = None, links: GroupLinks | None = None,
+                  simulate: bool = False) -> TimeEstimate:
+    """Predicted iteration time; `links` (from group_links) must match the layout's grid and
+    placement; `simulate` times the pipeline with the event-driven simulator instead."""
+    if links is None:
+        links = group_links(layout, cluster, placement)
+    assert (links.tp, links.pp, links.dp) == (layout.tp, layout.pp, layout.dp), "links are for another grid"
+    work = _cached_work(workload, layout, cluster, profile)
+    stages = _stage_times(workload, layout, work, links)
+    m, v = layout.num_microbatches(workload), layout.virtual_stages(workload)
+    name = schedules.schedule_name(layout.pp, v)
+    pipe = _run_schedule(name, stages.times, m, simulate)
+    crit = int(np.argmax(pipe.total_s))
+    t_pipe = float(pipe.total_s[crit])
+    params = _stage_parameters(workload, layout)
+    exposed, gather = _dp_exposed(workload, layout, links, name, stages, crit, params)
+    done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
+    t_dp = max(t_pipe, float(done.max()))
+    t_sync = t_dp
+    if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
+        words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * _grad_bytes(workload)
+        t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
+    shard = layout.dp if layout.use_distributed_optimizer else 1
+    optimizer = float(params.max()) / shard * OPTIMIZER_BYTES_PER_PARAM \
+        / cluster.memory_bandwidth_Bps
+    total = t_sync + gather + optimizer
+    busiest = int(np.argmax(pipe.busy_s[crit]))
+    compute = m * float(stages.compute[crit, busiest].sum())
+    recompute = m * float(stages.recompute[crit, busiest].sum())
+    tp_comm = m * float(stages.tp_comm[crit, busiest].sum())
+    pp_comm = float(pipe.p2p_s[crit, busiest])
+    breakdown = TimeBreakdown(
+        compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, pp_comm_s=pp_comm,
+        pipeline_bubble_s=max(0.0, t_pipe - compute - recompute - tp_comm - pp_comm),
+        dp_comm_exposed_s=t_dp - t_pipe + gather, embedding_allreduce_s=float(t_sync - t_dp), optimizer_s=optimizer)
+    worst_f = stages.times.forward_s.sum(axis=2).max(axis=0)
+    worst_b = stages.times.backward_s.sum(axis=2).max(axis=0)
+    return TimeEstimate(
+        iteration_time_s=total,
+        tflops_per_gpu=workload.model_flops_per_iteration() / total / layout.world_size / 1e12,
+        breakdown=breakdown,
+        stage_times=tuple(StageTime(forward_s=float(f), backward_s=float(b)) for f, b in zip(worst_f, worst_b)),
+        schedule=name, exact_schedule=pipe.exact or simulate)
