@@ -158,96 +158,110 @@ def program_interleaved(p: int, m: int, v: int, overlap_p2p_comm: bool = True) -
     builders = [_Builder(r, p, counters) for r in range(p)]
     table = schedule_table(m, v, p)
     for r, rb in enumerate(builders):
-        _interleaved_rank(rb, r, p, m, v, table, overlap_p2p_comm)
+        _InterleavedRank(rb, r, p, m, v, table, overlap_p2p_comm).run()
     return _finish(builders)
 
 
-def _interleaved_rank(rb: _Builder, r: int, p: int, m: int, v: int, table, overlap: bool) -> None:
-    first, last = r == 0, r == p - 1
-    total = m * v
-    warmup = interleaved_warmup(p, r, m, v, p)
-    all_warmup = warmup >= total
-    remaining = total - warmup
+class _InterleavedRank:
+    """One pipeline rank's calls in forward_backward_pipelining_with_interleaving, in its order."""
 
-    def chunk(k: int, forward: bool) -> int:
-        c = table[k % total][1]
-        return c if forward else v - 1 - c
+    def __init__(self, rb: _Builder, r: int, p: int, m: int, v: int, table, overlap: bool):
+        self.rb, self.p, self.v, self.table, self.overlap = rb, p, v, table, overlap
+        self.first, self.last, self.total = r == 0, r == p - 1, m * v
+        self.warmup = interleaved_warmup(p, r, m, v, p)
+        self.all_warmup = self.warmup >= self.total
+        self.remaining = self.total - self.warmup
+        self.recv_prev_q, self.recv_next_q = [], []
+        self.send_next_h = self.send_prev_h = None
 
-    def recv_from_previous(k: int, forward: bool) -> bool:
+    def chunk(self, k: int, forward: bool) -> int:
+        c = self.table[k % self.total][1]
+        return c if forward else self.v - 1 - c
+
+    def recv_from_previous(self, k: int, forward: bool) -> bool:
         """recv_tensor_from_previous_stage: does a tensor arrive for step k+1?"""
-        leading = first if forward else last
-        if not leading:
+        if not (self.first if forward else self.last):
             return True
-        if k < p - 1:
+        if k < self.p - 1:
             return False
-        return chunk(k - (p - 1), forward) != ((v - 1) if forward else 0)
+        return self.chunk(k - (self.p - 1), forward) != ((self.v - 1) if forward else 0)
 
-    def fwd(k: int) -> bool:
-        """Compute forward step k; return whether its output goes downstream."""
-        c = chunk(k, True)
-        rb.compute(FORWARD, c, table[k][0])
-        return not (c == v - 1 and last)
+    def fwd(self, k: int) -> bool:
+        """Forward step k; True when its output goes downstream."""
+        c = self.chunk(k, True)
+        self.rb.compute(FORWARD, c, self.table[k][0])
+        return not (c == self.v - 1 and self.last)
 
-    def bwd(k: int) -> bool:
-        c = chunk(k, False)
-        rb.compute(BACKWARD, c, table[k][0])  # backward k runs the oldest forward of chunk c
-        return not (c == 0 and first)
+    def bwd(self, k: int) -> bool:
+        c = self.chunk(k, False)
+        self.rb.compute(BACKWARD, c, self.table[k][0])   # backward k runs the oldest forward of chunk c
+        return not (c == 0 and self.first)
 
-    rb.call(recv_prev=not first)
-    recv_prev_q, recv_next_q = [], []
-    send_next_h = send_prev_h = None
-    for k in range(warmup):
-        recv_prev = recv_from_previous(k, True) and k != total - 1
-        send = fwd(k)
-        if k == warmup - 1 and not overlap and not all_warmup:
-            rb.call(send_next=send, recv_prev=recv_prev, recv_next=not last)
+    def run(self) -> None:
+        self.rb.call(recv_prev=not self.first)
+        for k in range(self.warmup):
+            self.warmup_step(k)
+        for k in range(self.remaining):
+            self.steady_overlapped(k) if self.overlap else self.steady_blocking(k)
+        if self.all_warmup:
+            self.rb.call(recv_next=not self.last)
+        for k in range(self.remaining, self.total):
+            self.cooldown_step(k)
+        if self.send_prev_h is not None:
+            self.rb.wait(self.send_prev_h)
+        assert not self.recv_prev_q and not self.recv_next_q, "receives left pending"
+
+    def warmup_step(self, k: int) -> None:
+        recv_prev = self.recv_from_previous(k, True) and k != self.total - 1
+        send = self.fwd(k)
+        last_warmup = k == self.warmup - 1 and not self.all_warmup
+        if last_warmup and not self.overlap:
+            self.rb.call(send_next=send, recv_prev=recv_prev, recv_next=not self.last)
         else:
-            rb.call(send_next=send, recv_prev=recv_prev)
-        if overlap and k == warmup - 1 and not all_warmup and not last:
-            recv_next_q.append(rb.post(recv_next=True)["recv_next"])
-    for k in range(remaining):
-        fk = k + warmup
-        if overlap:
-            if not (chunk(fk, True) == 0 and first) and recv_prev_q:
-                rb.wait(recv_prev_q.pop(0))
-            send = fwd(fk)
-            recv_prev = recv_from_previous(fk, True) and k != remaining - 1
-            keys = rb.post(send_next=send, recv_prev=recv_prev)
-            if send_next_h is not None:
-                rb.wait(send_next_h)
-            send_next_h = keys.get("send_next")
-            if recv_prev:
-                recv_prev_q.append(keys["recv_prev"])
-            if send_next_h is not None:  # deallocate_pipeline_outputs: wait for the send at once
-                rb.wait(send_next_h)
-                send_next_h = None
-            if not (chunk(k, False) == v - 1 and last) and recv_next_q:
-                rb.wait(recv_next_q.pop(0))
-            send = bwd(k)
-            recv_next = recv_from_previous(k, False)
-            keys = rb.post(send_prev=send, recv_next=recv_next)
-            if send_prev_h is not None:
-                rb.wait(send_prev_h)
-            send_prev_h = keys.get("send_prev")
-            if recv_next:
-                recv_next_q.append(keys["recv_next"])
-        else:
-            send_f = fwd(fk)
-            send_b = bwd(k)
-            recv_prev = recv_from_previous(fk, True) and k != remaining - 1
-            recv_next = recv_from_previous(k, False)
-            rb.call(send_next=send_f, send_prev=send_b, recv_prev=recv_prev, recv_next=recv_next)
-    if all_warmup:
-        rb.call(recv_next=not last)
-    for k in range(remaining, total):
-        if not (chunk(k, False) == v - 1 and last) and k != 0 and recv_next_q:
-            rb.wait(recv_next_q.pop(0))
-        recv_next = recv_from_previous(k, False) and k != total - 1
-        send = bwd(k)
-        rb.call(send_prev=send, recv_next=recv_next)
-    if send_prev_h is not None:
-        rb.wait(send_prev_h)
-    assert not recv_prev_q and not recv_next_q, f"rank {r}: receives left pending"
+            self.rb.call(send_next=send, recv_prev=recv_prev)
+        if last_warmup and self.overlap and not self.last:
+            self.recv_next_q.append(self.rb.post(recv_next=True)["recv_next"])
+
+    def steady_overlapped(self, k: int) -> None:
+        """pp_pre_forward, forward, pp_post_forward, pp_pre_backward, backward, pp_post_backward."""
+        rb, fk = self.rb, k + self.warmup
+        if not (self.chunk(fk, True) == 0 and self.first) and self.recv_prev_q:
+            rb.wait(self.recv_prev_q.pop(0))
+        send = self.fwd(fk)
+        recv_prev = self.recv_from_previous(fk, True) and k != self.remaining - 1
+        keys = rb.post(send_next=send, recv_prev=recv_prev)
+        if self.send_next_h is not None:
+            rb.wait(self.send_next_h)
+        if recv_prev:
+            self.recv_prev_q.append(keys["recv_prev"])
+        if send:                             # deallocate_pipeline_outputs: wait for the send at once
+            rb.wait(keys["send_next"])
+        self.send_next_h = None
+        if not (self.chunk(k, False) == self.v - 1 and self.last) and self.recv_next_q:
+            rb.wait(self.recv_next_q.pop(0))
+        send = self.bwd(k)
+        recv_next = self.recv_from_previous(k, False)
+        keys = rb.post(send_prev=send, recv_next=recv_next)
+        if self.send_prev_h is not None:
+            rb.wait(self.send_prev_h)
+        self.send_prev_h = keys.get("send_prev")
+        if recv_next:
+            self.recv_next_q.append(keys["recv_next"])
+
+    def steady_blocking(self, k: int) -> None:
+        """--no-overlap-p2p-communication: one combined blocking call per step."""
+        fk = k + self.warmup
+        send_f, send_b = self.fwd(fk), self.bwd(k)
+        recv_prev = self.recv_from_previous(fk, True) and k != self.remaining - 1
+        self.rb.call(send_next=send_f, send_prev=send_b, recv_prev=recv_prev,
+                     recv_next=self.recv_from_previous(k, False))
+
+    def cooldown_step(self, k: int) -> None:
+        if not (self.chunk(k, False) == self.v - 1 and self.last) and k != 0 and self.recv_next_q:
+            self.rb.wait(self.recv_next_q.pop(0))
+        recv_next = self.recv_from_previous(k, False) and k != self.total - 1
+        send = self.bwd(k)
+        self.rb.call(send_prev=send, recv_next=recv_next)
 
 
 def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
