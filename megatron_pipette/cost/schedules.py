@@ -82,13 +82,10 @@ def simulate_pipeline(name: str, times: StageTimes, m: int) -> PipelineTime:
     """The same quantities from the event-driven simulator (slow, exact)."""
     if name not in PROGRAMS:
         return SCHEDULES[name](times, m)
-    batch, p, v = times.shape
-    program = PROGRAMS[name](p, m, v)
-    total, finish = np.empty(batch), np.empty((batch, p))
-    for i in range(batch):
-        r = simulator.simulate(program, times.forward_s[i], times.backward_s[i],
-                               times.fwd_comm_s[i], times.bwd_comm_s[i])
-        total[i], finish[i] = r.total_s, r.finish_s
+    _, p, v = times.shape
+    r = simulator.simulate(PROGRAMS[name](p, m, v), times.forward_s, times.backward_s,
+                           times.fwd_comm_s, times.bwd_comm_s)
+    total, finish = r.total_s, r.finish_s
     busy, p2p = _busy_1f1b(times, m) if name == "1f1b" else _busy_interleaved(times, m)
     return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=True)
 

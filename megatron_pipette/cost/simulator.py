@@ -25,7 +25,7 @@ from (r+1) % p to r on hop r.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, reduce
 
 import numpy as np
 
@@ -37,12 +37,12 @@ FORWARD, BACKWARD = 0, 1
 class SimResult:
     """Timings of one simulated iteration's forward-backward pass."""
 
-    total_s: float
-    """When the last rank finished its last op."""
+    total_s: float | np.ndarray
+    """When the last rank finished its last op ((B,) with a batch)."""
     finish_s: np.ndarray
-    """(p,) when each rank finished its last backward (its DP reduction may start then)."""
+    """(p,) when each rank finished its last backward (its DP reduction may start then); (B, p)."""
     end_s: np.ndarray
-    """(p,) when each rank finished its last op (sends included)."""
+    """(p,) when each rank finished its last op (sends included); (B, p)."""
     trace: tuple | None = None
     """(rank, kind, chunk, microbatch, start, end) per compute op, when asked for."""
 
@@ -270,14 +270,23 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
 
     forward_s, backward_s: (p, v) compute time of one micro-batch of each model chunk on each rank.
     fwd_comm_s[h], bwd_comm_s[h]: one activation (gradient) message on hop h, from rank h to
-    (h+1) % p (and back).
+    (h+1) % p (and back). With a leading batch axis ((B, p, v) and (B, p)) every replica is
+    timed in one pass: which rank waits on what depends on the program only, not on times.
     """
     p = len(program)
-    fwd = np.asarray(forward_s, dtype=float).reshape(p, -1).tolist()
-    bwd = np.asarray(backward_s, dtype=float).reshape(p, -1).tolist()
-    comm = (np.asarray(fwd_comm_s, dtype=float).tolist(), np.asarray(bwd_comm_s, dtype=float).tolist())
-    clock, pc = [0.0] * p, [0] * p
-    last_bwd = [0.0] * p
+    batch = np.ndim(forward_s) == 3
+    assert not (batch and trace), "traces are for one replica"
+    if batch:
+        mx, zero = np.maximum, np.zeros(np.shape(forward_s)[0])
+        cols = [np.ascontiguousarray(np.moveaxis(np.asarray(a, dtype=float), 0, -1))
+                for a in (forward_s, backward_s, fwd_comm_s, bwd_comm_s)]
+        fwd, bwd, comm = cols[0], cols[1], (cols[2], cols[3])
+    else:
+        mx, zero = max, 0.0
+        fwd = np.asarray(forward_s, dtype=float).reshape(p, -1).tolist()
+        bwd = np.asarray(backward_s, dtype=float).reshape(p, -1).tolist()
+        comm = (np.asarray(fwd_comm_s, dtype=float).tolist(), np.asarray(bwd_comm_s, dtype=float).tolist())
+    clock, pc, last_bwd = [zero] * p, [0] * p, [zero] * p
     posted: dict = {}      # key -> post time of the first side to post
     done: dict = {}        # key -> end time, once both sides posted
     waiting: dict = {}     # key -> ranks blocked on it
@@ -293,7 +302,7 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
                 d = fwd[r][c] if kind == FORWARD else bwd[r][c]
                 if events is not None:
                     events.append((r, kind, c, op[3], t, t + d))
-                t += d
+                t = t + d
                 if kind == BACKWARD:
                     last_bwd[r] = t
             elif op[0] == POST:
@@ -303,19 +312,17 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
                         posted[key] = t
                         continue
                     src, dst, direction, _ = key
-                    hop = src if direction == FORWARD else dst
-                    done[key] = max(t, other) + comm[direction][hop]
-                    for blocked in waiting.pop(key, ()):
-                        runnable.append(blocked)
+                    done[key] = mx(t, other) + comm[direction][src if direction == FORWARD else dst]
+                    runnable.extend(waiting.pop(key, ()))
             else:
                 pending = next((k for k in op[1] if k not in done), None)
                 if pending is not None:
                     waiting.setdefault(pending, []).append(r)
                     break
-                t = max(t, *(done[k] for k in op[1]))
+                t = reduce(mx, (done[k] for k in op[1]), t)
             i += 1
         clock[r], pc[r] = t, i
     stuck = [r for r in range(p) if pc[r] < len(program[r])]
     assert not stuck, f"pipeline schedule deadlocks: ranks {stuck} blocked at ops {[pc[r] for r in stuck]}"
-    return SimResult(total_s=max(clock), finish_s=np.array(last_bwd), end_s=np.array(clock),
-                     trace=tuple(events) if trace else None)
+    end, finish = np.stack(clock, axis=-1), np.stack(last_bwd, axis=-1)
+    return SimResult(total_s=end.max(axis=-1), finish_s=finish, end_s=end, trace=tuple(events) if trace else None)

@@ -171,3 +171,16 @@ def test_interleaved_program_matches_megatron_without_p2p_overlap(p, m, v):
     t = uniform(p, v)
     result = simulator.simulate(program, t.forward_s[0], t.backward_s[0], np.zeros(p), np.zeros(p))
     assert result.total_s == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
+
+
+@pytest.mark.parametrize("program", [simulator.program_1f1b(5, 3), simulator.program_interleaved(3, 6, 2)])
+def test_simulating_replicas_at_once_equals_one_by_one(program):
+    rng = np.random.default_rng(1)
+    p, v = len(program), 2 if len(program) == 3 else 1
+    f, b = rng.uniform(0.1, 2, (4, p, v)), rng.uniform(0.1, 2, (4, p, v))
+    phi, beta = rng.uniform(0, 1, (4, p)), rng.uniform(0, 1, (4, p))
+    together = simulator.simulate(program, f, b, phi, beta)
+    for i in range(4):
+        alone = simulator.simulate(program, f[i], b[i], phi[i], beta[i])
+        assert together.total_s[i] == alone.total_s
+        np.testing.assert_array_equal(together.finish_s[i], alone.finish_s)
