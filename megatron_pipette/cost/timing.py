@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,8 +66,9 @@ class TimeBreakdown:
         return asdict(self)
 
 
-@dataclass(frozen=True, kw_only=True)
-class StageTime:
+class StageTime(NamedTuple):
+    """A NamedTuple rather than a dataclass so reports may unpack (forward_s, backward_s)."""
+
     forward_s: float
     """Forward time of one micro-batch on this pipeline rank (all its chunks), worst replica."""
     backward_s: float
@@ -76,6 +78,7 @@ class StageTime:
 @dataclass(frozen=True, kw_only=True)
 class TimeEstimate:
     iteration_time_s: float
+    """Predicted seconds per training iteration."""
     tflops_per_gpu: float
     """Model FLOPs per iteration / time / GPUs, in TFLOP/s (Megatron's MFU convention)."""
     breakdown: TimeBreakdown
