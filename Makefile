@@ -18,8 +18,11 @@ $(VENV)/.installed: requirements.txt setup.py
 	cp megatron_pipette_autoload.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	touch $@
 
+# The main job: Megatron's training loop with --auto-parallel, 4 processes on CPU (probe, plan,
+# re-ranked groups, falling loss), after the offline planner on its built-in default.
 demo: venv
-	$(VENV)/bin/pipette plan
+	$(VENV)/bin/pipette plan --top 5
+	PYTHON=$(PY) bash examples/auto_parallel_cpu.sh
 
 test: venv
 	$(PY) -m pytest -q

@@ -29,7 +29,7 @@ def candidates_table(result: Plan) -> str:
         if len(placement) > 28:
             placement = placement[:25] + "..."
         rows.append([str(i), c.layout.describe(), f"{c.time.iteration_time_s:.3f}", sim,
-                     f"{c.time.tflops_per_gpu:.1f}",
+                     f"{c.time.tflops_per_gpu:.3g}",
                      f"{_gib(c.memory.peak_bytes)}/{_gib(c.memory.capacity_bytes)}", placement])
     return table(rows, ["#", "layout", "s/iter", "simulated", "TFLOP/s/GPU", "peak GiB/GPU", "placement"])
 
@@ -71,6 +71,6 @@ def plan_report(result: Plan) -> str:
 def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:
     verdict = "fits" if memory.fits else "DOES NOT FIT"
     return "\n".join([f"{layout_desc}: {time.iteration_time_s:.3f} s/iteration, "
-                      f"{time.tflops_per_gpu:.1f} TFLOP/s per GPU, peak {_gib(memory.peak_bytes)} GiB "
+                      f"{time.tflops_per_gpu:.3g} TFLOP/s per GPU, peak {_gib(memory.peak_bytes)} GiB "
                       f"of {_gib(memory.capacity_bytes)} GiB ({verdict})", "",
                       breakdown(time), "", stage_memory(memory)])

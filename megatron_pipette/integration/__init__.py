@@ -1,0 +1,1 @@
+"""Megatron integration: the `--auto-parallel` hook, re-ranking, and the CPU rehearsal mode."""

@@ -1,0 +1,284 @@
+"""The pre-launch hook behind `--auto-parallel`, run inside Megatron's validate_args.
+
+On every rank, before Megatron derives anything from the layout flags:
+
+1. initialise torch.distributed from the torchrun environment (a probe group);
+2. identify the allocation; a plan cached for the same allocation and model
+   is reused, else probe the links and devices and profile one layer (rank 0);
+3. plan on rank 0, broadcast the plan, and agree through the store that every
+   rank holds the same one (a failed rank says so instead of leaving the
+   others waiting);
+4. re-initialise torch.distributed with the placement's ranks and rewrite
+   Megatron's layout arguments; Megatron then continues as if the user had
+   typed the chosen flags.
+
+If anything fails or runs past the budget, every rank falls back to the
+user's own flags with one warning (or stops, with --auto-parallel-strict).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_pipette import __version__
+from megatron_pipette.cli.render import plan_report
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.integration import megatron_args
+from megatron_pipette.integration.groups import expected_groups
+from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
+from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
+from megatron_pipette.plan.document import chosen_from_json, plan_json
+from megatron_pipette.plan.planner import plan
+from megatron_pipette.plan.placement import Placement
+from megatron_pipette.probe.identity import node_name
+from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+PROBE_SHARE = 0.4
+"""Share of the budget the link probe may use; the layer profile gets PROFILE_SHARE."""
+PROFILE_SHARE = 0.3
+PROFILE_MICRO_BATCHES = (1, 2, 4, 8)
+MIN_WAIT_S = 30.0
+"""Shortest timeout of a pre-launch wait (process start-up skew across nodes)."""
+
+
+def log(message: str, rank: int) -> None:
+    """Megatron-style rank-0 log line."""
+    if rank == 0:
+        print(f"> auto-parallel: {message}", flush=True)
+
+
+@dataclass
+class Phases:
+    """Wall time of each pre-launch phase, for the log and the plan file."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    _start: float = field(default_factory=time.perf_counter)
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[name] = round(time.perf_counter() - t, 3)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def allocation_fingerprint(identities: list[dict], workload: Workload, constraints: dict) -> str:
+    """Key of the plan cache: the hosts and devices in rank order, the model and the constraints."""
+    key = {"pipette": __version__, "devices": [(i["host"], i["device"]) for i in identities],
+           "model": asdict(workload), "constraints": sorted((k, repr(v)) for k, v in constraints.items())}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _identity() -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not rehearsal_requested() else "cpu"
+    return {"host": node_name(), "device": device}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def _broadcast(obj: Any, rank: int) -> Any:
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
+                   timeout: timedelta) -> dict:
+    """Collective: return the plan document, identical on every rank."""
+    workload = megatron_args.workload_from_args(args)
+    constraints = {**megatron_args.constraints_from_args(args, argv), **megatron_args.checkpoint_constraints(args)}
+    identities: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(identities, _identity())
+    key = allocation_fingerprint(identities, workload, constraints)
+    cache = Path(opts.auto_parallel_cache_dir) / key
+    if opts.auto_parallel_plan_file is not None:
+        source = str(opts.auto_parallel_plan_file)
+    else:
+        source = "cache" if (cache / "plan.json").exists() else None
+    source = _broadcast(source if rank == 0 else None, rank)
+    if source is not None:
+        path = cache / "plan.json" if source == "cache" else Path(source)
+        doc = _broadcast(json.loads(path.read_text()) if rank == 0 else None, rank)
+        log(f"using the plan in {path} (allocation {key}); probe and profile skipped", rank)
+        return doc
+    from megatron_pipette.probe import run_probe
+
+    if rank == 0:
+        cache.mkdir(parents=True, exist_ok=True)
+    budget = opts.auto_parallel_budget_s
+    on_gpu = torch.cuda.is_available() and not rehearsal_requested()
+    cluster_doc = phases.run("probe", lambda: run_probe(
+        budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
+        small_bytes=4096, large_bytes=(64 << 20) if on_gpu else (1 << 20), repeats=3,
+        out=cache / "cluster.json", timeout_s=timeout.total_seconds()))
+    cluster = cluster_from_json(cluster_doc, where="probe")
+    log(f"probed {world} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s", rank)
+    result: dict | None = None
+    error: str | None = None
+    from megatron.core import parallel_state
+
+    # The profiler builds megatron-core modules, which need model-parallel state; set up a
+    # neutral one (a collective) and tear it down before Megatron builds the real one.
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        if rank == 0:
+            try:
+                result = _profile_and_plan(workload, cluster, constraints, opts, cache, phases, on_gpu, budget)
+            except PipetteError as e:
+                error = str(e)
+        result, error = _broadcast((result, error) if rank == 0 else None, rank)
+    finally:
+        parallel_state.destroy_model_parallel()
+    if error:
+        raise PipetteError(error)
+    return result
+
+
+def _profile_and_plan(workload, cluster, constraints, opts, cache: Path, phases: Phases, on_gpu: bool,
+                      budget: float) -> dict:
+    from megatron_pipette.profile import profile_layers
+
+    tp_sizes = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node % t == 0
+                and workload.num_attention_heads % t == 0 and workload.query_groups % t == 0]
+    if "tensor_model_parallel_size" in constraints:
+        tp_sizes = [constraints["tensor_model_parallel_size"]]
+    per_replica = workload.global_batch_size
+    mbs = [m for m in PROFILE_MICRO_BATCHES if per_replica % m == 0]
+    profile_doc = phases.run("profile", lambda: profile_layers(
+        workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
+        budget_s=budget * PROFILE_SHARE, rank=0))
+    _write_json(cache / "layer_profile.json", profile_doc)
+    profile = profile_from_json(profile_doc, where="layer profile")
+    result = phases.run("plan", lambda: plan(workload, cluster, profile=profile, constraints=constraints,
+                                             top_k=5))
+    if not result.candidates:
+        raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / 2**30:.1f} GiB per device "
+                           f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
+                           f"layouts are out of memory)")
+    print(plan_report(result), flush=True)
+    doc = {**plan_json(result), "phases_s": phases.seconds}
+    _write_json(cache / "plan.json", doc)
+    return doc
+
+
+def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, timeout: timedelta) -> list[str]:
+    """Every rank's status, exchanged through the store (which outlives a broken process group)."""
+    store.set(f"{prefix}{rank}", status)
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    return [store.get(k).decode() for k in keys]
+
+
+def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
+    """Choose the layout and placement, re-rank the processes, and rewrite `args` (all ranks)."""
+    phases = Phases()
+    if rehearsal_requested():
+        enable_cpu_rehearsal()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    backend = args.distributed_backend
+    user_timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    # A dead peer must not hold the others for Megatron's long default timeout: no wait in the
+    # pre-launch phase outlasts the whole budget by more than half.
+    probe_timeout = timedelta(seconds=min(user_timeout.total_seconds(),
+                                          max(MIN_WAIT_S, 1.5 * opts.auto_parallel_budget_s)))
+    store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    fallback = megatron_args.layout_from_args(args, world)
+    try:
+        doc = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout)
+        layout, placement = chosen_from_json(doc, where="plan")
+        digest = hashlib.sha256(json.dumps(doc["candidates"][0], sort_keys=True).encode()).hexdigest()
+        status = f"ok:{digest}"
+    except Exception as e:  # any failure falls back (or stops) on every rank, together
+        doc, status = None, f"failed:{type(e).__name__}: {e}".replace("\n", " ")[:500]
+    if phases.elapsed() > opts.auto_parallel_budget_s:
+        status = f"failed:budget of {opts.auto_parallel_budget_s:g} s exceeded ({phases.elapsed():.0f} s)"
+    # Peers stuck in a collective with a failed rank give up after probe_timeout; wait longer.
+    statuses = _agree(store, f"pipette/{attempt}/status/", rank, world, status, 2 * probe_timeout)
+    if len(set(statuses)) != 1 or not statuses[0].startswith("ok:"):
+        failures = {}
+        for r, s in enumerate(statuses):
+            if not s.startswith("ok:"):
+                failures.setdefault(s.removeprefix("failed:"), []).append(r)
+        reason = "; ".join(f"rank {','.join(map(str, ranks))}: {why}" for why, ranks in failures.items()) \
+            or "ranks hold different plans"
+        if opts.auto_parallel_strict:
+            _close_quietly()
+            raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
+        log(f"WARNING: planning failed ({reason}); training with the flags as given: {fallback.describe()}", rank)
+        layout, placement = None, None
+    _rerank(store, placement if layout is not None else None, backend, user_timeout,
+            f"pipette/{attempt}/train/", args, rank)
+    if layout is not None:
+        megatron_args.apply_layout(args, layout)
+        _log_groups(layout, placement, args.rank)
+        if args.rank == 0 and getattr(args, "save", None):
+            _write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc)
+        log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
+        best = doc["candidates"][0]
+        log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
+            f"{best['memory']['peak_bytes'] / 2**30:.2f} GiB of {best['memory']['capacity_bytes'] / 2**30:.2f} "
+            f"GiB per device", args.rank)
+    megatron_args.make_resumable_across_layouts(args)
+    log("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items())
+        + f"; total {phases.elapsed():.1f} s", args.rank)
+    if opts.auto_parallel_dry_run:
+        _close_quietly()
+        sys.exit(0)
+
+
+def _rerank(store, placement: Placement | None, backend: str, timeout: timedelta, prefix: str, args: Any,
+            old_rank: int) -> None:
+    """The training group: ranks from the placement, or torchrun's own after a failure (when the
+    probe group may be broken, so it is dropped without a barrier)."""
+    if placement is None:
+        world = dist.get_world_size()
+        _close_quietly()
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=old_rank, world_size=world,
+                                timeout=timeout)
+        new_rank = old_rank
+    else:
+        new_rank = reinit_with_ranks(store, placement.physical_to_logical.tolist(), backend, timeout, prefix)
+    args.rank, args.world_size = new_rank, dist.get_world_size()
+    if new_rank != old_rank:
+        print(f"> auto-parallel: process {old_rank} (LOCAL_RANK {os.environ.get('LOCAL_RANK')}) "
+              f"is now rank {new_rank}", flush=True)
+
+
+def _log_groups(layout: Layout, placement: Placement, rank: int) -> None:
+    """The groups Megatron will build, in torchrun's original ranks, so the re-ranking is visible."""
+    groups = expected_groups(layout.tp, layout.pp, layout.dp, placement.logical_to_physical.tolist())
+    for kind, name in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data")):
+        distinct = sorted({tuple(g[kind]) for g in groups.values()})
+        log(f"{name}-parallel groups (torchrun ranks): {' '.join(str(list(g)) for g in distinct)}", rank)
+
+
+def _close_quietly() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group cannot be torn down cleanly; the process exits anyway
+            pass
+

@@ -1,0 +1,146 @@
+"""Translate between Megatron's parsed `args` and the planner's Workload and Layout.
+
+Torch-free: it reads and writes attributes of an argparse namespace. Which
+layout flags the user typed (constraints for the search) is read from the
+command line itself, since Megatron's defaults are indistinguishable from
+typed values once parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+LAYOUT_FLAGS = {"--" + f.name.replace("_", "-"): f.name for f in dataclasses.fields(Layout)
+                if f.name != "data_parallel_size"}
+# Megatron has one flag per direction of a switch; both pin the field.
+NEGATED_FLAGS = {"--no-overlap-grad-reduce": "overlap_grad_reduce",
+                 "--no-overlap-param-gather": "overlap_param_gather"}
+# Megatron's other ways of asking for a virtual pipeline; the plan sets its own.
+VIRTUAL_PIPELINE_FIELDS = ("num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout")
+
+
+def typed_flags(argv: Sequence[str]) -> set[str]:
+    """Layout field names whose Megatron flag appears on the command line."""
+    typed = set()
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in LAYOUT_FLAGS:
+            typed.add(LAYOUT_FLAGS[name])
+        elif name in NEGATED_FLAGS:
+            typed.add(NEGATED_FLAGS[name])
+    return typed
+
+
+def _enum_name(value: Any) -> str:
+    return getattr(value, "name", str(value))
+
+
+def workload_from_args(args: Any) -> Workload:
+    """The planner's Workload for the model Megatron was asked to train."""
+    if args.global_batch_size is None:
+        raise PipetteError("--auto-parallel needs an explicit --global-batch-size "
+                           "(the planner chooses the data-parallel size, which Megatron's default depends on)")
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if args.vocab_size is None and getattr(args, "padded_vocab_size", None) is None:
+        raise PipetteError("--auto-parallel needs the vocabulary size: pass --vocab-size "
+                           "(the tokenizer is built only after the layout is chosen)")
+    backend = _enum_name(getattr(args, "attention_backend", "auto"))
+    return Workload(
+        name="the model of these Megatron flags",
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        group_query_attention=bool(args.group_query_attention),
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        swiglu=bool(args.swiglu), vocab_size=args.vocab_size or args.padded_vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+        position_embedding_type=args.position_embedding_type
+        if args.position_embedding_type in ("learned_absolute", "rope", "none") else "rope",
+        max_position_embeddings=args.max_position_embeddings,
+        normalization=args.normalization if args.normalization in ("LayerNorm", "RMSNorm") else "LayerNorm",
+        add_bias_linear=bool(args.add_bias_linear), attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        attention_backend=backend if backend in ("auto", "flash", "fused", "unfused", "local") else "auto",
+        precision=precision)
+
+
+def layout_from_args(args: Any, world_size: int) -> Layout:
+    """The layout the user's own flags describe (the fallback when planning fails)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  data_parallel_size=max(1, world_size // (tp * pp)), micro_batch_size=args.micro_batch_size,
+                  **{f: getattr(args, f, None) for f in ("num_layers_per_virtual_pipeline_stage",
+                                                         "recompute_granularity", "recompute_method",
+                                                         "recompute_num_layers",
+                                                         "decoder_first_pipeline_num_layers",
+                                                         "decoder_last_pipeline_num_layers")},
+                  **{f: bool(getattr(args, f, False)) for f in ("sequence_parallel", "use_distributed_optimizer",
+                                                                "overlap_grad_reduce", "overlap_param_gather")})
+
+
+def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
+    """The layout fields the user fixed by typing their flag beside --auto-parallel, plus what
+    this installation cannot run: sequence parallelism needs Transformer Engine's or apex's
+    norms (megatron-core's torch LayerNorm asserts against it)."""
+    constraints = {name: getattr(args, name) for name in typed_flags(argv)}
+    if "sequence_parallel" not in constraints and not sequence_parallel_supported(args):
+        constraints["sequence_parallel"] = False
+    return constraints
+
+
+CHECKPOINT_PLAN = "pipette_plan.json"
+"""Written beside Megatron's checkpoints: the layout they were saved under."""
+
+
+def checkpoint_constraints(args: Any) -> dict[str, Any]:
+    """What a checkpoint to resume from fixes: Megatron cannot load a distributed-optimizer
+    checkpoint into a plain optimizer or the reverse, so that choice is kept; TP, PP and DP
+    reshard freely with torch_dist checkpoints."""
+    load = getattr(args, "load", None)
+    path = Path(load) / CHECKPOINT_PLAN if load else None
+    if path is None or not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())["candidates"][0]["layout"]
+        return {"use_distributed_optimizer": bool(saved["use_distributed_optimizer"])}
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise PipetteError(f"--load {load}: cannot read {CHECKPOINT_PLAN} ({e!r})") from None
+
+
+def sequence_parallel_supported(args: Any) -> bool:
+    te = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+    return (te and importlib.util.find_spec("transformer_engine") is not None) or \
+        importlib.util.find_spec("apex") is not None
+
+
+def apply_layout(args: Any, layout: Layout) -> None:
+    """Rewrite Megatron's layout arguments, before validate_args derives the rest from them."""
+    for field in dataclasses.fields(Layout):
+        if field.name != "data_parallel_size":
+            setattr(args, field.name, getattr(layout, field.name))
+    for name in VIRTUAL_PIPELINE_FIELDS:
+        if hasattr(args, name):
+            setattr(args, name, None)
+    # recompute_num_layers has a Megatron default of 1 only meaningful with full recompute.
+    if layout.recompute_granularity != "full":
+        args.recompute_method = None
+
+
+def make_resumable_across_layouts(args: Any) -> None:
+    """Checkpoints that another layout can load: distributed checkpoints, and optimizer
+    state saved fully reshardable (the default dp_reshardable cannot change TP or PP)."""
+    if getattr(args, "use_checkpoint_args", False):
+        raise PipetteError("--use-checkpoint-args would override the planned layout; drop it with --auto-parallel")
+    args.ckpt_format = "torch_dist"
+    if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        args.dist_ckpt_optim_fully_reshardable = True

@@ -1,0 +1,37 @@
+"""The `--auto-parallel` flags, as Megatron-style arguments added to Megatron's own parser."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+ENV_VAR = "PIPETTE_AUTO_PARALLEL"
+DEFAULT_BUDGET_S = 120.0
+DEFAULT_CACHE_DIR = Path(os.environ.get("PIPETTE_CACHE_DIR", Path.home() / ".cache" / "megatron-pipette"))
+
+
+def requested(argv: list[str]) -> bool:
+    """Whether this launch asks for auto-parallel (flag or environment)."""
+    return "--auto-parallel" in argv or os.environ.get(ENV_VAR) == "1"
+
+
+def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's `extra_args_provider` shape: take the parser, add a group, return it."""
+    group = parser.add_argument_group("megatron-pipette auto-parallel")
+    group.add_argument("--auto-parallel", action="store_true", default=os.environ.get(ENV_VAR) == "1",
+                       help="probe the allocated GPUs, plan the fastest layout that fits and a rank placement, "
+                            "and train with it (flags given explicitly are kept as constraints)")
+    group.add_argument("--auto-parallel-budget-s", type=float, default=DEFAULT_BUDGET_S,
+                       help=f"time budget for the whole pre-launch phase, seconds (default {DEFAULT_BUDGET_S:g})")
+    group.add_argument("--auto-parallel-cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                       help="where probes and plans are kept, keyed by allocation and model "
+                            "(default $PIPETTE_CACHE_DIR or ~/.cache/megatron-pipette)")
+    group.add_argument("--auto-parallel-plan-file", type=Path, default=None,
+                       help="use the best candidate of this plan JSON instead of planning")
+    group.add_argument("--auto-parallel-dry-run", action="store_true",
+                       help="print the plan and exit without training")
+    group.add_argument("--auto-parallel-strict", action="store_true",
+                       help="stop with an error if probing or planning fails, instead of training with "
+                            "the flags as given")
+    return parser

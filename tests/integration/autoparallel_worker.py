@@ -1,0 +1,54 @@
+"""Run Megatron's real argument handling with --auto-parallel, then report the groups it builds.
+
+Launched under torchrun by test_autoparallel.py. Prints one line per process:
+`GROUPS {"physical": torchrun rank, "tp": [...], "pp": [...], "dp": [...]}` with the
+members of this process's Megatron groups given as their original torchrun ranks.
+With PIPETTE_TEST_FAIL_PROBE_RANK=r, rank r's probe raises before its first message.
+"""
+
+import json
+import os
+import sys
+
+physical = int(os.environ["RANK"])  # torchrun's rank, before the hook renumbers the processes
+
+from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal  # noqa: E402
+
+enable_cpu_rehearsal()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+
+from megatron_pipette.integration.install import install  # noqa: E402
+
+install()  # what the .pth does on import; explicit here so the test does not depend on site-packages
+
+if os.environ.get("PIPETTE_TEST_FAIL_PROBE_RANK") == str(physical):
+    from megatron_pipette.probe import runner
+
+    def broken_probe(*args, **kwargs):
+        raise RuntimeError(f"injected probe failure on rank {physical}")
+
+    runner.run_probe = broken_probe
+
+args = parse_and_validate_args()
+parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+
+
+def members(group) -> list[int]:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, physical, group=group)
+    return sorted(out)
+
+
+report = {"physical": physical, "rank": dist.get_rank(),
+          "tp": members(parallel_state.get_tensor_model_parallel_group()),
+          "pp": members(parallel_state.get_pipeline_model_parallel_group()),
+          "dp": members(parallel_state.get_data_parallel_group()),
+          "layout": [args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size]}
+print("GROUPS " + json.dumps(report), flush=True)
+dist.barrier()
+parallel_state.destroy_model_parallel()
+dist.destroy_process_group()
+sys.exit(0)

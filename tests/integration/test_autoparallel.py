@@ -1,0 +1,149 @@
+"""--auto-parallel inside Megatron's own argument handling: plan, re-rank, fall back."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_pipette.integration.groups import expected_groups
+from megatron_pipette.plan.document import chosen_from_json
+
+WORKER = Path(__file__).with_name("autoparallel_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "16",
+        "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer", "--train-iters", "10",
+        "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+        "--distributed-backend", "gloo", "--lr", "1e-3", "--mock-data"]
+
+
+def groups_of(output: str) -> dict[int, dict]:
+    reports = [json.loads(line.split("GROUPS ", 1)[1]) for line in output.splitlines() if "GROUPS {" in line]
+    return {r["physical"]: r for r in reports}
+
+
+def two_node_torchrun(args: list[str], timeout: float = 240) -> str:
+    """Two torchrun agents on this host, 2 processes each: two 'nodes' to the probe."""
+    port = free_port()
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "pipette-test", str(WORKER), *args],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for node in (0, 1)]
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail("two-node torchrun timed out")
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
+    return "\n".join(outputs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_groups(output: str, doc: dict) -> tuple:
+    layout, placement = chosen_from_json(doc, "plan")
+    got = groups_of(output)
+    want = expected_groups(layout.tp, layout.pp, layout.dp, placement.logical_to_physical.tolist())
+    assert sorted(got) == sorted(want)
+    for physical, groups in want.items():
+        assert {k: got[physical][k] for k in ("tp", "pp", "dp")} == groups, physical
+        assert got[physical]["layout"] == [layout.tp, layout.pp, layout.dp]
+    return layout, placement
+
+
+@pytest.mark.torchrun
+def test_planned_groups_follow_the_placement(run_torchrun, tmp_path: Path) -> None:
+    """Probe, profile and plan in the job; Megatron's groups are the plan's, process by process."""
+    out = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
+                                "--auto-parallel-budget-s", "60"], nproc=4, timeout=240)
+    assert "> auto-parallel: probed 4 devices" in out
+    assert "> auto-parallel: chosen layout" in out
+    (plan_file,) = tmp_path.glob("*/plan.json")
+    check_groups(out, json.loads(plan_file.read_text()))
+
+
+@pytest.mark.torchrun
+def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
+    """A plan that puts logical node 0 on physical node 1 renumbers every process accordingly."""
+    from megatron_pipette.plan.document import plan_json
+    from megatron_pipette.plan.planner import plan
+    from megatron_pipette.spec.hardware import preset_cluster
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    result = plan(workload_from_preset("tiny-gpt"), preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2),
+                  constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    doc = plan_json(result)
+    doc["candidates"][0]["placement"]["node_order"] = [1, 0]
+    pinned = tmp_path / "plan.json"
+    pinned.write_text(json.dumps(doc))
+    out = two_node_torchrun([*TINY, "--auto-parallel", "--auto-parallel-plan-file", str(pinned),
+                             "--auto-parallel-cache-dir", str(tmp_path / "cache")])
+    layout, placement = check_groups(out, doc)
+    assert placement.node_order == (1, 0) and layout.tp == 2 and layout.pp == 2
+    # Physical ranks 2 and 3 (node 1) now hold logical ranks 0 and 1: the first pipeline stage.
+    assert {groups_of(out)[p]["rank"] for p in (2, 3)} == {0, 1}
+
+
+@pytest.mark.torchrun
+def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Path) -> None:
+    """One rank's probe fails: every rank warns and trains with the flags as given; none hangs."""
+    import os
+    os.environ["PIPETTE_TEST_FAIL_PROBE_RANK"] = "1"
+    try:
+        out = run_torchrun(WORKER, [*TINY, "--tensor-model-parallel-size", "2", "--auto-parallel",
+                                    "--auto-parallel-cache-dir", str(tmp_path), "--auto-parallel-budget-s", "10"],
+                           nproc=4, timeout=180)
+    finally:
+        del os.environ["PIPETTE_TEST_FAIL_PROBE_RANK"]
+    assert re.search(r"WARNING: planning failed \(.*rank 1: RuntimeError: injected probe failure on rank 1", out), \
+        out[-3000:]
+    got = groups_of(out)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert all(r["layout"] == [2, 1, 2] and r["rank"] == p for p, r in got.items())
+
+
+AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.eE+-]+|nan|inf)")
+CHOSEN = re.compile(r"> auto-parallel: chosen layout (tp\d+ pp\d+ dp\d+)")
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, monkeypatch) -> None:
+    """4 processes train and save under one layout; 2 processes resume under the layout the
+    planner picks for 2, from the saved iteration, with finite, still-falling loss."""
+    monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = ["--train-iters", "10", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+            "--save-interval", "1000"]
+    first = run_bounded(["bash", str(AUTO_GPT), *ckpt, "--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2", "--exit-interval", "6"], timeout=240)
+    monkeypatch.setenv("NPROC", "2")
+    second = run_bounded(["bash", str(AUTO_GPT), *ckpt], timeout=240)
+    before = {int(i): float(v) for i, v in LOSS.findall(first)}
+    after = {int(i): float(v) for i, v in LOSS.findall(second)}
+    assert CHOSEN.search(first).group(1).endswith("dp1")  # tp2 pp2 on 4
+    replanned = CHOSEN.search(second).group(1)
+    assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
+    assert sorted(before) == list(range(1, 7)) and sorted(after) == list(range(7, 11))
+    assert all(v == v and v < float("inf") for v in after.values())
+    assert after[7] < before[1] - 0.2 and after[10] < after[7], (before, after)
