@@ -80,6 +80,12 @@ def test_planned_groups_follow_the_placement(run_torchrun, tmp_path: Path) -> No
     assert "> auto-parallel: chosen layout" in out
     (plan_file,) = tmp_path.glob("*/plan.json")
     check_groups(out, json.loads(plan_file.read_text()))
+    # The same allocation again: the cached plan is reused, probe and profile are skipped;
+    # a dry run stops before Megatron builds anything.
+    again = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
+                                  "--auto-parallel-dry-run"], nproc=4, timeout=240)
+    assert f"using the plan in {plan_file}" in again and "probed" not in again
+    assert "GROUPS" not in again
 
 
 @pytest.mark.torchrun
