@@ -20,7 +20,8 @@ from pathlib import Path
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_cluster
-from megatron_pipette.spec.layer_profile import LayerProfile, check_profile_matches, profile_from_json
+from megatron_pipette.spec.layer_profile import (LayerProfile, check_profile_device, check_profile_matches,
+                                                  profile_from_json)
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload, model_presets, workload_fields, workload_from_preset
 
@@ -130,10 +131,11 @@ def cluster_from_args(ns: argparse.Namespace, precision: str) -> Cluster:
     return cluster_from_json(read_json(source, "--cluster"), where=f"--cluster {source}")
 
 
-def profile_from_args(ns: argparse.Namespace, workload: Workload) -> LayerProfile | None:
+def profile_from_args(ns: argparse.Namespace, workload: Workload, cluster: Cluster) -> LayerProfile | None:
     if not ns.layer_profile:
         return None
     where = f"--layer-profile {ns.layer_profile}"
     profile = profile_from_json(read_json(ns.layer_profile, "--layer-profile"), where=where)
     check_profile_matches(profile, workload, where=where)
+    check_profile_device(profile, cluster, where=where)
     return profile

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_plan(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns, DEFAULT_MODEL)
     cluster = cluster_from_args(ns, workload.precision)
-    profile = profile_from_args(ns, workload)
+    profile = profile_from_args(ns, workload, cluster)
     if ns.top <= 0:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
     constraints = layout_constraints(ns)
@@ -79,7 +79,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_estimate(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns, DEFAULT_MODEL)
     cluster = cluster_from_args(ns, workload.precision)
-    profile = profile_from_args(ns, workload)
+    profile = profile_from_args(ns, workload, cluster)
     fields = layout_constraints(ns)
     tp = fields.get("tensor_model_parallel_size", 1)
     pp = fields.get("pipeline_model_parallel_size", 1)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.hardware import Cluster, gpu_catalog
 from megatron_pipette.spec.workload import Workload
 
 SCHEMA = "megatron-pipette/layer-profile"
@@ -132,6 +133,15 @@ def profile_model_fields(workload: Workload) -> dict:
     return {"hidden_size": workload.hidden_size, "num_attention_heads": workload.num_attention_heads,
             "ffn_hidden_size": workload.ffn, "num_query_groups": workload.query_groups,
             "seq_length": workload.seq_length, "swiglu": workload.swiglu, "precision": workload.precision}
+
+
+def check_profile_device(profile: LayerProfile, cluster: Cluster, where: str = "--layer-profile") -> None:
+    """A profile times one kind of device; using a CPU or another GPU's times for this cluster would
+    silently mispredict (device speed scaling only corrects for small differences)."""
+    profiled = gpu_catalog().get(profile.device_name.lower())
+    if cluster.gpu is not None and profiled is not cluster.gpu:
+        raise PipetteError(f"{where}: profiled on {profile.device_name!r}, but the cluster's devices are "
+                           f"{cluster.gpu.name}; profile on one of them")
 
 
 def check_profile_matches(profile: LayerProfile, workload: Workload, where: str = "--layer-profile") -> None:

@@ -96,3 +96,23 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "megatron_pipette.cli.main", "plan", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--tensor-model-parallel-size" in out and "--num-query-groups" in out and "--cluster" in out
+
+
+def test_layer_profile_must_come_from_the_clusters_device(capsys, tmp_path):
+    from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_fields
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
+    entry = {"tensor_model_parallel_size": 1, "micro_batch_size": 1, "forward_s": 0.01, "backward_s": 0.02,
+             "activation_bytes": 1 << 30}
+    doc = {"schema": SCHEMA, "version": VERSION, "device": {"device_name": "cpu", "rank": 0},
+           "model": profile_model_fields(w), "layers": [entry]}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = run(capsys, "plan", *SMALL, "--layer-profile", str(path))
+    assert code == 2 and "profiled on 'cpu'" in err and "A100-80GB" in err
+    doc["device"]["device_name"] = "NVIDIA A100-SXM4-80GB"
+    path.write_text(json.dumps(doc))
+    code, out, _ = run(capsys, "plan", *SMALL, "--layer-profile", str(path), "--top", "1",
+                       "--tensor-model-parallel-size", "1")
+    assert code == 0, out
