@@ -1,0 +1,70 @@
+"""Translation between Megatron's parsed args and the planner's descriptions (no torch)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.integration import megatron_args as ma
+from megatron_pipette.spec.layout import Layout
+
+
+def megatron_namespace(**kw):
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, global_batch_size=16,
+                ffn_hidden_size=None, kv_channels=None, group_query_attention=False, num_query_groups=None,
+                swiglu=False, vocab_size=1024, padded_vocab_size=None, make_vocab_size_divisible_by=128,
+                untie_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+                max_position_embeddings=64, normalization="LayerNorm", add_bias_linear=True,
+                attention_dropout=0.1, hidden_dropout=0.1, attention_backend="auto", bf16=True, fp16=False,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, micro_batch_size=1,
+                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=2,
+                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                sequence_parallel=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                overlap_param_gather=False, transformer_impl="local", load=None, use_checkpoint_args=False,
+                ckpt_format="torch", dist_ckpt_optim_fully_reshardable=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_typed_flags_are_the_constraints():
+    argv = ["--num-layers", "4", "--tensor-model-parallel-size=2", "--sequence-parallel", "--no-overlap-grad-reduce",
+            "--auto-parallel"]
+    assert ma.typed_flags(argv) == {"tensor_model_parallel_size", "sequence_parallel", "overlap_grad_reduce"}
+
+
+def test_sequence_parallel_is_ruled_out_without_te_or_apex(monkeypatch):
+    monkeypatch.setattr(ma, "sequence_parallel_supported", lambda args: False)
+    args = megatron_namespace(tensor_model_parallel_size=2)
+    assert ma.constraints_from_args(args, ["--tensor-model-parallel-size", "2"]) == {
+        "tensor_model_parallel_size": 2, "sequence_parallel": False}
+
+
+def test_workload_needs_global_batch_and_vocab():
+    assert ma.workload_from_args(megatron_namespace()).precision == "bf16"
+    with pytest.raises(PipetteError, match="--global-batch-size"):
+        ma.workload_from_args(megatron_namespace(global_batch_size=None))
+    with pytest.raises(PipetteError, match="--vocab-size"):
+        ma.workload_from_args(megatron_namespace(vocab_size=None))
+
+
+def test_apply_layout_rewrites_megatrons_args():
+    args = megatron_namespace()
+    layout = Layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=1,
+                    micro_batch_size=4, num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True)
+    ma.apply_layout(args, layout)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == (2, 2, 4)
+    assert args.num_layers_per_virtual_pipeline_stage == 1 and args.num_virtual_stages_per_pipeline_rank is None
+    assert args.use_distributed_optimizer and ma.layout_from_args(args, 4) == layout
+
+
+def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
+    args = megatron_namespace(load=str(tmp_path))
+    assert ma.checkpoint_constraints(args) == {}
+    plan = {"candidates": [{"layout": {"use_distributed_optimizer": True}}]}
+    (tmp_path / ma.CHECKPOINT_PLAN).write_text(json.dumps(plan))
+    assert ma.checkpoint_constraints(args) == {"use_distributed_optimizer": True}
+    ma.make_resumable_across_layouts(args)
+    assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
+    with pytest.raises(PipetteError, match="--use-checkpoint-args"):
+        ma.make_resumable_across_layouts(megatron_namespace(use_checkpoint_args=True))
