@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import typing
 from functools import cache
 from pathlib import Path
@@ -28,6 +29,7 @@ from megatron_pipette.spec.workload import Workload, model_presets, workload_fie
 DEFAULT_MODEL = "gpt3-13b"
 DEFAULT_CLUSTER = "dgx-a100"
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
+NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear"}
 LAYOUT_FLAG_FIELDS = [f for f in dataclasses.fields(Layout) if f.name != "data_parallel_size"]
 
 
@@ -42,7 +44,8 @@ def field_docs(cls: type) -> dict[str, str]:
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split()).replace("%", "%%")
+            text = " ".join(after.value.value.split())
+            docs[node.target.id] = re.sub(r"^--[\w-]+[:;] ", "", text).replace("%", "%%")
     return docs
 
 
@@ -50,7 +53,11 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
     kind = hints[field.name]
     doc = field_docs(cls).get(field.name, "")
     if kind is bool:
-        group.add_argument(flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
+        if field.default is True:  # Megatron's switch for a default-on feature says what it turns off
+            group.add_argument(NEGATIVE_FLAGS[field.name], dest=field.name, action="store_false",
+                               default=argparse.SUPPRESS, help=doc)
+        else:
+            group.add_argument(flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
     group.add_argument(flag(field.name), type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(),

@@ -64,7 +64,7 @@ class Workload:
     normalization: str = "LayerNorm"
     """--normalization: LayerNorm (weight+bias) or RMSNorm (weight)."""
     add_bias_linear: bool = True
-    """Megatron default; --disable-bias-linear sets False."""
+    """Biases in the linear layers (Megatron default); --disable-bias-linear turns them off."""
     attention_dropout: float = 0.1
     """--attention-dropout: >0 keeps a dropout mask per attention score."""
     hidden_dropout: float = 0.1
