@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from megatron_pipette.cost import simulator
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
@@ -172,10 +173,7 @@ def _layer_bytes(workload: Workload, layout: Layout, granularity: str | None,
 
 def _warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int) -> int:
     """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP)."""
-    total = num_microbatches * vpp
-    if vpp == 1:
-        return min(pp - rank - 1, total)
-    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    return simulator.interleaved_warmup(pp, rank, num_microbatches, vpp, pp)
 
 
 def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1) -> int:
@@ -197,15 +195,6 @@ def in_flight_microbatches(workload: Workload, layout: Layout) -> tuple[int, ...
     return tuple(microbatches_in_flight(layout.pp, r, m, vpp) for r in range(layout.pp))
 
 
-def _forward_chunk_order(num_microbatches: int, vpp: int, group: int) -> list[int]:
-    """Model chunk of each forward step: megatron-core's get_schedule_table, chunk column."""
-    order = []
-    for first in range(0, num_microbatches, group):
-        size = num_microbatches - first if first + group >= num_microbatches else group
-        order += [chunk for chunk in range(vpp) for _ in range(size)]
-    return order
-
-
 @cache
 def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[tuple[int, int, int]]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
@@ -220,7 +209,7 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
         return frozenset({(n, n, n)})
     if 0 < rank < pp - 1:  # holds neither embedding nor output: only the total matters
         return frozenset({(microbatches_in_flight(pp, rank, num_microbatches, vpp), 0, 0)})
-    order = _forward_chunk_order(num_microbatches, vpp, pp)
+    order = simulator.forward_chunks(num_microbatches, vpp, pp)
     warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp)
     live, states = [0] * vpp, set()
     for step in range(len(order)):

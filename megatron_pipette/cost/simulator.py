@@ -140,8 +140,16 @@ def schedule_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
 
 
 def interleaved_warmup(p: int, r: int, m: int, v: int, group: int) -> int:
-    """Warmup forward steps of pipeline rank r (get_pp_rank_microbatches)."""
+    """Warmup forward steps of pipeline rank r before its first backward (get_pp_rank_microbatches,
+    forward_only False): p-r-1 without interleaving (v = 1), else (p-r-1)*2 + (v-1)*group; at most m*v."""
+    if v == 1:
+        return min(p - r - 1, m)
     return min((p - r - 1) * 2 + (v - 1) * group, m * v)
+
+
+def forward_chunks(m: int, v: int, group: int) -> list[int]:
+    """Model chunk of each forward step, in order: the chunk column of schedule_table."""
+    return [c for _, c in schedule_table(m, v, group)]
 
 
 @lru_cache(maxsize=256)
