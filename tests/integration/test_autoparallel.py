@@ -25,7 +25,9 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def groups_of(output: str) -> dict[int, dict]:
-    reports = [json.loads(line.split("GROUPS ", 1)[1]) for line in output.splitlines() if "GROUPS {" in line]
+    """The workers' reports; ranks print concurrently, so lines can run together."""
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(output, m.end())[0] for m in re.finditer(r"GROUPS (?=\{)", output)]
     return {r["physical"]: r for r in reports}
 
 
