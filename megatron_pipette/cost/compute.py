@@ -190,7 +190,7 @@ def _as_array(work: Work) -> np.ndarray:
 
 def stage_work(workload: Workload, layout: Layout, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
-    p, v = layout.pp, layout.virtual_stages(workload)
+    v = layout.virtual_stages(workload)
     bw = cluster.memory_bandwidth_Bps
     layer = profile_layer(profile, workload, layout, cluster) if profile else None
     profiled = layer is not None

@@ -136,9 +136,8 @@ def _one_f_one_b_closed(f, b, phi, beta, x, m):
     batch, p = f.shape
     c = f + b + x[:, 1:] + x[:, :-1]            # steady cycle of stage s: F, exchange, B, exchange
     cw = f + phi[:, 1:] + phi[:, :-1]           # warmup cycle: receive, F, send
-    cc = b + beta[:, 1:] + beta[:, :-1]         # cooldown cycle: receive, B, send
     g = np.cumsum(f + x[:, 1:], axis=1)         # g[k] = sum_{s<=k} f_s + x_s
-    gw, pc, pcw, pcc = _prefix(f + phi[:, 1:]), _prefix(c), _prefix(cw), _prefix(cc)
+    gw, pc, pcw = _prefix(f + phi[:, 1:]), _prefix(c), _prefix(cw)
     h = np.arange(p)[:, None]                   # entry/exit hop
     sg = np.arange(p)[None, :]                  # cycling stage
     # W(h): longest path to the first steady event on hop h (warmup cycles at sigma).

@@ -11,7 +11,6 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
