@@ -121,7 +121,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     source = _broadcast(source if rank == 0 else None, rank)
     if source is not None:
         path = cache / "plan.json" if source == "cache" else Path(source)
-        doc = _broadcast(json.loads(path.read_text()) if rank == 0 else None, rank)
+        doc = _on_rank0_then_broadcast(lambda: json.loads(path.read_text()), rank)
         log(f"using the plan in {path} (allocation {key}); probe and profile skipped", rank)
         return doc
     from megatron_pipette.probe import run_probe
@@ -136,24 +136,30 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
         out=cache / "cluster.json", timeout_s=timeout.total_seconds()))
     cluster = cluster_from_json(cluster_doc, where="probe")
     log(f"probed {world} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s", rank)
-    result: dict | None = None
-    error: str | None = None
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
     # neutral one (a collective) and tear it down before Megatron builds the real one.
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        if rank == 0:
-            try:
-                result = _profile_and_plan(workload, cluster, constraints, opts, cache, phases, on_gpu, budget)
-            except PipetteError as e:
-                error = str(e)
-        result, error = _broadcast((result, error) if rank == 0 else None, rank)
+        return _on_rank0_then_broadcast(lambda: _profile_and_plan(
+            workload, cluster, constraints, opts, cache, phases, on_gpu, budget), rank)
     finally:
         parallel_state.destroy_model_parallel()
-    if error:
-        raise PipetteError(error)
+
+
+def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
+    """Run `work` on rank 0 and give every rank its result, or its error: the other ranks wait in
+    the broadcast, so rank 0 must reach it even when `work` fails."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = work()
+        except Exception as e:  # reported on every rank by the caller's fallback
+            error = e if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
+    result, error = _broadcast((result, error) if rank == 0 else None, rank)
+    if error is not None:
+        raise error if isinstance(error, PipetteError) else PipetteError(f"rank 0: {error}")
     return result
 
 
@@ -209,6 +215,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     try:
         doc = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout)
         layout, placement = chosen_from_json(doc, where="plan")
+        if placement.logical_to_physical.size != world:
+            raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
         digest = hashlib.sha256(json.dumps(doc["candidates"][0], sort_keys=True).encode()).hexdigest()
         status = f"ok:{digest}"
     except Exception as e:  # any failure falls back (or stops) on every rank, together
