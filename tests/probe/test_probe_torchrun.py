@@ -67,6 +67,12 @@ def test_four_ranks_complete_identical_and_accepted(tmp_path):
     assert {tuple(c["ranks"]) for c in doc["collectives"]} == {(0, 1), (2, 3), (0, 1, 2, 3)}
     assert [d["local_rank"] for d in doc["devices"]] == [0, 1, 2, 3]
     assert doc["precision"] == "fp32" and doc["probe"]["requested_precision"] == "bf16"
+    # `pipette plan --cluster` takes the probe's file unchanged.
+    path = tmp_path / "probed.json"
+    path.write_text(json.dumps(doc))
+    from megatron_pipette.cli.main import main
+
+    assert main(["plan", "--model", "tiny-gpt", "--cluster", str(path), "--top", "1"]) == 0
 
 
 def test_odd_world_with_a_slowed_rank(tmp_path):
