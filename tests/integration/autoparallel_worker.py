@@ -4,6 +4,8 @@ Launched under torchrun by test_autoparallel.py. Prints one line per process:
 `GROUPS {"physical": torchrun rank, "tp": [...], "pp": [...], "dp": [...]}` with the
 members of this process's Megatron groups given as their original torchrun ranks.
 With PIPETTE_TEST_FAIL_PROBE_RANK=r, rank r's probe raises before its first message.
+With PIPETTE_TEST_CRASH_FIRST_ATTEMPT=1, rank 0 crashes after reporting in torchrun's first
+attempt, so that torchrun restarts the whole worker group (an elastic restart).
 """
 
 import json
@@ -49,6 +51,9 @@ report = {"physical": physical, "rank": dist.get_rank(),
           "layout": [args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size]}
 print("GROUPS " + json.dumps(report), flush=True)
 dist.barrier()
+if (os.environ.get("PIPETTE_TEST_CRASH_FIRST_ATTEMPT") == "1" and physical == 0
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+    os._exit(17)
 parallel_state.destroy_model_parallel()
 dist.destroy_process_group()
 sys.exit(0)

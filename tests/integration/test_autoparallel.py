@@ -130,6 +130,21 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
     assert all(r["layout"] == [2, 1, 2] and r["rank"] == p for p, r in got.items())
 
 
+@pytest.mark.torchrun
+def test_elastic_restart_plans_again_under_fresh_prefixes(run_bounded, tmp_path: Path, monkeypatch) -> None:
+    """torchrun restarts the worker group after a crash: the hook starts over on the same store under
+    new prefixes, finds the plan cached for this allocation, and every process gets its groups again."""
+    monkeypatch.setenv("PIPETTE_TEST_CRASH_FIRST_ATTEMPT", "1")
+    out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                       "--max-restarts", "1", str(WORKER), *TINY, "--auto-parallel",
+                       "--auto-parallel-cache-dir", str(tmp_path)], timeout=300)
+    assert out.count("> auto-parallel: probed 4 devices") == 1
+    assert "using the plan in" in out
+    assert len(re.findall(r"GROUPS \{", out)) == 8  # 4 processes, twice
+    (plan_file,) = tmp_path.glob("*/plan.json")
+    check_groups(out, json.loads(plan_file.read_text()))
+
+
 AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.eE+-]+|nan|inf)")
 CHOSEN = re.compile(r"> auto-parallel: chosen layout (tp\d+ pp\d+ dp\d+)")
