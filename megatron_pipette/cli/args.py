@@ -97,16 +97,19 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                        help="measured layer profile JSON (python -m megatron_pipette.profile) instead of the roofline")
 
 
-def workload_from_args(ns: argparse.Namespace, default_model: str | None) -> Workload:
+def workload_from_args(ns: argparse.Namespace, default_model: str | None,
+                       required: tuple[str, ...] = REQUIRED_MODEL_FLAGS, **fallbacks) -> Workload:
+    """The model the flags describe: a --model preset they override, or the flags alone (then
+    `required` must all be given; `fallbacks` fill fields the caller does not need)."""
     given = {f.name: getattr(ns, f.name) for f in workload_fields() if hasattr(ns, f.name)}
     model = getattr(ns, "model", None)
     if model is None:
-        typed = [n for n in REQUIRED_MODEL_FLAGS if n in given]
+        typed = [n for n in required if n in given]
         if typed or default_model is None:
-            missing = [flag(n) for n in REQUIRED_MODEL_FLAGS if n not in given]
+            missing = [flag(n) for n in required if n not in given]
             if missing:
                 raise PipetteError(f"missing {', '.join(missing)} (or pick a preset with --model)")
-            return Workload(**given)
+            return Workload(**{**fallbacks, **given})
         model = default_model
     return workload_from_preset(model, **given)
 

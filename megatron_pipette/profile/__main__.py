@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import typing
 import warnings
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.workload import Workload, model_presets, workload_fields, workload_from_preset
+from megatron_pipette.cli.args import add_workload_flags, workload_from_args
+from megatron_pipette.spec.workload import Workload
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 RECOMPUTE_CHOICES = {"none": None, "selective": "selective", "full": "full"}
@@ -48,36 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--iters", type=int, default=10, help="timed iterations per shape; the median is kept")
     run.add_argument("--rank", type=int, help="this device's rank in the cluster file (default: 0)")
 
-    model = parser.add_argument_group("model (Megatron-LM flags; they override --model)")
-    model.add_argument("--model", choices=sorted(model_presets()), help="a named model preset")
-    hints = typing.get_type_hints(Workload)
-    for field in workload_fields():
-        if field.name == "precision":
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        kind = hints[field.name]
-        if field.name == "add_bias_linear":  # Megatron's switch is the negative one
-            model.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False)
-        elif kind is bool:
-            model.add_argument(flag, action="store_true", default=None)
-        else:
-            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            model.add_argument(flag, type=base, metavar=base.__name__.upper())
-    precision = model.add_mutually_exclusive_group()
-    for name in ("bf16", "fp16", "fp32"):
-        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name)
+    add_workload_flags(parser)
     return parser
 
 
 def workload_from_namespace(ns: argparse.Namespace) -> Workload:
-    given = {f.name: getattr(ns, f.name) for f in workload_fields() if getattr(ns, f.name, None) is not None}
-    if ns.model:
-        return workload_from_preset(ns.model, **given)
-    missing = ["--" + n.replace("_", "-") for n in REQUIRED if n not in given]
-    if missing:
-        raise PipetteError(f"missing {', '.join(missing)} (or pick a preset with --model)")
-    given.setdefault("global_batch_size", 1)  # not used by a layer profile
-    return Workload(**given)
+    # A layer profile does not depend on the global batch size.
+    return workload_from_args(ns, None, required=REQUIRED, global_batch_size=1)
 
 
 def main(argv: list[str] | None = None) -> int:
