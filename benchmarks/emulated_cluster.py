@@ -1,0 +1,148 @@
+"""Validation on an emulated multi-node cluster (tools/emucluster; root, iproute2 and tc needed).
+
+    .venv/bin/python benchmarks/emulated_cluster.py [--only probe|placement] [--out out/emulated_cluster]
+
+1. Probe fidelity: 3 nodes x 1 process, links shaped with tbf (node 2 at a quarter of the rate);
+   the probe's inter-node bandwidth per pair against the shaped path rate min(rate_i, rate_j).
+2. Placement pays off: 4 nodes x 1 process, node 1's link 10x slower; the tiny GPT (PP=4, TP=1,
+   DP=1, non-interleaved) trains under --auto-parallel (probe, profile, plan, placement in the job),
+   then again with the same plan document pinned but node_order = identity (Megatron's default
+   rank order). Iteration times (Megatron's "elapsed time per iteration (ms)", first iterations
+   skipped) and their ratio.
+Writes results.json and every node's log under --out. Every namespace is deleted at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools.emucluster import EmuCluster, unavailable_reason  # noqa: E402
+
+PY = str(REPO / ".venv" / "bin" / "python")
+ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def probe_fidelity(out: Path, rates: list[float]) -> dict:
+    desc = {"nodes": len(rates), "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
+    cluster_json = out / "probe" / "cluster.json"
+    cluster_json.parent.mkdir(parents=True, exist_ok=True)
+    with EmuCluster(desc, tag="p") as cl:
+        t0 = time.monotonic()
+        res = cl.torchrun(["-m", "megatron_pipette.probe", "--out", str(cluster_json), "--large-bytes", "4M",
+                           "--budget-s", "60"], nproc_per_node=1, timeout=150, cwd=str(REPO), python=PY,
+                          logdir=out / "probe")
+        wall = time.monotonic() - t0
+        spec = cl.spec
+    if any(r.returncode != 0 for r in res):
+        raise RuntimeError("probe failed:\n" + "\n".join(r.output[-2000:] for r in res))
+    doc = json.loads(cluster_json.read_text())
+    rows = []
+    n = len(rates)
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                continue
+            want, _ = spec.expected_link(i, j)
+            got = doc["bandwidth_Bps"][i][j]
+            rows.append({"src": i, "dst": j, "shaped_Bps": want, "probed_Bps": got,
+                         "error": got / want - 1, "latency_s": doc["latency_s"][i][j]})
+    print(f"\n## Probe fidelity: {n} nodes x 1 process, rates (Mbit/s) {rates}, probe wall {wall:.1f} s")
+    print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'latency ms':>11}")
+    for r in rows:
+        print(f"{r['src']}->{r['dst']:<3} {r['shaped_Bps'] / 1e6:12.2f} {r['probed_Bps'] / 1e6:12.2f} "
+              f"{r['error']:+8.1%} {r['latency_s'] * 1e3:11.3f}")
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst |error| {worst:.1%} (bar: 25%)")
+    return {"rates_mbit": rates, "links": rows, "worst_abs_error": worst, "probe_wall_s": wall,
+            "cluster_file": str(cluster_json)}
+
+
+GPT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+       "--seq-length", "256", "--max-position-embeddings", "256", "--untie-embeddings-and-output-weights",
+       "--micro-batch-size", "4", "--global-batch-size", "16",
+       "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--num-workers", "0",
+       "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+       "--distributed-backend", "gloo", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+       "--tensor-model-parallel-size", "1"]
+
+
+def train(desc: dict, out: Path, name: str, extra: list[str], iters: int, pp: int) -> tuple[list[float], str]:
+    with EmuCluster(desc, tag=name[:4]) as cl:
+        res = cl.torchrun([str(REPO / "examples" / "pretrain_gpt.py"), *GPT, "--train-iters", str(iters),
+                           "--pipeline-model-parallel-size", str(pp), *extra],
+                          nproc_per_node=1, timeout=420, cwd=str(REPO), python=PY, logdir=out / name)
+    text = "\n".join(r.output for r in res)
+    if any(r.returncode != 0 for r in res):
+        raise RuntimeError(f"{name} failed:\n" + "\n".join(r.output[-3000:] for r in res))
+    times = {int(i): float(ms) for i, ms in ITER_MS.findall(text)}
+    return [times[i] for i in sorted(times)], text
+
+
+def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, skip: int) -> dict:
+    rates = [fast] * nodes
+    rates[slow_node] = fast / 10
+    desc = {"nodes": nodes, "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
+    cache = out / "placement" / "cache"
+    planned, log = train(desc, out / "placement", "planned",
+                         ["--auto-parallel", "--auto-parallel-budget-s", "120",
+                          "--auto-parallel-cache-dir", str(cache)], iters, nodes)
+    (plan_file,) = cache.glob("*/plan.json")
+    doc = json.loads(plan_file.read_text())
+    order = doc["candidates"][0]["placement"]["node_order"]
+    predicted = doc["candidates"][0]["iteration_time_s"]
+    ident = json.loads(json.dumps(doc))
+    ident["candidates"][0]["placement"]["node_order"] = list(range(nodes))
+    ident_file = out / "placement" / "identity_plan.json"
+    ident_file.write_text(json.dumps(ident))
+    default, _ = train(desc, out / "placement", "default",
+                       ["--auto-parallel", "--auto-parallel-plan-file", str(ident_file),
+                        "--auto-parallel-cache-dir", str(out / "placement" / "cache-identity")], iters, nodes)
+    p_med = statistics.median(planned[skip:])
+    d_med = statistics.median(default[skip:])
+    print(f"\n## Placement: {nodes} nodes x 1 process, PP={nodes}, rates (Mbit/s) {rates}")
+    print(f"planner's node_order {order} (predicted {predicted:.3f} s/iteration)")
+    print(f"{'run':>10} {'node_order':>14} {'median ms':>10}  per-iteration ms (first {skip} skipped)")
+    print(f"{'default':>10} {str(list(range(nodes))):>14} {d_med:10.1f}  {[round(t) for t in default]}")
+    print(f"{'placed':>10} {str(order):>14} {p_med:10.1f}  {[round(t) for t in planned]}")
+    print(f"default / placed = {d_med / p_med:.2f}x")
+    return {"rates_mbit": rates, "node_order": order, "predicted_s": predicted, "default_ms": default,
+            "placed_ms": planned, "skip": skip, "default_median_ms": d_med, "placed_median_ms": p_med,
+            "ratio": d_med / p_med, "plan_file": str(plan_file)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "out" / "emulated_cluster")
+    p.add_argument("--only", choices=("probe", "placement"))
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2)
+    args = p.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"emulated cluster unavailable: {reason}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_file = args.out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    if args.only in (None, "probe"):
+        results["probe"] = probe_fidelity(args.out, [200.0, 200.0, 50.0])
+        results_file.write_text(json.dumps(results, indent=1))
+    if args.only in (None, "placement"):
+        results["placement"] = placement(args.out, fast=250.0, slow_node=1, nodes=4, iters=args.iters,
+                                         skip=args.skip)
+        results_file.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
