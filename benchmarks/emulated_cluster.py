@@ -120,12 +120,103 @@ def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, sk
             "ratio": d_med / p_med, "plan_file": str(plan_file)}
 
 
+PRED_FLAGS = ["estimate", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+              "--seq-length", "256", "--max-position-embeddings", "256", "--untie-embeddings-and-output-weights",
+              "--global-batch-size", "16", "--vocab-size", "1024", "--fp32"]
+
+
+def predict(cache_dir: Path, pp: int, mbs: int, order: list[int]) -> float:
+    """The planner's iteration time for one layout and node order, from the hook's own probe
+    (cluster.json) and CPU layer profile (layer_profile.json): the path the hook plans with."""
+    from megatron_pipette.cli.args import workload_from_args
+    from megatron_pipette.cli.main import build_parser
+    from megatron_pipette.plan.placement import Placement
+    from megatron_pipette.plan.planner import evaluate
+    from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.layer_profile import profile_from_json
+    from megatron_pipette.spec.layout import Layout
+
+    workload = workload_from_args(build_parser().parse_args(PRED_FLAGS), None)
+    cluster = cluster_from_json(json.loads((cache_dir / "cluster.json").read_text()))
+    profile = profile_from_json(json.loads((cache_dir / "layer_profile.json").read_text()))
+    layout = Layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                    data_parallel_size=cluster.world_size // pp, micro_batch_size=mbs)
+    time, _ = evaluate(workload, layout, cluster, profile=profile,
+                       placement=Placement(tuple(order), cluster.gpus_per_node))
+    return time.iteration_time_s
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    import itertools
+    conc = disc = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        s = (a[i] - a[j]) * (b[i] - b[j])
+        conc += s > 0
+        disc += s < 0
+    return (conc - disc) / max(1, conc + disc)
+
+
+def predictions(out: Path, iters: int, skip: int, nodes: int = 4) -> dict:
+    """>= 12 layouts (PP x DP x micro-batch x node order) pinned one by one on the placement cluster."""
+    placed = json.loads((out / "results.json").read_text())["placement"]
+    rates = placed["rates_mbit"]
+    desc = {"nodes": nodes, "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
+    cache_dir = Path(placed["plan_file"]).parent
+    base = json.loads(Path(placed["plan_file"]).read_text())
+    planner_order = placed["node_order"]
+    layouts = []
+    for mbs in (1, 2, 4):
+        layouts += [(4, mbs, list(range(nodes))), (4, mbs, planner_order), (2, mbs, list(range(nodes))),
+                    (2, mbs, [0, 2, 1, 3]), (1, mbs, list(range(nodes)))]
+    rows = []
+    for pp, mbs, order in layouts:
+        doc = json.loads(json.dumps(base))
+        cand = doc["candidates"][0]
+        cand["layout"].update(pipeline_model_parallel_size=pp, data_parallel_size=nodes // pp, micro_batch_size=mbs)
+        cand["placement"]["node_order"] = order
+        doc["candidates"] = [cand]
+        name = f"pp{pp}-dp{nodes // pp}-mbs{mbs}-{''.join(map(str, order))}"
+        f = out / "layouts" / f"{name}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(doc))
+        pred = predict(cache_dir, pp, mbs, order)
+        try:
+            times, _ = train(desc, out / "layouts", name,
+                             ["--auto-parallel", "--auto-parallel-plan-file", str(f),
+                              "--auto-parallel-cache-dir", str(out / "layouts" / "cache"),
+                              "--micro-batch-size", str(mbs)], iters, pp)
+            meas = statistics.median(times[skip:]) / 1e3
+        except RuntimeError as e:
+            print(f"{name}: failed: {str(e)[:300]}")
+            continue
+        rows.append({"layout": name, "pp": pp, "mbs": mbs, "node_order": order, "predicted_s": pred,
+                     "measured_s": meas, "error": pred / meas - 1})
+        print(f"{name:>22} predicted {pred:7.3f} s measured {meas:7.3f} s error {pred / meas - 1:+7.1%}", flush=True)
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    mape = statistics.mean(abs(r["error"]) for r in rows)
+    tau = kendall_tau(pred, meas)
+    chosen = min(rows, key=lambda r: r["predicted_s"])
+    best = min(rows, key=lambda r: r["measured_s"])
+    print(f"\n## Predictions vs measurements: {len(rows)} layouts, rates (Mbit/s) {rates}")
+    print(f"{'layout':>22} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    for r in rows:
+        print(f"{r['layout']:>22} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {r['error']:+8.1%}")
+    within = chosen["measured_s"] <= 1.1 * best["measured_s"]
+    print(f"MAPE {mape:.1%} (bar 15%), Kendall tau {tau:.2f} (bar 0.7); predicted-best {chosen['layout']} "
+          f"measures {chosen['measured_s']:.3f} s, fastest measured {best['layout']} {best['measured_s']:.3f} s: "
+          f"{'within' if within else 'NOT within'} 10%")
+    return {"rows": rows, "mape": mape, "kendall_tau": tau, "predicted_best": chosen["layout"],
+            "measured_best": best["layout"], "chosen_within_10pct": within}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "out" / "emulated_cluster")
-    p.add_argument("--only", choices=("probe", "placement"))
+    p.add_argument("--only", choices=("probe", "placement", "predictions"))
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
+    p.add_argument("--pred-iters", type=int, default=5)
     args = p.parse_args(argv)
     reason = unavailable_reason()
     if reason:
@@ -140,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "placement"):
         results["placement"] = placement(args.out, fast=250.0, slow_node=1, nodes=4, iters=args.iters,
                                          skip=args.skip)
+        results_file.write_text(json.dumps(results, indent=1))
+    if args.only in (None, "predictions"):
+        results["predictions"] = predictions(args.out, iters=args.pred_iters, skip=args.skip)
         results_file.write_text(json.dumps(results, indent=1))
     return 0
 
