@@ -247,12 +247,7 @@ class EmuCluster:
 
     def down(self) -> None:
         for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+            _kill_group(p)
         self._procs.clear()
         # Processes still inside a namespace (should be none) are killed before it is deleted.
         for ns in reversed(self._made):
@@ -304,12 +299,7 @@ class EmuCluster:
                         break
         finally:
             for p in procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    p.wait()
+                _kill_group(p)
             if logdir:
                 outs = [lg.read_text(errors="replace") for lg in logs]
         return [NodeResult(k, p.returncode, outs[k]) for k, p in enumerate(procs)]
@@ -336,3 +326,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """Kill a started process and everything in its session, and reap it."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
