@@ -24,17 +24,14 @@ from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_clus
 from megatron_pipette.spec.layer_profile import (LayerProfile, check_profile_device, check_profile_matches,
                                                   profile_from_json)
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload, model_presets, workload_fields, workload_from_preset
+from megatron_pipette.spec.workload import (Workload, megatron_flag, model_presets, workload_fields,
+                                             workload_from_preset)
 
 DEFAULT_MODEL = "gpt3-13b"
 DEFAULT_CLUSTER = "dgx-a100"
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear"}
 LAYOUT_FLAG_FIELDS = [f for f in dataclasses.fields(Layout) if f.name != "data_parallel_size"]
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @cache
@@ -57,10 +54,10 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
             group.add_argument(NEGATIVE_FLAGS[field.name], dest=field.name, action="store_false",
                                default=argparse.SUPPRESS, help=doc)
         else:
-            group.add_argument(flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
+            group.add_argument(megatron_flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-    group.add_argument(flag(field.name), type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(),
+    group.add_argument(megatron_flag(field.name), type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(),
                        help=doc)
 
 
@@ -106,7 +103,7 @@ def workload_from_args(ns: argparse.Namespace, default_model: str | None,
     if model is None:
         typed = [n for n in required if n in given]
         if typed or default_model is None:
-            missing = [flag(n) for n in required if n not in given]
+            missing = [megatron_flag(n) for n in required if n not in given]
             if missing:
                 raise PipetteError(f"missing {', '.join(missing)} (or pick a preset with --model)")
             return Workload(**{**fallbacks, **given})
@@ -135,7 +132,7 @@ def cluster_from_args(ns: argparse.Namespace, precision: str) -> Cluster:
                               precision=precision)
     if not Path(source).exists():
         raise PipetteError(f"--cluster {source!r} is neither a preset ({', '.join(cluster_presets())}) nor a file")
-    overrides = [flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
+    overrides = [megatron_flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
     if overrides:
         raise PipetteError(f"{', '.join(overrides)} cannot override a measured --cluster file")
     return cluster_from_json(read_json(source, "--cluster"), where=f"--cluster {source}")

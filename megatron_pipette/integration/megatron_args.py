@@ -17,9 +17,9 @@ from typing import Any
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, megatron_flag
 
-LAYOUT_FLAGS = {"--" + f.name.replace("_", "-"): f.name for f in dataclasses.fields(Layout)
+LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
                 if f.name != "data_parallel_size"}
 # Megatron has one flag per direction of a switch; both pin the field.
 NEGATED_FLAGS = {"--no-overlap-grad-reduce": "overlap_grad_reduce",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_pipette.errors import Infeasible, PipetteError
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, megatron_flag
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = (None, "uniform", "block")
@@ -120,12 +120,12 @@ def check_user_layout(layout: Layout) -> None:
                  "micro_batch_size"):
         value = getattr(layout, name)
         if not isinstance(value, int) or value <= 0:
-            raise PipetteError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise PipetteError(f"{megatron_flag(name)} must be a positive integer, got {value!r}")
     for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         value = getattr(layout, name)
         if value is not None and (not isinstance(value, int) or value < (0 if "decoder" in name else 1)):
-            raise PipetteError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise PipetteError(f"{megatron_flag(name)} must be a positive integer, got {value!r}")
     if layout.recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise PipetteError(f"--recompute-granularity must be selective or full, got {layout.recompute_granularity!r}")
     if layout.recompute_method not in RECOMPUTE_METHODS:

@@ -23,7 +23,8 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
-def _flag(field: str) -> str:
+def megatron_flag(field: str) -> str:
+    """The Megatron-LM flag of an argument name: hidden_size -> --hidden-size."""
     return "--" + field.replace("_", "-")
 
 
@@ -81,20 +82,20 @@ class Workload:
                       "global_batch_size", "vocab_size", "make_vocab_size_divisible_by"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise PipetteError(f"{_flag(field)} must be a positive integer, got {value!r}")
+                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
         for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
-                raise PipetteError(f"{_flag(field)} must be a positive integer, got {value!r}")
+                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
                                ("normalization", NORMALIZATIONS),
                                ("position_embedding_type", POSITION_EMBEDDINGS)):
             if getattr(self, field) not in allowed:
-                raise PipetteError(f"{_flag(field)} must be one of {', '.join(allowed)}, "
+                raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
         for field in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
-                raise PipetteError(f"{_flag(field)} must be in [0, 1), got {getattr(self, field)!r}")
+                raise PipetteError(f"{megatron_flag(field)} must be in [0, 1), got {getattr(self, field)!r}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise PipetteError(f"--hidden-size {self.hidden_size} is not divisible by "
                                f"--num-attention-heads {self.num_attention_heads}")
