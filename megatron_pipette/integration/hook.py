@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_pipette import __version__
 from megatron_pipette.cli.render import plan_report
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import atomic_path
 from megatron_pipette.integration import megatron_args
 from megatron_pipette.integration.groups import expected_groups
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
@@ -92,11 +93,10 @@ def _identity() -> dict:
     return {"host": node_name(), "device": device}
 
 
-def _write_json(path: Path, doc: dict) -> None:
+def _write_json(path: Path, doc: dict, flag: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
+    with atomic_path(path, flag) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1))
 
 
 def _broadcast(obj: Any, rank: int) -> Any:
@@ -176,7 +176,7 @@ def _profile_and_plan(workload, cluster, constraints, opts, cache: Path, phases:
     profile_doc = phases.run("profile", lambda: profile_layers(
         workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
         budget_s=budget * PROFILE_SHARE, rank=0))
-    _write_json(cache / "layer_profile.json", profile_doc)
+    _write_json(cache / "layer_profile.json", profile_doc, "--auto-parallel-cache-dir")
     profile = profile_from_json(profile_doc, where="layer profile")
     result = phases.run("plan", lambda: plan(workload, cluster, profile=profile, constraints=constraints,
                                              top_k=5))
@@ -186,7 +186,7 @@ def _profile_and_plan(workload, cluster, constraints, opts, cache: Path, phases:
                            f"layouts are out of memory)")
     print(plan_report(result), flush=True)
     doc = {**plan_json(result), "phases_s": phases.seconds}
-    _write_json(cache / "plan.json", doc)
+    _write_json(cache / "plan.json", doc, "--auto-parallel-cache-dir")
     return doc
 
 
@@ -237,13 +237,13 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
             raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
         log(f"WARNING: planning failed ({reason}); training with the flags as given: {fallback.describe()}", rank)
         layout, placement = None, None
-    _rerank(store, placement if layout is not None else None, backend, user_timeout,
+    _rerank(store, placement, backend, user_timeout,
             f"pipette/{attempt}/train/", args, rank)
     if layout is not None:
         megatron_args.apply_layout(args, layout)
         _log_groups(layout, placement, args.rank)
         if args.rank == 0 and getattr(args, "save", None):
-            _write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc)
+            _write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc, "--save")
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = doc["candidates"][0]
         log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "

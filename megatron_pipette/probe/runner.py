@@ -15,11 +15,11 @@ import logging
 import os
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import atomic_path
 from megatron_pipette.probe import collectives, compute
 from megatron_pipette.probe.budget import plan_budget
 from megatron_pipette.probe.comm import Clock, agree_max, device_of
@@ -33,17 +33,9 @@ log = logging.getLogger("megatron_pipette.probe")
 
 def write_cluster_file(doc: dict, path: str | os.PathLike) -> None:
     """Write the document atomically (temporary file + os.replace): readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     indent = 1 if doc["probe"]["world_size"] <= 64 else None   # big matrices stay compact
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=indent)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise PipetteError(f"--out {path}: cannot write: {e.strerror or e}") from None
+    with atomic_path(path, "--out") as tmp:
+        tmp.write_text(json.dumps(doc, indent=indent) + "\n")
 
 
 def _one_answer(group: dist.ProcessGroup | None, rank: int, value: object) -> object:

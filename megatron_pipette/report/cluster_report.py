@@ -10,11 +10,10 @@ in, text out); `write_heatmap` only writes the PNG. `pipette show` calls both.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
-from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import atomic_path
 from megatron_pipette.spec.cluster_file import cluster_from_json
 
 STRAGGLER_FRACTION = 0.8
@@ -137,11 +136,5 @@ def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "clus
     ax.set_xlabel("to rank")
     ax.set_ylabel("from rank")
     ax.set_title(f"{cluster.name}: {cluster.num_nodes} node(s) x {gpn}")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_path(path, "--heatmap") as tmp:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise PipetteError(f"--heatmap {path}: cannot write: {e.strerror or e}") from None
