@@ -76,16 +76,13 @@ def workload_from_args(args: Any) -> Workload:
 
 def layout_from_args(args: Any, world_size: int) -> Layout:
     """The layout the user's own flags describe (the fallback when planning fails)."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    return Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                  data_parallel_size=max(1, world_size // (tp * pp)), micro_batch_size=args.micro_batch_size,
-                  **{f: getattr(args, f, None) for f in ("num_layers_per_virtual_pipeline_stage",
-                                                         "recompute_granularity", "recompute_method",
-                                                         "recompute_num_layers",
-                                                         "decoder_first_pipeline_num_layers",
-                                                         "decoder_last_pipeline_num_layers")},
-                  **{f: bool(getattr(args, f, False)) for f in ("sequence_parallel", "use_distributed_optimizer",
-                                                                "overlap_grad_reduce", "overlap_param_gather")})
+    values = {}
+    for f in dataclasses.fields(Layout):
+        if f.name != "data_parallel_size":
+            value = getattr(args, f.name, f.default)
+            values[f.name] = bool(value) if isinstance(f.default, bool) else value
+    tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
+    return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp)))
 
 
 def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
