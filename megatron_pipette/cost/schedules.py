@@ -39,10 +39,21 @@ class StageTimes:
     """(B, p) one activation message on hop h, rank h -> (h+1) % p; hop p-1 wraps (interleaving only)."""
     bwd_comm_s: np.ndarray
     """(B, p) one gradient message on hop h, rank (h+1) % p -> h."""
+    fwd_xchg_s: np.ndarray | None = None
+    """(B, p) the activation message on hop h while the gradient goes back at the same time
+    (1F1B's exchanges); None: as fast as alone (full-duplex links)."""
+    bwd_xchg_s: np.ndarray | None = None
+    """(B, p) the gradient message on hop h inside an exchange; None: as alone."""
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.forward_s.shape
+
+    @property
+    def exchange_s(self) -> tuple[np.ndarray, np.ndarray]:
+        """(fwd, bwd) per-hop message times inside an exchange."""
+        return (self.fwd_comm_s if self.fwd_xchg_s is None else self.fwd_xchg_s,
+                self.bwd_comm_s if self.bwd_xchg_s is None else self.bwd_xchg_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +94,9 @@ def simulate_pipeline(name: str, times: StageTimes, m: int) -> PipelineTime:
     if name not in PROGRAMS:
         return SCHEDULES[name](times, m)
     _, p, v = times.shape
+    fx, bx = times.exchange_s
     r = simulator.simulate(PROGRAMS[name](p, m, v), times.forward_s, times.backward_s,
-                           times.fwd_comm_s, times.bwd_comm_s)
+                           times.fwd_comm_s, times.bwd_comm_s, fwd_xchg_s=fx, bwd_xchg_s=bx)
     total, finish = r.total_s, r.finish_s
     busy, p2p = _busy_1f1b(times, m) if name == "1f1b" else _busy_interleaved(times, m)
     return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=True)
@@ -102,12 +114,15 @@ def no_pipelining(times: StageTimes, m: int) -> PipelineTime:
 # --- 1F1B --------------------------------------------------------------------------------------
 
 def _hops(times: StageTimes) -> tuple[np.ndarray, ...]:
-    """Per-hop durations padded with the virtual hops -1 and p-1 (zero): index h+1 is hop h."""
+    """Per-hop durations padded with the virtual hops -1 and p-1 (zero): index h+1 is hop h.
+    phi, beta: a message alone; x: an exchange (both messages at once, each at the two-way rate)."""
     batch, p, _ = times.shape
     z = np.zeros((batch, 1))
-    phi = np.concatenate([z, times.fwd_comm_s[:, :p - 1], z], axis=1)
-    beta = np.concatenate([z, times.bwd_comm_s[:, :p - 1], z], axis=1)
-    return phi, beta, np.maximum(phi, beta)
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([z, a[:, :p - 1], z], axis=1)
+    fx, bx = times.exchange_s
+    return pad(times.fwd_comm_s), pad(times.bwd_comm_s), np.maximum(pad(fx), pad(bx))
 
 
 def _busy_1f1b(times: StageTimes, m: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,11 +15,15 @@ AssertionError naming the blocked ranks.
 
 Programs are per rank lists of ops:
   (COMPUTE, kind, chunk, microbatch)   kind 0 = forward, 1 = backward
-  (POST, ((key, is_sender), ...))      post transfers, do not wait
+  (POST, ((key, is_sender, paired), ...))
+                                       post transfers, do not wait; `paired`: the call also
+                                       carries the reverse message on the same hop (an exchange)
   (WAIT, (key, ...))                   block until these transfers have ended
 A transfer key is (src, dst, direction, n): the n-th message on that channel.
 Forward messages go from rank r to (r+1) % p on hop r; backward messages go
-from (r+1) % p to r on hop r.
+from (r+1) % p to r on hop r. A message both sides post as part of an exchange
+(1F1B's send_forward_recv_backward meeting send_backward_recv_forward) runs at
+the hop's two-way rate, since the reverse message shares the link with it.
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ class _Builder:
 
     def post(self, **which) -> dict:
         ends = self.endpoints(**which)
+        pairs = (("send_next", "recv_next"), ("send_prev", "recv_prev"))     # same hop, both directions
+        paired = {name for pair in pairs if all(n in ends for n in pair) for name in pair}
         if ends:
-            self.ops.append((POST, tuple(ends.values())))
+            self.ops.append((POST, tuple((key, sender, name in paired) for name, (key, sender) in ends.items())))
         return {name: end[0] for name, end in ends.items()}
 
     def call(self, **which) -> None:
@@ -273,12 +279,14 @@ class _InterleavedRank:
 
 
 def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
-             bwd_comm_s: np.ndarray, *, trace: bool = False) -> SimResult:
+             bwd_comm_s: np.ndarray, *, fwd_xchg_s: np.ndarray | None = None,
+             bwd_xchg_s: np.ndarray | None = None, trace: bool = False) -> SimResult:
     """Time a program.
 
     forward_s, backward_s: (p, v) compute time of one micro-batch of each model chunk on each rank.
     fwd_comm_s[h], bwd_comm_s[h]: one activation (gradient) message on hop h, from rank h to
-    (h+1) % p (and back). With a leading batch axis ((B, p, v) and (B, p)) every replica is
+    (h+1) % p (and back); fwd_xchg_s, bwd_xchg_s: the same messages inside an exchange (default:
+    as alone, full duplex). With a leading batch axis ((B, p, v) and (B, p)) every replica is
     timed in one pass: which rank waits on what depends on the program only, not on times.
     """
     p = len(program)
@@ -289,13 +297,17 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
         cols = [np.ascontiguousarray(np.moveaxis(np.asarray(a, dtype=float), 0, -1))
                 for a in (forward_s, backward_s, fwd_comm_s, bwd_comm_s)]
         fwd, bwd, comm = cols[0], cols[1], (cols[2], cols[3])
+        xchg = tuple(c if x is None else np.ascontiguousarray(np.moveaxis(np.asarray(x, dtype=float), 0, -1))
+                     for c, x in zip(comm, (fwd_xchg_s, bwd_xchg_s)))
     else:
         mx, zero = max, 0.0
         fwd = np.asarray(forward_s, dtype=float).reshape(p, -1).tolist()
         bwd = np.asarray(backward_s, dtype=float).reshape(p, -1).tolist()
         comm = (np.asarray(fwd_comm_s, dtype=float).tolist(), np.asarray(bwd_comm_s, dtype=float).tolist())
+        xchg = tuple(c if x is None else np.asarray(x, dtype=float).tolist()
+                     for c, x in zip(comm, (fwd_xchg_s, bwd_xchg_s)))
     clock, pc, last_bwd = [zero] * p, [0] * p, [zero] * p
-    posted: dict = {}      # key -> post time of the first side to post
+    posted: dict = {}      # key -> (post time, paired) of the first side to post
     done: dict = {}        # key -> end time, once both sides posted
     waiting: dict = {}     # key -> ranks blocked on it
     events = [] if trace else None
@@ -314,13 +326,14 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
                 if kind == BACKWARD:
                     last_bwd[r] = t
             elif op[0] == POST:
-                for key, _ in op[1]:
+                for key, _, paired in op[1]:
                     other = posted.pop(key, None)
                     if other is None:
-                        posted[key] = t
+                        posted[key] = (t, paired)
                         continue
                     src, dst, direction, _ = key
-                    done[key] = mx(t, other) + comm[direction][src if direction == FORWARD else dst]
+                    rates = xchg if paired and other[1] else comm
+                    done[key] = mx(t, other[0]) + rates[direction][src if direction == FORWARD else dst]
                     runnable.extend(waiting.pop(key, ()))
             else:
                 pending = next((k for k in op[1] if k not in done), None)

@@ -19,7 +19,7 @@ formulas and the Megatron behaviour they follow.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -140,18 +140,20 @@ def _stage_times(workload: Workload, layout: Layout, work: StageWork, links: Gro
     bwd = work.backward[0] / rate + work.backward[1]
     rc = work.recompute[0] / rate + work.recompute[1]
     seq = workload.seq_length // (layout.tp if sp else 1)
-    hop = links.p2p_s(seq * mbs * workload.hidden_size * workload.bytes_per_element)
+    message = seq * mbs * workload.hidden_size * workload.bytes_per_element
+    hop, xchg = links.p2p_s(message), links.exchange_s(message)
     times = schedules.StageTimes(forward_s=fwd + tp_f, backward_s=bwd + rc + tp_b,
-                                 fwd_comm_s=hop[0], bwd_comm_s=hop[1])
+                                 fwd_comm_s=hop[0], bwd_comm_s=hop[1],
+                                 fwd_xchg_s=None if xchg is None else xchg[0],
+                                 bwd_xchg_s=None if xchg is None else xchg[1])
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b)
 
 
 def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool) -> schedules.PipelineTime:
     """Run the schedule once per distinct replica (all replicas alike on a uniform cluster)."""
-    same = all(np.ptp(a, axis=0).max() == 0 for a in (times.forward_s, times.backward_s,
-                                                       times.fwd_comm_s, times.bwd_comm_s))
-    one = schedules.StageTimes(**{k: getattr(times, k)[:1] for k in ("forward_s", "backward_s", "fwd_comm_s",
-                                                                      "bwd_comm_s")}) if same else times
+    arrays = {f.name: getattr(times, f.name) for f in fields(times) if getattr(times, f.name) is not None}
+    same = all(np.ptp(a, axis=0).max() == 0 for a in arrays.values())
+    one = schedules.StageTimes(**{k: a[:1] for k, a in arrays.items()}) if same else times
     run = schedules.simulate_pipeline if simulate else schedules.pipeline_time
     out = run(name, one, m)
     if not same:

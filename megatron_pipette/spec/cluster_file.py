@@ -14,6 +14,7 @@ it. Callers do the file I/O; see docs/cluster-schema.md for the field list.
                    "gemm_flops": 7.9e14}, ...],
       "bandwidth_Bps": [[null, 3.7e11, ...], ...],
       "latency_s": [[null, 6e-06, ...], ...],
+      "exchange_bandwidth_Bps": [[null, 3.6e11, ...], ...],     (optional; default: bandwidth_Bps)
       "collectives": [{"op": "all_reduce", "ranks": [0, 1], "bytes": 67108864,
                        "time_s": 0.0004, "busbw_Bps": 1.7e11}],
       "probe": {"backend": "nccl", "duration_s": 4.2, "rounds": 7, "skipped": []}
@@ -41,7 +42,7 @@ def _matrix(data: dict, key: str, n: int, where: str) -> np.ndarray:
     off = ~np.eye(n, dtype=bool)
     if not np.all(np.isfinite(m[off])) or np.any(m[off] < 0):
         raise PipetteError(f"{where}: '{key}' has a missing, negative or non-finite off-diagonal entry")
-    np.fill_diagonal(m, np.inf if key == "bandwidth_Bps" else 0.0)
+    np.fill_diagonal(m, 0.0 if key == "latency_s" else np.inf)
     return m
 
 
@@ -87,7 +88,10 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
                    memory_bandwidth_Bps=memory_bandwidth,
                    gemm_flops=np.array([float(d["gemm_flops"]) for d in devices]),
                    bandwidth_Bps=_matrix(data, "bandwidth_Bps", n, where),
-                   latency_s=_matrix(data, "latency_s", n, where), gpu=gpu, hosts=tuple(hosts))
+                   latency_s=_matrix(data, "latency_s", n, where),
+                   exchange_bandwidth_Bps=(_matrix(data, "exchange_bandwidth_Bps", n, where)
+                                           if data.get("exchange_bandwidth_Bps") is not None else None),
+                   gpu=gpu, hosts=tuple(hosts))
 
 
 def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
@@ -98,6 +102,8 @@ def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
         return [[None if i == j else float(m[i, j]) for j in range(n)] for i in range(n)]
 
     hosts = cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes))
+    exchange = {} if cluster.exchange_bandwidth_Bps is None else {
+        "exchange_bandwidth_Bps": matrix(cluster.exchange_bandwidth_Bps)}
     return {
         "schema": SCHEMA, "version": VERSION, "name": cluster.name, "precision": precision,
         "gpus_per_node": cluster.gpus_per_node,
@@ -109,4 +115,5 @@ def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
                      "gemm_flops": float(cluster.gemm_flops[i])} for i in range(n)],
         "bandwidth_Bps": matrix(cluster.bandwidth_Bps),
         "latency_s": matrix(cluster.latency_s),
+        **exchange,
     }

@@ -92,6 +92,9 @@ class Cluster:
     """(N, N) one-way bytes/s from device i to device j; the diagonal is unused."""
     latency_s: np.ndarray
     """(N, N) per-message start-up time (alpha), seconds."""
+    exchange_bandwidth_Bps: np.ndarray | None = None
+    """(N, N) bytes/s from i to j while j sends to i at the same time (1F1B's exchanges, ring
+    collective steps); None: full-duplex links, as fast as one way."""
     gpu: GPU | None = None
     """The catalog entry, when the devices are a known GPU (None for CPU rehearsals)."""
     hosts: tuple[str, ...] = ()
@@ -105,6 +108,12 @@ class Cluster:
             raise PipetteError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}")
         assert self.bandwidth_Bps.shape == (n, n) and self.latency_s.shape == (n, n)
         assert self.gemm_flops.shape == (n,)
+        assert self.exchange_bandwidth_Bps is None or self.exchange_bandwidth_Bps.shape == (n, n)
+
+    @property
+    def two_way_bandwidth_Bps(self) -> np.ndarray:
+        """(N, N) bytes/s per direction when both directions of a pair are busy."""
+        return self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps
 
     @property
     def world_size(self) -> int:

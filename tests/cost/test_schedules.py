@@ -68,6 +68,31 @@ def pipelines(draw, interleaved=False):
     return times(f, b, phi, beta), m
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines(), st.lists(st.floats(1.0, 3.0), min_size=4, max_size=4))
+def test_1f1b_closed_form_is_the_simulator_with_slower_exchanges(case, slowdown):
+    """Links that are not full duplex: messages inside an exchange run slower than alone."""
+    t, m = case
+    t = StageTimes(forward_s=t.forward_s, backward_s=t.backward_s, fwd_comm_s=t.fwd_comm_s,
+                   bwd_comm_s=t.bwd_comm_s, fwd_xchg_s=t.fwd_comm_s * np.array(slowdown[:2])[:, None],
+                   bwd_xchg_s=t.bwd_comm_s * np.array(slowdown[2:])[:, None])
+    closed, sim = pipeline_time("1f1b", t, m), simulate_pipeline("1f1b", t, m)
+    np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)
+    np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
+
+
+def test_exchanges_cost_more_than_single_messages_on_half_duplex_links():
+    p, m = 4, 8
+    alone = times(np.ones((p, 1)), np.full((p, 1), 2.0), np.full(p, 0.5), np.full(p, 0.5))
+    half = StageTimes(forward_s=alone.forward_s, backward_s=alone.backward_s, fwd_comm_s=alone.fwd_comm_s,
+                      bwd_comm_s=alone.bwd_comm_s, fwd_xchg_s=2 * alone.fwd_comm_s, bwd_xchg_s=2 * alone.bwd_comm_s)
+    # every steady step of the bottleneck stage has two exchanges, each 0.5 s longer
+    slower = pipeline_time("1f1b", half, m).total_s[0] - pipeline_time("1f1b", alone, m).total_s[0]
+    assert slower == pytest.approx(simulate_pipeline("1f1b", half, m).total_s[0]
+                                   - simulate_pipeline("1f1b", alone, m).total_s[0])
+    assert slower >= 2 * 0.5 * (m - p)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipelines())
 def test_1f1b_closed_form_is_the_simulator(case):

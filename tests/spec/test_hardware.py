@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -41,6 +42,19 @@ def test_cluster_json_round_trip():
     assert back.world_size == 16 and back.gpu.name == "A100-80GB"
     assert np.array_equal(back.bandwidth_Bps[~np.eye(16, dtype=bool)], c.bandwidth_Bps[~np.eye(16, dtype=bool)])
     assert back.hosts == ("node0", "node1")
+    assert back.exchange_bandwidth_Bps is None and back.two_way_bandwidth_Bps is back.bandwidth_Bps
+
+
+def test_cluster_json_keeps_the_two_way_bandwidth():
+    c = preset_cluster("dgx-a100", num_nodes=2)
+    c = dataclasses.replace(c, exchange_bandwidth_Bps=c.bandwidth_Bps / 2)
+    back = cluster_from_json(cluster_to_json(c))
+    off = ~np.eye(16, dtype=bool)
+    assert np.array_equal(back.two_way_bandwidth_Bps[off], c.bandwidth_Bps[off] / 2)
+    doc = cluster_to_json(c)
+    doc["exchange_bandwidth_Bps"][2][3] = -1.0
+    with pytest.raises(PipetteError, match="exchange_bandwidth_Bps"):
+        cluster_from_json(doc)
 
 
 @pytest.mark.parametrize("mutate, message", [
