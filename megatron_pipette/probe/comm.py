@@ -51,6 +51,30 @@ def agree_max(group: dist.ProcessGroup | None, device: torch.device, values: Seq
     return t.tolist()
 
 
+def one_way(group: dist.ProcessGroup | None, device: torch.device, peer: int, data: torch.Tensor,
+            ack: torch.Tensor, sending: bool, timeout: timedelta) -> float:
+    """One message to `peer` (sending) or from it, answered by a one-byte acknowledgement;
+    seconds on this rank. The sender's time is the message's one-way time plus the small
+    reply's, with nothing travelling the other way while the message does."""
+    peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+    start = time.perf_counter()
+    if sending:
+        ops = [(dist.isend, data), (dist.irecv, ack)]
+    else:
+        ops = [(dist.irecv, data), (dist.isend, ack)]
+    for op, tensor in ops:
+        _wait(op(tensor, peer_global, group), device, timeout)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _wait(work: dist.Work, device: torch.device, timeout: timedelta) -> None:
+    if device.type == "cuda":
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 def exchange(group: dist.ProcessGroup | None, device: torch.device, me: int, peer: int,
              send: torch.Tensor, recv: torch.Tensor, timeout: timedelta) -> float:
     """One concurrent bidirectional exchange with `peer` (group ranks); returns seconds on this rank.
@@ -69,9 +93,6 @@ def exchange(group: dist.ProcessGroup | None, device: torch.device, me: int, pee
     else:
         works = [dist.irecv(recv, peer_global, group), dist.isend(send, peer_global, group)]
     for w in works:
-        if device.type == "cuda":
-            w.wait()
-        else:
-            w.wait(timeout)
+        _wait(w, device, timeout)
     synchronize(device)
     return time.perf_counter() - start

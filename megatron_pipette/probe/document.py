@@ -44,6 +44,13 @@ def gpus_per_node(hosts: Sequence[str]) -> int:
     return size
 
 
+def sender_times(rows: Sequence[Sequence[float]]) -> np.ndarray:
+    """(N, N) one-way time from i to j as the sender i timed it (NaN = not measured, or i = j)."""
+    m = np.array([np.asarray(r, dtype=float) for r in rows], dtype=float)
+    np.fill_diagonal(m, np.nan)
+    return m
+
+
 def pair_times(rows: Sequence[np.ndarray]) -> np.ndarray:
     """(N, N) exchange time per pair from each rank's row of median times (NaN = not measured).
 
@@ -59,10 +66,10 @@ def pair_times(rows: Sequence[np.ndarray]) -> np.ndarray:
 
 def alpha_beta(small_s: np.ndarray, large_s: np.ndarray, small_bytes: int,
                large_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bandwidth (B/s) and latency (s) per pair from the two message timings.
+    """Bandwidth (B/s) and latency (s) per direction from the two acknowledged one-way timings.
 
-    t(S) = alpha + S/beta: beta from the difference of the two sizes, alpha
-    from the small one. The difference is only trusted when the small message
+    t(S) = 2 alpha + S/beta (the message, then a one-byte reply): beta from
+    the difference of the two sizes, alpha from the small one. The difference is only trusted when the small message
     takes at most half the large one's time (WELL_CONDITIONED); otherwise a
     noisy small timing could inflate beta without bound, and beta falls back
     to L/t(L), a lower bound that is close when the large message dominates.
@@ -77,10 +84,21 @@ def alpha_beta(small_s: np.ndarray, large_s: np.ndarray, small_bytes: int,
 
 
 def latency_from_small(small_s: np.ndarray, bw: np.ndarray, small_bytes: int) -> np.ndarray:
-    """alpha = t(S) - S/beta, floored at 0 (NaN where either is unknown)."""
+    """alpha = (t(S) - S/beta) / 2, the message's and the reply's start-up each, floored at 0
+    (NaN where either is unknown)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        lat = small_s - small_bytes / bw
+        lat = (small_s - small_bytes / bw) / 2
     return np.where(np.isnan(lat), np.nan, np.maximum(lat, 0.0))
+
+
+def two_way_bandwidth(exchange_s: np.ndarray, bw: np.ndarray, lat: np.ndarray, large_bytes: int) -> np.ndarray:
+    """Per-direction bandwidth while the reverse direction is busy, from the exchange time of each
+    pair: L / (t_x - alpha), never above the one-way rate (an exchange ends with its slower
+    direction, so the faster one is known only to be at least this fast)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = large_bytes / np.maximum(exchange_s - lat, large_bytes / bw)
+    out[~np.isfinite(out) | (out <= 0)] = np.nan
+    return out
 
 
 def fill_unmeasured(m: np.ndarray, node_size: int) -> tuple[np.ndarray, list[list[int]]]:
@@ -89,25 +107,23 @@ def fill_unmeasured(m: np.ndarray, node_size: int) -> tuple[np.ndarray, list[lis
     Why: the schema needs full matrices, and a pair the budget left out is
     best guessed by its peers over the same kind of link (intra-node or
     inter-node). When no pair of that kind was measured, the median of all
-    measured pairs is used. Returns the filled matrix and the filled pairs
-    [i, j] with i < j.
+    measured pairs is used. Each direction is filled on its own. Returns the
+    filled matrix and the pairs [i, j] (i < j) with a direction filled.
     """
     n = m.shape[0]
     out = m.copy()
     node = np.arange(n) // node_size
     same = node[:, None] == node[None, :]
-    upper = np.triu(np.ones((n, n), dtype=bool), 1)
-    measured = upper & ~np.isnan(m)
-    missing = upper & np.isnan(m)
+    off = ~np.eye(n, dtype=bool)
+    measured = off & ~np.isnan(m)
+    missing = off & np.isnan(m)
     if missing.any() and not measured.any():
         raise PipetteError("probe: no pair was measured within the budget; raise --budget-s")
-    filled: list[list[int]] = []
     for i, j in zip(*np.nonzero(missing)):
         kind = measured & (same if same[i, j] else ~same)
-        pool = m[kind] if kind.any() else m[measured]
-        out[i, j] = out[j, i] = float(np.median(pool))
-        filled.append([int(i), int(j)])
-    return out, filled
+        out[i, j] = float(np.median(m[kind] if kind.any() else m[measured]))
+    filled = sorted({(int(min(i, j)), int(max(i, j))) for i, j in zip(*np.nonzero(missing))})
+    return out, [list(p) for p in filled]
 
 
 def merge_collectives(per_rank: Sequence[Sequence[dict]]) -> list[dict]:
@@ -139,8 +155,11 @@ class RankReport:
     gemm_flops: float
     memory_bandwidth_Bps: float
     small_s: list[float]
-    """Median small-exchange time to each rank (NaN: not measured, or self)."""
+    """Median acknowledged one-way small-message time to each rank (NaN: not measured, or self)."""
     large_s: list[float]
+    """The same for the large message."""
+    exchange_s: list[float]
+    """Median large two-way exchange time with each rank."""
     collectives: list[dict]
 
 
@@ -193,11 +212,14 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
     n = len(reports)
     hosts = [r.identity["host"] for r in reports]
     gpn = gpus_per_node(hosts)
-    ts = pair_times([r.small_s for r in reports])
-    tl = pair_times([r.large_s for r in reports])
+    ts = sender_times([r.small_s for r in reports])
+    tl = sender_times([r.large_s for r in reports])
     bw, _ = alpha_beta(ts, tl, small_bytes, large_bytes)
+    two_way = two_way_bandwidth(pair_times([r.exchange_s for r in reports]), bw,
+                                latency_from_small(ts, bw, small_bytes), large_bytes)
     if n > 1:
         bw, _filled_bw = fill_unmeasured(bw, gpn)
+        two_way, _filled_two_way = fill_unmeasured(two_way, gpn)
     lat = latency_from_small(ts, bw, small_bytes)
     if n > 1:
         lat, _filled_lat = fill_unmeasured(lat, gpn)
@@ -212,6 +234,7 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
         "devices": _devices(reports, gpn, hosts),
         "bandwidth_Bps": matrix(bw),
         "latency_s": matrix(lat),
+        "exchange_bandwidth_Bps": matrix(np.minimum(two_way, bw)),
         "collectives": merge_collectives([r.collectives for r in reports]),
         "probe": {**probe_meta, "world_size": n, "rounds": len(tournament(n)),
                   "rounds_measured": sum(c is not None for c in round_configs),

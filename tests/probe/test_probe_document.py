@@ -8,7 +8,8 @@ import pytest
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.probe.budget import RoundConfig
 from megatron_pipette.probe.document import (RankReport, alpha_beta, build_document, fill_unmeasured,
-                                             gpus_per_node, merge_collectives, pair_times)
+                                             gpus_per_node, merge_collectives, pair_times, sender_times,
+                                             two_way_bandwidth)
 from megatron_pipette.probe.schedule import tournament
 from megatron_pipette.spec.cluster_file import cluster_from_json
 
@@ -30,15 +31,28 @@ def test_pair_times_take_the_smaller_side_and_are_symmetric():
     assert np.isnan(t[0, 2]) and np.isnan(t[0, 0])
 
 
+def test_sender_times_keep_each_direction():
+    t = sender_times([[NAN, 2.0], [3.0, NAN]])
+    assert t[0, 1] == 2.0 and t[1, 0] == 3.0 and np.isnan(t[0, 0])
+
+
 def test_alpha_beta_recovers_the_model():
     alpha, beta = 20e-6, 100e9
-    ts = np.array([[alpha + S / beta]])
-    tl = np.array([[alpha + L / beta]])
+    ts = np.array([[2 * alpha + S / beta]])         # the message and its one-byte reply
+    tl = np.array([[2 * alpha + L / beta]])
     bw, lat = alpha_beta(ts, tl, S, L)
     assert bw[0, 0] == pytest.approx(beta) and lat[0, 0] == pytest.approx(alpha)
     # a small timing inflated by noise: fall back to L / t(L), never an absurd bandwidth
     bw, lat = alpha_beta(np.array([[0.9e-3]]), np.array([[1e-3]]), S, L)
     assert bw[0, 0] == pytest.approx(L / 1e-3) and lat[0, 0] >= 0
+
+
+def test_two_way_bandwidth_from_the_exchange_never_above_one_way():
+    alpha, one_way = np.array([[0.0, 1e-3], [1e-3, 0.0]]), np.array([[np.inf, 1e9], [2e9, np.inf]])
+    half_duplex = pair_times([[NAN, 1e-3 + L / 0.5e9], [NAN, NAN]])      # each way at 0.5 GB/s
+    np.testing.assert_allclose(two_way_bandwidth(half_duplex, one_way, alpha, L)[[0, 1], [1, 0]], [0.5e9, 0.5e9])
+    full_duplex = pair_times([[NAN, 1e-3 + L / 1e9], [NAN, NAN]])        # ends with the slower direction
+    np.testing.assert_allclose(two_way_bandwidth(full_duplex, one_way, alpha, L)[[0, 1], [1, 0]], [1e9, 1e9])
 
 
 def test_fill_uses_same_kind_median():
@@ -47,9 +61,11 @@ def test_fill_uses_same_kind_median():
     m[0, 1] = m[1, 0] = 100.0      # intra
     m[0, 2] = m[2, 0] = 10.0       # inter
     m[1, 3] = m[3, 1] = 30.0       # inter
+    m[1, 2] = 40.0                 # one direction measured: only the other is filled
     out, filled = fill_unmeasured(m, gpn)
     assert out[2, 3] == out[3, 2] == 100.0                 # intra from intra
-    assert out[0, 3] == out[1, 2] == 20.0                  # inter from inter
+    assert out[0, 3] == out[3, 0] == out[2, 1] == 30.0     # inter from inter (10, 10, 30, 30, 40)
+    assert out[1, 2] == 40.0
     assert sorted(filled) == [[0, 3], [1, 2], [2, 3]]
     with pytest.raises(PipetteError, match="no pair"):
         fill_unmeasured(np.full((2, 2), NAN), 2)
@@ -61,11 +77,11 @@ def test_merge_collectives_keeps_the_slowest_member():
     assert recs == [{"op": "all_reduce", "ranks": [0, 1], "bytes": 100, "time_s": 2.0, "busbw_Bps": 50.0}]
 
 
-def _report(rank, n, host, small, large):
+def _report(rank, n, host, small, large, exchange=None):
     ident = {"host": host, "local_rank": None, "local_world_size": None, "host_memory_bytes": 8 * 2**30,
              "device_name": "cpu", "gpu": None, "memory_bytes": None}
     return RankReport(identity=ident, gemm_flops=1e10 * (rank + 1), memory_bandwidth_Bps=5e9,
-                      small_s=small, large_s=large, collectives=[])
+                      small_s=small, large_s=large, exchange_s=exchange or large, collectives=[])
 
 
 def test_document_with_skipped_rounds_is_complete_and_accepted():
