@@ -5,8 +5,8 @@ group at its own speed: `flops` (effective GEMM FLOPs, already divided by the
 size-dependent GEMM efficiency) run at the group's slowest device's
 `gemm_flops`; `mem_s` (memory-bound operations, bytes / memory bandwidth) does
 not scale with GEMM speed. A LayerProfile replaces the roofline: its times
-were measured on device `profile.rank`, so they become flops = time * that
-device's rate and scale with each group's speed.
+become flops = time * the rate the profiled device had while profiled (alone),
+and scale with each group's probed rate (every device loaded at once).
 
 Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
 hidden, a heads, g query groups, d head dim, f ffn, t TP):
@@ -140,6 +140,11 @@ def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
                     recompute=Work(flops=rc_s * rate))
 
 
+def profiled_rate(profile: LayerProfile, cluster: Cluster) -> float:
+    """GEMM FLOP/s of the device while it was profiled: profiled seconds x this = work."""
+    return profile.gemm_flops if profile.gemm_flops is not None else float(cluster.gemm_flops[profile.rank])
+
+
 def profile_layer(profile: LayerProfile, workload: Workload, layout: Layout, cluster: Cluster) -> PartWork | None:
     """The measured layer (None when this TP size was not profiled). Entries with
     recomputation include the recomputed forward in backward_s; split it out."""
@@ -148,7 +153,7 @@ def profile_layer(profile: LayerProfile, workload: Workload, layout: Layout, clu
     with_rc = profile.layer(tp, mbs, sp, rc) if rc else None
     if base is None and with_rc is None:
         return None
-    rate = float(cluster.gemm_flops[profile.rank])
+    rate = profiled_rate(profile, cluster)
     fwd = (base or with_rc).forward_s
     if rc is None:
         return _profiled(fwd, base.backward_s, 0.0, rate)
@@ -195,7 +200,7 @@ def stage_work(workload: Workload, layout: Layout, cluster: Cluster, profile: La
     layer = profile_layer(profile, workload, layout, cluster) if profile else None
     profiled = layer is not None
     layer = layer or roofline_layer(workload, layout, bw)
-    rate = float(cluster.gemm_flops[profile.rank]) if profile else 0.0
+    rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_embedding(workload, layout, bw)
     out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \

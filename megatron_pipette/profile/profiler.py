@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.probe.compute import gemm_precision, gemm_rate, prepare_gemm
 from megatron_pipette.profile import build, measure
 from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
@@ -21,6 +22,9 @@ from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_f
 from megatron_pipette.spec.layout import RECOMPUTE_GRANULARITIES
 from megatron_pipette.spec.workload import Workload
 
+
+REFERENCE_GEMM_WINDOW_S = 0.3
+"""Seconds of the reference GEMM (the probe's compute-check size)."""
 
 def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
                    recompute: Sequence[str | None] = (None, "selective", "full"),
@@ -44,6 +48,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
     setup = time.perf_counter()
     with single_device_megatron(dev) as env:
         te = build.have_transformer_engine()
+        reference = reference_gemm_flops(workload.precision, dev)
         start = time.perf_counter()
         for shape in plan_shapes(tp_sizes, micro_batch_sizes, recompute):
             estimate = estimate_wall_s(shape, results)
@@ -53,7 +58,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
                 continue
             results.append(_measure(workload, shape, env, te, warmup, iters))
         elapsed = time.perf_counter() - start
-        record = device_record(dev, env.rank if rank is None else rank)
+        record = {**device_record(dev, env.rank if rank is None else rank), **reference}
     return {
         "schema": SCHEMA, "version": VERSION, "device": record,
         "model": {**profile_model_fields(workload), "vocab_size": workload.vocab_size,
@@ -81,6 +86,17 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
             "skipped": skipped,
         },
     }
+
+
+def reference_gemm_flops(precision: str, device: torch.device) -> dict:
+    """The probe's GEMM on this device just before profiling, alone: the planner turns the
+    profile's times into work at this rate and back into time at each device's probed rate,
+    so devices that were slower when the probe loaded them all at once (shared CPU cores,
+    throttling) are slower in the plan too."""
+    measured, _ = gemm_precision(precision, device)
+    step, flops_per_step, _ = prepare_gemm(device, measured)
+    return {"gemm_flops": gemm_rate(step, flops_per_step, REFERENCE_GEMM_WINDOW_S, device),
+            "gemm_precision": measured}
 
 
 def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmup: int, iters: int) -> Measured:

@@ -60,6 +60,9 @@ class LayerProfile:
     device_name: str
     rank: int
     """Rank of the profiled device in the cluster file, to scale other devices' speed."""
+    gemm_flops: float | None = None
+    """The probe's GEMM rate on the profiled device, alone, just before profiling; None (older
+    profiles): the cluster file's rate for `rank` stands in."""
     layers: tuple[ProfileEntry, ...]
     embedding: tuple[ProfileEntry, ...]
     output_layer: tuple[ProfileEntry, ...]
@@ -123,7 +126,11 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
     if not layers:
         raise PipetteError(f"{where}: 'layers' is empty")
     device = data.get("device", {})
+    rate = device.get("gemm_flops")
+    if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
+        raise PipetteError(f"{where}: device.gemm_flops must be a positive number, got {rate!r}")
     return LayerProfile(device_name=str(device.get("device_name", "unknown")), rank=int(device.get("rank", 0)),
+                        gemm_flops=None if rate is None else float(rate),
                         layers=layers, embedding=_entries(data, "embedding", where),
                         output_layer=_entries(data, "output_layer", where), model=dict(data.get("model", {})))
 

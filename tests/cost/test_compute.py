@@ -88,13 +88,14 @@ def test_block_recompute_counts_n_layers_per_chunk():
     assert work.recompute[0, 0, 0] == pytest.approx(5 * per_layer)
 
 
-def _profile(rank=0, fwd=0.01, bwd=0.02, rc_bwd=None):
+def _profile(rank=0, fwd=0.01, bwd=0.02, rc_bwd=None, gemm_flops=None):
     layers = [ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd, backward_s=bwd,
                            activation_bytes=1)]
     if rc_bwd is not None:
         layers.append(ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd,
                                    backward_s=rc_bwd, activation_bytes=1, recompute_granularity="full"))
-    return LayerProfile(device_name="x", rank=rank, layers=tuple(layers), embedding=(), output_layer=(), model={})
+    return LayerProfile(device_name="x", rank=rank, layers=tuple(layers), embedding=(), output_layer=(), model={},
+                        gemm_flops=gemm_flops)
 
 
 def test_profile_replaces_the_roofline_and_scales_with_device_speed():
@@ -107,6 +108,17 @@ def test_profile_replaces_the_roofline_and_scales_with_device_speed():
     output = compute.roofline_output(w, layout, c.memory_bandwidth_Bps).forward.flops   # not profiled here
     layers_s_on_fast_device = (work.forward[0, 0, 0] - output) / c.gemm_flops[0]
     assert layers_s_on_fast_device == pytest.approx(w.num_layers * 0.01 / 2)
+
+
+def test_devices_sharing_cores_run_the_profile_slower():
+    """Profiled alone at rate R; the probe saw every device at R/2 while all computed at once
+    (four processes on two cores): the plan runs the profiled layer at half speed."""
+    w = workload_from_preset("gpt3-1.3b")
+    c = preset_cluster("dgx-a100", num_nodes=1)
+    alone = stage_work(w, Layout(data_parallel_size=8), c, _profile())
+    shared = stage_work(w, Layout(data_parallel_size=8), c, _profile(gemm_flops=2 * c.gemm_flops[0]))
+    output = compute.roofline_output(w, Layout(data_parallel_size=8), c.memory_bandwidth_Bps).forward.flops
+    assert (shared.forward[0, 0, 0] - output) == pytest.approx(2 * (alone.forward[0, 0, 0] - output))
 
 
 def test_profiled_recompute_is_split_out_of_backward():

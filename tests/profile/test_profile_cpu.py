@@ -38,6 +38,7 @@ def test_document_validates_and_matches_the_workload(doc):
     profile = profile_from_json(doc)
     check_profile_matches(profile, WORKLOAD)
     assert profile.device_name == "cpu" and profile.rank == 0 and doc["device"]["host"]
+    assert profile.gemm_flops > 1e8 and doc["device"]["gemm_precision"] == "fp32"   # the reference rate
     # every combination: tp1 (no SP) 3 rc x 3 mbs, tp2 2 SP x 3 rc x 3 mbs
     assert len(doc["layers"]) == 9 + 18
     assert len(doc["embedding"]) == len(doc["output_layer"]) == 6
