@@ -1,6 +1,6 @@
 """Validation on an emulated multi-node cluster (tools/emucluster; root, iproute2 and tc needed).
 
-    .venv/bin/python benchmarks/emulated_cluster.py [--only probe|placement] [--out out/emulated_cluster]
+    .venv/bin/python benchmarks/emulated_cluster.py [--only probe|placement|predictions] [--out out/emulated_cluster]
 
 1. Probe fidelity: 3 nodes x 1 process, links shaped with tbf (node 2 at a quarter of the rate);
    the probe's inter-node bandwidth per pair against the shaped path rate min(rate_i, rate_j).
@@ -9,6 +9,10 @@
    then again with the same plan document pinned but node_order = identity (Megatron's default
    rank order). Iteration times (Megatron's "elapsed time per iteration (ms)", first iterations
    skipped) and their ratio.
+3. Predictions meet measurements: 22 layouts on the placement cluster (TP across nodes, PP, DP,
+   micro-batch sizes, node orders, interleaving, full and selective recomputation), each pinned
+   through --auto-parallel-plan-file, against the planner's prediction from the placement run's
+   own probe and layer profile: error per layout, MAPE, Kendall tau, chosen vs fastest.
 Writes results.json and every node's log under --out. Every namespace is deleted at exit.
 """
 
@@ -54,12 +58,13 @@ def probe_fidelity(out: Path, rates: list[float]) -> dict:
             want, _ = spec.expected_link(i, j)
             got = doc["bandwidth_Bps"][i][j]
             rows.append({"src": i, "dst": j, "shaped_Bps": want, "probed_Bps": got,
-                         "error": got / want - 1, "latency_s": doc["latency_s"][i][j]})
+                         "error": got / want - 1, "latency_s": doc["latency_s"][i][j],
+                         "two_way_Bps": doc["exchange_bandwidth_Bps"][i][j]})
     print(f"\n## Probe fidelity: {n} nodes x 1 process, rates (Mbit/s) {rates}, probe wall {wall:.1f} s")
-    print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'latency ms':>11}")
+    print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'latency ms':>11} {'two-way MB/s':>13}")
     for r in rows:
         print(f"{r['src']}->{r['dst']:<3} {r['shaped_Bps'] / 1e6:12.2f} {r['probed_Bps'] / 1e6:12.2f} "
-              f"{r['error']:+8.1%} {r['latency_s'] * 1e3:11.3f}")
+              f"{r['error']:+8.1%} {r['latency_s'] * 1e3:11.3f} {r['two_way_Bps'] / 1e6:13.2f}")
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst |error| {worst:.1%} (bar: 25%)")
     return {"rates_mbit": rates, "links": rows, "worst_abs_error": worst, "probe_wall_s": wall,
@@ -125,7 +130,27 @@ PRED_FLAGS = ["estimate", "--num-layers", "4", "--hidden-size", "256", "--num-at
               "--global-batch-size", "16", "--vocab-size", "1024", "--fp32"]
 
 
-def predict(cache_dir: Path, pp: int, mbs: int, order: list[int]) -> float:
+def sweep_layout(nodes: int, tp: int = 1, pp: int = 1, mbs: int = 1, vpp: int | None = None,
+                 recompute: str | None = None) -> dict:
+    """Layout fields (plan-document names) of one sweep point on `nodes` one-process nodes."""
+    full = recompute == "full"
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "data_parallel_size": nodes // (tp * pp), "micro_batch_size": mbs,
+            "num_layers_per_virtual_pipeline_stage": vpp, "recompute_granularity": recompute,
+            "recompute_method": "uniform" if full else None, "recompute_num_layers": 1 if full else None}
+
+
+def layout_name(fields: dict, order: list[int]) -> str:
+    name = (f"tp{fields['tensor_model_parallel_size']}-pp{fields['pipeline_model_parallel_size']}"
+            f"-dp{fields['data_parallel_size']}-mbs{fields['micro_batch_size']}")
+    if fields["num_layers_per_virtual_pipeline_stage"]:
+        name += f"-lpv{fields['num_layers_per_virtual_pipeline_stage']}"
+    if fields["recompute_granularity"]:
+        name += f"-rc{fields['recompute_granularity'][0]}"
+    return f"{name}-{''.join(map(str, order))}"
+
+
+def predict(cache_dir: Path, fields: dict, order: list[int]) -> float:
     """The planner's iteration time for one layout and node order, from the hook's own probe
     (cluster.json) and CPU layer profile (layer_profile.json): the path the hook plans with."""
     from megatron_pipette.cli.args import workload_from_args
@@ -139,9 +164,7 @@ def predict(cache_dir: Path, pp: int, mbs: int, order: list[int]) -> float:
     workload = workload_from_args(build_parser().parse_args(PRED_FLAGS), None)
     cluster = cluster_from_json(json.loads((cache_dir / "cluster.json").read_text()))
     profile = profile_from_json(json.loads((cache_dir / "layer_profile.json").read_text()))
-    layout = Layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
-                    data_parallel_size=cluster.world_size // pp, micro_batch_size=mbs)
-    time, _ = evaluate(workload, layout, cluster, profile=profile,
+    time, _ = evaluate(workload, Layout(**fields), cluster, profile=profile,
                        placement=Placement(tuple(order), cluster.gpus_per_node))
     return time.iteration_time_s
 
@@ -157,29 +180,39 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def predictions(out: Path, iters: int, skip: int, nodes: int = 4) -> dict:
-    """>= 12 layouts (PP x DP x micro-batch x node order) pinned one by one on the placement cluster."""
+    """22 layouts pinned one by one on the placement cluster (section 3 of the module docstring)."""
     placed = json.loads((out / "results.json").read_text())["placement"]
     rates = placed["rates_mbit"]
     desc = {"nodes": nodes, "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
     cache_dir = Path(placed["plan_file"]).parent
     base = json.loads(Path(placed["plan_file"]).read_text())
     planner_order = placed["node_order"]
+    ident = list(range(nodes))
     layouts = []
     for mbs in (1, 2, 4):
-        layouts += [(4, mbs, list(range(nodes))), (4, mbs, planner_order), (2, mbs, list(range(nodes))),
-                    (2, mbs, [0, 2, 1, 3]), (1, mbs, list(range(nodes)))]
+        layouts += [(sweep_layout(nodes, pp=4, mbs=mbs), ident), (sweep_layout(nodes, pp=4, mbs=mbs), planner_order),
+                    (sweep_layout(nodes, pp=2, mbs=mbs), ident), (sweep_layout(nodes, pp=2, mbs=mbs), [0, 2, 1, 3]),
+                    (sweep_layout(nodes, mbs=mbs), ident)]
+    layouts += [(sweep_layout(nodes, pp=2, mbs=2, vpp=1), ident),                  # interleaved, 2 chunks per rank
+                (sweep_layout(nodes, pp=2, mbs=2, vpp=1), [0, 2, 1, 3]),
+                (sweep_layout(nodes, pp=4, mbs=2, recompute="full"), planner_order),
+                (sweep_layout(nodes, pp=2, mbs=2, recompute="selective"), ident),
+                (sweep_layout(nodes, tp=2, pp=2, mbs=2), ident),                    # TP across nodes
+                (sweep_layout(nodes, tp=2, mbs=2), ident),
+                (sweep_layout(nodes, tp=2, mbs=2), [0, 2, 1, 3])]
     rows = []
-    for pp, mbs, order in layouts:
+    for fields, order in layouts:
         doc = json.loads(json.dumps(base))
         cand = doc["candidates"][0]
-        cand["layout"].update(pipeline_model_parallel_size=pp, data_parallel_size=nodes // pp, micro_batch_size=mbs)
+        cand["layout"].update(fields)
         cand["placement"]["node_order"] = order
         doc["candidates"] = [cand]
-        name = f"pp{pp}-dp{nodes // pp}-mbs{mbs}-{''.join(map(str, order))}"
+        name = layout_name(fields, order)
         f = out / "layouts" / f"{name}.json"
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(doc))
-        pred = predict(cache_dir, pp, mbs, order)
+        pred = predict(cache_dir, fields, order)
+        pp, mbs = fields["pipeline_model_parallel_size"], fields["micro_batch_size"]
         try:
             times, _ = train(desc, out / "layouts", name,
                              ["--auto-parallel", "--auto-parallel-plan-file", str(f),
@@ -189,7 +222,7 @@ def predictions(out: Path, iters: int, skip: int, nodes: int = 4) -> dict:
         except RuntimeError as e:
             print(f"{name}: failed: {str(e)[:300]}")
             continue
-        rows.append({"layout": name, "pp": pp, "mbs": mbs, "node_order": order, "predicted_s": pred,
+        rows.append({"layout": name, "fields": fields, "node_order": order, "predicted_s": pred,
                      "measured_s": meas, "error": pred / meas - 1})
         print(f"{name:>22} predicted {pred:7.3f} s measured {meas:7.3f} s error {pred / meas - 1:+7.1%}", flush=True)
     pred = [r["predicted_s"] for r in rows]
