@@ -11,13 +11,13 @@ Megatron's default rank order (tp-cp-ep-dp-pp): logical rank
 tp_rank + tp * (dp_rank + dp * pp_rank). A placement maps logical rank ->
 physical device (the index in the cluster's matrices).
 
-Costs, with n ranks, S bytes in total, alpha the ring's worst latency and B its
-narrowest two-way bandwidth (a ring step lasts as long as its slowest link, and
-in a step every rank sends and receives at once):
+Costs, with n ranks, S bytes in total, alpha the ring's worst two-way latency
+and B its narrowest two-way bandwidth (a ring step lasts as long as its slowest
+link, and in a step every rank sends and receives at once):
   all-reduce        2(n-1) (alpha + S/(n B))
   reduce-scatter     (n-1) (alpha + S/(n B))   (S = the unsharded size)
   all-gather         (n-1) (alpha + S/(n B))
-  p2p message        alpha_link + S / B_link   (two-way B inside an exchange)
+  p2p message        alpha_link + S / B_link   (two-way alpha and B inside an exchange)
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def rings(devices: np.ndarray, cluster: Cluster) -> Rings:
         z = np.zeros(devices.shape[:-1])
         return Rings(size=1, alpha_s=z, inv_bw_s_per_B=z)
     nxt = np.roll(devices, -1, axis=-1)
-    return Rings(size=n, alpha_s=cluster.latency_s[devices, nxt].max(axis=-1),
+    return Rings(size=n, alpha_s=cluster.two_way_latency_s[devices, nxt].max(axis=-1),
                  inv_bw_s_per_B=(1.0 / cluster.two_way_bandwidth_Bps[devices, nxt]).max(axis=-1))
 
 
@@ -86,19 +86,21 @@ class GroupLinks:
     """(2, pp, dp, tp) latency of hop h's link: [0] activation rank h -> (h+1) % pp, [1] gradient back."""
     hop_inv_bw: np.ndarray
     """(2, pp, dp, tp) 1/bandwidth of the same links, seconds per byte."""
-    hop_xchg_inv_bw: np.ndarray | None
-    """(2, pp, dp, tp) 1/two-way bandwidth of the same links; None: full duplex (= hop_inv_bw)."""
+    hop_xchg: tuple[np.ndarray, np.ndarray] | None
+    """Latency and 1/bandwidth (each (2, pp, dp, tp)) of the same links inside an exchange;
+    None: full duplex (as hop_alpha_s, hop_inv_bw)."""
 
     def p2p_s(self, nbytes: float) -> np.ndarray:
         """(2, dp, pp): one message on each hop, each TP rank on its own link; the slowest sets it."""
-        return self._hop_s(nbytes, self.hop_inv_bw)
+        return _hop_s(nbytes, self.hop_alpha_s, self.hop_inv_bw)
 
     def exchange_s(self, nbytes: float) -> np.ndarray | None:
         """(2, dp, pp): the same messages while the reverse one runs (None: as p2p_s)."""
-        return None if self.hop_xchg_inv_bw is None else self._hop_s(nbytes, self.hop_xchg_inv_bw)
+        return None if self.hop_xchg is None else _hop_s(nbytes, *self.hop_xchg)
 
-    def _hop_s(self, nbytes: float, inv_bw: np.ndarray) -> np.ndarray:
-        return (self.hop_alpha_s + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1)
+
+def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
+    return (alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1)
 
 
 def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> GroupLinks:
@@ -112,7 +114,8 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> 
         nxt = np.roll(dev, -1, axis=0)
         pairs = (np.stack([dev, nxt]), np.stack([nxt, dev]))
         hop_alpha, hop_inv = cluster.latency_s[pairs], 1.0 / cluster.bandwidth_Bps[pairs]
-        hop_xchg = None if cluster.exchange_bandwidth_Bps is None else 1.0 / cluster.exchange_bandwidth_Bps[pairs]
+        hop_xchg = None if cluster.full_duplex else (cluster.two_way_latency_s[pairs],
+                                                     1.0 / cluster.two_way_bandwidth_Bps[pairs])
         ends = np.stack([dev[0], dev[-1]], axis=-1)
     else:
         hop_alpha = hop_inv = np.zeros((2, pp, dp, tp))
@@ -126,5 +129,5 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> 
         embedding=rings(ends, cluster),
         hop_alpha_s=hop_alpha,
         hop_inv_bw=hop_inv,
-        hop_xchg_inv_bw=hop_xchg,
+        hop_xchg=hop_xchg,
     )

@@ -176,6 +176,18 @@ def _patch_rng_tracker() -> None:
     # The tracker forks the CUDA generator per TP rank (weight init, dropout in TP regions);
     # on CPU those draws come from the CPU generator, so fork that one.
     tp_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # Activation recomputation (CheckpointFunction, CheckpointWithoutOutput) saves and restores
+    # the "CUDA" generator around the recomputed forward through these two.
+    tp_random._get_cuda_rng_state = _get_cuda_rng_state
+    tp_random._set_cuda_rng_state = _set_cuda_rng_state
+
+
+def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return _get_rng_state()
+
+
+def _set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    _set_rng_state(new_state)
 
 
 def _patch_megatron_training() -> None:

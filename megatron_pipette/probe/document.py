@@ -8,6 +8,7 @@ See docs/cluster-schema.md for the fields.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,12 @@ def gpus_per_node(hosts: Sequence[str]) -> int:
         raise PipetteError(f"probe: ranks must sit on nodes in equal blocks of consecutive ranks "
                            f"(as torchrun places them); host of each rank: {layout}")
     return size
+
+
+def medium_bytes(small_bytes: int, large_bytes: int) -> int:
+    """The medium exchange size: the power of two nearest the geometric mean of the two sizes
+    (128 KiB for 4 KiB and 4 MiB, 512 KiB for 4 KiB and 64 MiB)."""
+    return 2 ** round(math.log2(math.sqrt(small_bytes * large_bytes)))
 
 
 def sender_times(rows: Sequence[Sequence[float]]) -> np.ndarray:
@@ -91,14 +98,20 @@ def latency_from_small(small_s: np.ndarray, bw: np.ndarray, small_bytes: int) ->
     return np.where(np.isnan(lat), np.nan, np.maximum(lat, 0.0))
 
 
-def two_way_bandwidth(exchange_s: np.ndarray, bw: np.ndarray, lat: np.ndarray, large_bytes: int) -> np.ndarray:
-    """Per-direction bandwidth while the reverse direction is busy, from the exchange time of each
-    pair: L / (t_x - alpha), never above the one-way rate (an exchange ends with its slower
-    direction, so the faster one is known only to be at least this fast)."""
+def two_way_alpha_beta(medium_s: np.ndarray, large_s: np.ndarray, medium_bytes: int, large_bytes: int,
+                       bw: np.ndarray, lat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-direction bandwidth and latency while the reverse direction is busy, from each pair's
+    exchange times at two sizes: t_x(S) = alpha_x + S/beta_x. beta_x comes from the difference
+    (else L/t_x(L), as alpha_beta) and is never above the one-way rate (an exchange ends with its
+    slower direction, so the faster one is known only to be at least this fast); alpha_x, from
+    the medium size, never below the one-way latency: what a link that is not full duplex loses
+    on a medium message (acknowledgements queued behind the other direction's data, a
+    congestion window that has not opened) shows there."""
+    bw_x, _ = alpha_beta(medium_s, large_s, medium_bytes, large_bytes)
+    bw_x = np.fmin(bw_x, bw)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out = large_bytes / np.maximum(exchange_s - lat, large_bytes / bw)
-    out[~np.isfinite(out) | (out <= 0)] = np.nan
-    return out
+        lat_x = np.fmax(medium_s - medium_bytes / bw_x, lat)
+    return bw_x, np.where(np.isnan(bw_x), np.nan, lat_x)
 
 
 def fill_unmeasured(m: np.ndarray, node_size: int) -> tuple[np.ndarray, list[list[int]]]:
@@ -160,6 +173,8 @@ class RankReport:
     """The same for the large message."""
     exchange_s: list[float]
     """Median large two-way exchange time with each rank."""
+    exchange_medium_s: list[float]
+    """Median medium two-way exchange time with each rank."""
     collectives: list[dict]
 
 
@@ -215,11 +230,14 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
     ts = sender_times([r.small_s for r in reports])
     tl = sender_times([r.large_s for r in reports])
     bw, _ = alpha_beta(ts, tl, small_bytes, large_bytes)
-    two_way = two_way_bandwidth(pair_times([r.exchange_s for r in reports]), bw,
-                                latency_from_small(ts, bw, small_bytes), large_bytes)
+    lat = latency_from_small(ts, bw, small_bytes)
+    two_way_bw, two_way_lat = two_way_alpha_beta(
+        pair_times([r.exchange_medium_s for r in reports]), pair_times([r.exchange_s for r in reports]),
+        medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)
     if n > 1:
         bw, _filled_bw = fill_unmeasured(bw, gpn)
-        two_way, _filled_two_way = fill_unmeasured(two_way, gpn)
+        two_way_bw, _ = fill_unmeasured(two_way_bw, gpn)
+        two_way_lat, _ = fill_unmeasured(two_way_lat, gpn)
     lat = latency_from_small(ts, bw, small_bytes)
     if n > 1:
         lat, _filled_lat = fill_unmeasured(lat, gpn)
@@ -234,10 +252,12 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
         "devices": _devices(reports, gpn, hosts),
         "bandwidth_Bps": matrix(bw),
         "latency_s": matrix(lat),
-        "exchange_bandwidth_Bps": matrix(np.minimum(two_way, bw)),
+        "exchange_bandwidth_Bps": matrix(np.minimum(two_way_bw, bw)),
+        "exchange_latency_s": matrix(np.maximum(two_way_lat, lat)),
         "collectives": merge_collectives([r.collectives for r in reports]),
         "probe": {**probe_meta, "world_size": n, "rounds": len(tournament(n)),
                   "rounds_measured": sum(c is not None for c in round_configs),
                   "small_bytes": int(small_bytes), "large_bytes": int(large_bytes),
+                  "exchange_bytes": [medium_bytes(small_bytes, large_bytes), int(large_bytes)],
                   "repeats": int(max_repeats), "skipped": skipped},
     }

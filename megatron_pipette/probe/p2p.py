@@ -5,10 +5,12 @@ measured while the fabric carries the load it carries in training (every
 device talking), and all pairs are covered in N-1 rounds (N for odd N).
 Each pair times, `repeats` times each keeping the median, a small and a large
 message one way in each direction (acknowledged by one byte, so the reverse
-direction is idle) and a large concurrent two-way exchange: the one-way times
-give each direction's alpha-beta (document.alpha_beta), the exchange the rate
-a direction keeps while the other is busy, which links that are not full
-duplex lower (1F1B's exchanges and ring collectives run that way). Rounds
+direction is idle) and concurrent two-way exchanges of a medium and the large
+size: the one-way times give each direction's alpha-beta (document.alpha_beta),
+the exchanges the alpha-beta a direction keeps while the other is busy, which
+links that are not full duplex lower (1F1B's exchanges and ring collectives run
+that way); the medium size, between the latency- and the bandwidth-bound ends,
+is where such links lose most (medium_bytes). Rounds
 start with an agreement all-reduce that is both the barrier and the budget
 check (budget.choose_round).
 """
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_pipette.probe.budget import RoundConfig, RoundCosts, choose_round
 from megatron_pipette.probe.comm import Clock, agree_max, exchange, one_way
+from megatron_pipette.probe.document import medium_bytes
 from megatron_pipette.probe.schedule import partner_in, tournament
 
 
@@ -38,6 +41,8 @@ class P2PResult:
     """One-way large message to each partner (acknowledged)."""
     exchange_s: list[float]
     """Large message both ways at once with each partner."""
+    exchange_medium_s: list[float]
+    """Medium message (medium_bytes) both ways at once with each partner."""
     configs: list[RoundConfig | None]
     """Per tournament round, what was measured; None: skipped for the budget. Identical on all ranks."""
     round_times_s: list[float]
@@ -51,11 +56,11 @@ def measure_pairs(group: dist.ProcessGroup | None, device: torch.device, clock: 
     me = dist.get_rank(group)
     rounds = tournament(n)
     nan = float("nan")
-    small_s, large_s, exchange_s = [nan] * n, [nan] * n, [nan] * n
+    small_s, large_s, exchange_s, exchange_medium_s = [nan] * n, [nan] * n, [nan] * n, [nan] * n
     configs: list[RoundConfig | None] = []
     round_times: list[float] = []
     if not rounds:
-        return P2PResult(small_s, large_s, exchange_s, configs, round_times)
+        return P2PResult(small_s, large_s, exchange_s, exchange_medium_s, configs, round_times)
     pair = _Pair(group, device, me, small_bytes, large_bytes, timeout)
 
     # Calibration on round 0's pairs: one warm-up (connection set-up, partner
@@ -65,7 +70,8 @@ def measure_pairs(group: dist.ProcessGroup | None, device: torch.device, clock: 
     cal_small = cal_large = 0.0
     if peer is not None:
         pair.warm_up(peer)
-        (small_s[peer], cal_small), (large_s[peer], exchange_s[peer], cal_large) = pair.small(peer), pair.large(peer)
+        (small_s[peer], cal_small), (large_s[peer], exchange_medium_s[peer], exchange_s[peer], cal_large) = \
+            pair.small(peer), pair.large(peer)
         # Kept as round 0's result should even one more repeat not fit the budget.
     now, cal_small, cal_large = agree_max(group, device, [clock.elapsed(), cal_small, cal_large])
     costs = RoundCosts(overhead_s=max(now - start - cal_small - cal_large, 0.0),
@@ -97,16 +103,16 @@ def measure_pairs(group: dist.ProcessGroup | None, device: torch.device, clock: 
         mine = (statistics.median(w for _, w in smalls), 0.0)
         if config.large:
             larges = [pair.large(peer) for _ in range(config.repeats)]
-            large_s[peer] = statistics.median(t for t, _, _ in larges)
-            exchange_s[peer] = statistics.median(x for _, x, _ in larges)
-            mine = (mine[0], statistics.median(w for _, _, w in larges))
+            large_s[peer], exchange_medium_s[peer], exchange_s[peer], wall = (statistics.median(column)
+                                                                              for column in zip(*larges))
+            mine = (mine[0], wall)
 
     if len(configs) == len(rounds):   # closing barrier, and the last round's time
         prev = now
         now, *_ = agree_max(group, device, [clock.elapsed(), *mine])
         round_times.append(now - prev)
     configs += [None] * (len(rounds) - len(configs))
-    return P2PResult(small_s, large_s, exchange_s, configs, round_times)
+    return P2PResult(small_s, large_s, exchange_s, exchange_medium_s, configs, round_times)
 
 
 class _Pair:
@@ -119,6 +125,8 @@ class _Pair:
                           torch.empty(small_bytes, dtype=torch.uint8, device=device))
         self.large_buf = (torch.zeros(large_bytes, dtype=torch.uint8, device=device),
                           torch.empty(large_bytes, dtype=torch.uint8, device=device))
+        medium = medium_bytes(small_bytes, large_bytes)
+        self.medium_buf = (self.large_buf[0][:medium], self.large_buf[1][:medium])
         self.ack = torch.zeros(1, dtype=torch.uint8, device=device)
 
     def _both_ways(self, peer: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
@@ -134,12 +142,13 @@ class _Pair:
     def small(self, peer: int) -> tuple[float, float]:
         return self._both_ways(peer, self.small_buf)
 
-    def large(self, peer: int) -> tuple[float, float, float]:
-        """(one-way, exchange, wall time)."""
+    def large(self, peer: int) -> tuple[float, float, float, float]:
+        """(one-way, medium exchange, large exchange, wall time)."""
         t0 = time.perf_counter()
         mine, _ = self._both_ways(peer, self.large_buf)
-        both = exchange(self.group, self.device, self.me, peer, *self.large_buf, self.timeout)
-        return mine, both, time.perf_counter() - t0
+        medium = exchange(self.group, self.device, self.me, peer, *self.medium_buf, self.timeout)
+        large = exchange(self.group, self.device, self.me, peer, *self.large_buf, self.timeout)
+        return mine, medium, large, time.perf_counter() - t0
 
 
 def _update(costs: RoundCosts, config: RoundConfig | None, period_s: float, t_small: float,

@@ -15,6 +15,7 @@ it. Callers do the file I/O; see docs/cluster-schema.md for the field list.
       "bandwidth_Bps": [[null, 3.7e11, ...], ...],
       "latency_s": [[null, 6e-06, ...], ...],
       "exchange_bandwidth_Bps": [[null, 3.6e11, ...], ...],     (optional; default: bandwidth_Bps)
+      "exchange_latency_s": [[null, 8e-06, ...], ...],          (optional; default: latency_s)
       "collectives": [{"op": "all_reduce", "ranks": [0, 1], "bytes": 67108864,
                        "time_s": 0.0004, "busbw_Bps": 1.7e11}],
       "probe": {"backend": "nccl", "duration_s": 4.2, "rounds": 7, "skipped": []}
@@ -42,8 +43,12 @@ def _matrix(data: dict, key: str, n: int, where: str) -> np.ndarray:
     off = ~np.eye(n, dtype=bool)
     if not np.all(np.isfinite(m[off])) or np.any(m[off] < 0):
         raise PipetteError(f"{where}: '{key}' has a missing, negative or non-finite off-diagonal entry")
-    np.fill_diagonal(m, 0.0 if key == "latency_s" else np.inf)
+    np.fill_diagonal(m, 0.0 if key.endswith("latency_s") else np.inf)
     return m
+
+
+def _optional_matrix(data: dict, key: str, n: int, where: str) -> np.ndarray | None:
+    return None if data.get(key) is None else _matrix(data, key, n, where)
 
 
 def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
@@ -89,8 +94,8 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
                    gemm_flops=np.array([float(d["gemm_flops"]) for d in devices]),
                    bandwidth_Bps=_matrix(data, "bandwidth_Bps", n, where),
                    latency_s=_matrix(data, "latency_s", n, where),
-                   exchange_bandwidth_Bps=(_matrix(data, "exchange_bandwidth_Bps", n, where)
-                                           if data.get("exchange_bandwidth_Bps") is not None else None),
+                   exchange_bandwidth_Bps=_optional_matrix(data, "exchange_bandwidth_Bps", n, where),
+                   exchange_latency_s=_optional_matrix(data, "exchange_latency_s", n, where),
                    gpu=gpu, hosts=tuple(hosts))
 
 
@@ -102,8 +107,8 @@ def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
         return [[None if i == j else float(m[i, j]) for j in range(n)] for i in range(n)]
 
     hosts = cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes))
-    exchange = {} if cluster.exchange_bandwidth_Bps is None else {
-        "exchange_bandwidth_Bps": matrix(cluster.exchange_bandwidth_Bps)}
+    exchange = {key: matrix(m) for key, m in (("exchange_bandwidth_Bps", cluster.exchange_bandwidth_Bps),
+                                              ("exchange_latency_s", cluster.exchange_latency_s)) if m is not None}
     return {
         "schema": SCHEMA, "version": VERSION, "name": cluster.name, "precision": precision,
         "gpus_per_node": cluster.gpus_per_node,

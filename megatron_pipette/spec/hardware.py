@@ -95,6 +95,8 @@ class Cluster:
     exchange_bandwidth_Bps: np.ndarray | None = None
     """(N, N) bytes/s from i to j while j sends to i at the same time (1F1B's exchanges, ring
     collective steps); None: full-duplex links, as fast as one way."""
+    exchange_latency_s: np.ndarray | None = None
+    """(N, N) start-up time of a message inside such an exchange; None: latency_s."""
     gpu: GPU | None = None
     """The catalog entry, when the devices are a known GPU (None for CPU rehearsals)."""
     hosts: tuple[str, ...] = ()
@@ -109,11 +111,22 @@ class Cluster:
         assert self.bandwidth_Bps.shape == (n, n) and self.latency_s.shape == (n, n)
         assert self.gemm_flops.shape == (n,)
         assert self.exchange_bandwidth_Bps is None or self.exchange_bandwidth_Bps.shape == (n, n)
+        assert self.exchange_latency_s is None or self.exchange_latency_s.shape == (n, n)
 
     @property
     def two_way_bandwidth_Bps(self) -> np.ndarray:
         """(N, N) bytes/s per direction when both directions of a pair are busy."""
         return self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps
+
+    @property
+    def two_way_latency_s(self) -> np.ndarray:
+        """(N, N) per-message start-up time when both directions of a pair are busy."""
+        return self.latency_s if self.exchange_latency_s is None else self.exchange_latency_s
+
+    @property
+    def full_duplex(self) -> bool:
+        """True when exchanges cost what single messages do (no two-way figures given)."""
+        return self.exchange_bandwidth_Bps is None and self.exchange_latency_s is None
 
     @property
     def world_size(self) -> int:

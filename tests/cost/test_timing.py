@@ -29,7 +29,8 @@ def random_cluster(seed: int, nodes=4, gpn=8, spread=10.0, slow_devices=0.2) -> 
     bw = base.bandwidth_Bps * rng.uniform(1 / spread, 1, (n, n))
     return dataclasses.replace(base, bandwidth_Bps=bw, latency_s=base.latency_s * rng.uniform(1, 3, (n, n)),
                                gemm_flops=base.gemm_flops * rng.uniform(1 - slow_devices, 1, n),
-                               exchange_bandwidth_Bps=bw * rng.uniform(0.5, 1, (n, n)))
+                               exchange_bandwidth_Bps=bw * rng.uniform(0.5, 1, (n, n)),
+                               exchange_latency_s=base.latency_s * rng.uniform(1, 5, (n, n)))
 
 
 LAYOUTS = [layout(8, 4, 1), layout(1, 1, 32), layout(2, 4, 4, sequence_parallel=True, use_distributed_optimizer=True),

@@ -11,9 +11,12 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.eE+-]+|nan|inf
 
 # Overrides of the script's TP=2 x PP=2 layout (later flags win in argparse).
 LAYOUTS = {
-    "tp2-pp2": [],
-    "pp2-interleaved-dp2": [
+    "tp2-pp2-full-recompute": [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    ],
+    "pp2-interleaved-dp2-selective-recompute": [
         "--tensor-model-parallel-size", "1", "--num-virtual-stages-per-pipeline-rank", "2",
+        "--recompute-granularity", "selective",
     ],
     "tp2-dp2-distributed-optimizer": [
         "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",

@@ -8,8 +8,8 @@ import pytest
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.probe.budget import RoundConfig
 from megatron_pipette.probe.document import (RankReport, alpha_beta, build_document, fill_unmeasured,
-                                             gpus_per_node, merge_collectives, pair_times, sender_times,
-                                             two_way_bandwidth)
+                                             gpus_per_node, medium_bytes, merge_collectives, pair_times,
+                                             sender_times, two_way_alpha_beta)
 from megatron_pipette.probe.schedule import tournament
 from megatron_pipette.spec.cluster_file import cluster_from_json
 
@@ -47,12 +47,21 @@ def test_alpha_beta_recovers_the_model():
     assert bw[0, 0] == pytest.approx(L / 1e-3) and lat[0, 0] >= 0
 
 
-def test_two_way_bandwidth_from_the_exchange_never_above_one_way():
-    alpha, one_way = np.array([[0.0, 1e-3], [1e-3, 0.0]]), np.array([[np.inf, 1e9], [2e9, np.inf]])
-    half_duplex = pair_times([[NAN, 1e-3 + L / 0.5e9], [NAN, NAN]])      # each way at 0.5 GB/s
-    np.testing.assert_allclose(two_way_bandwidth(half_duplex, one_way, alpha, L)[[0, 1], [1, 0]], [0.5e9, 0.5e9])
-    full_duplex = pair_times([[NAN, 1e-3 + L / 1e9], [NAN, NAN]])        # ends with the slower direction
-    np.testing.assert_allclose(two_way_bandwidth(full_duplex, one_way, alpha, L)[[0, 1], [1, 0]], [1e9, 1e9])
+def test_two_way_alpha_beta_from_two_exchange_sizes():
+    m = medium_bytes(S, L)
+    assert m == 128 * 2**10 and medium_bytes(4096, 64 * 2**20) == 512 * 2**10
+    one_way, alpha = np.array([[np.inf, 1e8], [2e8, np.inf]]), np.array([[0.0, 1e-3], [1e-3, 0.0]])
+    # half duplex, and a medium exchange that loses 20 ms more (acknowledgements behind data)
+    tm, tl = pair_times([[NAN, 0.021 + m / 0.5e8], [NAN, NAN]]), pair_times([[NAN, 0.021 + L / 0.5e8], [NAN, NAN]])
+    bw, lat = two_way_alpha_beta(tm, tl, m, L, one_way, alpha)
+    np.testing.assert_allclose(bw[[0, 1], [1, 0]], [0.5e8, 0.5e8])
+    np.testing.assert_allclose(lat[[0, 1], [1, 0]], [0.021, 0.021])
+    # full duplex: never above the one-way rate (the exchange ends with the slower direction),
+    # and never below the one-way latency
+    tm, tl = pair_times([[NAN, m / 1e8], [NAN, NAN]]), pair_times([[NAN, L / 1e8], [NAN, NAN]])
+    bw, lat = two_way_alpha_beta(tm, tl, m, L, one_way, alpha)
+    np.testing.assert_allclose(bw[[0, 1], [1, 0]], [1e8, 1e8])
+    np.testing.assert_allclose(lat[[0, 1], [1, 0]], [1e-3, 1e-3])
 
 
 def test_fill_uses_same_kind_median():
@@ -77,11 +86,11 @@ def test_merge_collectives_keeps_the_slowest_member():
     assert recs == [{"op": "all_reduce", "ranks": [0, 1], "bytes": 100, "time_s": 2.0, "busbw_Bps": 50.0}]
 
 
-def _report(rank, n, host, small, large, exchange=None):
+def _report(rank, n, host, small, large):
     ident = {"host": host, "local_rank": None, "local_world_size": None, "host_memory_bytes": 8 * 2**30,
              "device_name": "cpu", "gpu": None, "memory_bytes": None}
     return RankReport(identity=ident, gemm_flops=1e10 * (rank + 1), memory_bandwidth_Bps=5e9,
-                      small_s=small, large_s=large, exchange_s=exchange or large, collectives=[])
+                      small_s=small, large_s=large, exchange_s=large, exchange_medium_s=small, collectives=[])
 
 
 def test_document_with_skipped_rounds_is_complete_and_accepted():

@@ -64,6 +64,7 @@ def test_four_ranks_complete_identical_and_accepted(tmp_path):
     two_way = np.array([[np.nan if v is None else v for v in row] for row in doc["exchange_bandwidth_Bps"]])
     assert np.all(two_way[off] > 0) and np.all(two_way[off] <= bw[off])     # each direction timed on its own
     assert np.allclose(cluster.two_way_bandwidth_Bps[off], two_way[off])
+    assert np.all(cluster.two_way_latency_s[off] >= cluster.latency_s[off])
     assert doc["probe"]["rounds"] == doc["probe"]["rounds_measured"] == 3
     assert doc["probe"]["skipped"] == []
     assert {tuple(c["ranks"]) for c in doc["collectives"]} == {(0, 1), (2, 3), (0, 1, 2, 3)}

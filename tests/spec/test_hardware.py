@@ -42,15 +42,17 @@ def test_cluster_json_round_trip():
     assert back.world_size == 16 and back.gpu.name == "A100-80GB"
     assert np.array_equal(back.bandwidth_Bps[~np.eye(16, dtype=bool)], c.bandwidth_Bps[~np.eye(16, dtype=bool)])
     assert back.hosts == ("node0", "node1")
-    assert back.exchange_bandwidth_Bps is None and back.two_way_bandwidth_Bps is back.bandwidth_Bps
+    assert back.full_duplex and back.two_way_bandwidth_Bps is back.bandwidth_Bps
+    assert back.two_way_latency_s is back.latency_s
 
 
 def test_cluster_json_keeps_the_two_way_bandwidth():
     c = preset_cluster("dgx-a100", num_nodes=2)
-    c = dataclasses.replace(c, exchange_bandwidth_Bps=c.bandwidth_Bps / 2)
+    c = dataclasses.replace(c, exchange_bandwidth_Bps=c.bandwidth_Bps / 2, exchange_latency_s=c.latency_s * 3)
     back = cluster_from_json(cluster_to_json(c))
     off = ~np.eye(16, dtype=bool)
     assert np.array_equal(back.two_way_bandwidth_Bps[off], c.bandwidth_Bps[off] / 2)
+    assert np.array_equal(back.two_way_latency_s[off], c.latency_s[off] * 3) and not back.full_duplex
     doc = cluster_to_json(c)
     doc["exchange_bandwidth_Bps"][2][3] = -1.0
     with pytest.raises(PipetteError, match="exchange_bandwidth_Bps"):
