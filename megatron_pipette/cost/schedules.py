@@ -10,8 +10,9 @@ docs/time-model.md; `cost.simulator` is the reference the tests hold them to.
   dynamic programme over the same event lattice for p <= m < 2p-1, and the
   simulator for m < p (where stages run all-warmup and the lattice changes).
 - "interleaved": forward_backward_pipelining_with_interleaving (async p2p).
-  An approximation (no exact closed form is known to us); its error against
-  the simulator is measured in the tests and documented.
+  Exact: a wave recurrence over the ranks (`cost.interleaved`) that skips the
+  periodic steady-state groups; extrapolated (and flagged inexact) only for a
+  replica whose steady state has not become periodic after a few groups.
 - "no-pipelining": PP = 1.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_pipette.cost import simulator
+from megatron_pipette.cost.interleaved import interleaved_time
 
 NEG = -np.inf
 
@@ -266,27 +268,15 @@ def _busy_interleaved(times: StageTimes, m: int) -> tuple[np.ndarray, np.ndarray
 
 @register("interleaved", lambda p, m, v: simulator.program_interleaved(p, m, v))
 def interleaved(times: StageTimes, m: int) -> PipelineTime:
-    """Approximation: the larger of (a) 1F1B over m*v chunk-steps with per-rank mean chunk
-    times and the send wait folded into the forward, plus the p2p transit of the first
-    micro-batch down and back, and (b) a three-regime path: the (v-1)p warmup steps paced by
-    the slowest warmup rank, the steady steps by the slowest rank, the cooldown steps by the
-    slowest cooldown rank; never below any rank's fill + own busy time + drain."""
+    """Exact (the simulator's answer) by a wave recurrence over the ranks (`cost.interleaved`);
+    long runs skip the micro-batch groups of the periodic steady state. `exact` is False only
+    if some replica had not become periodic after MAX_GROUPS groups and was extrapolated."""
     batch, p, v = times.shape
-    mv, warm = m * v, min((v - 1) * p, m * v)
-    warm_step, steady_step, cool_step = _interleaved_steps(times)
-    fw = times.forward_s.mean(axis=2) + _send_wait(times)
-    bw = times.backward_s.mean(axis=2)
-    z = np.zeros((batch, p + 1))
-    transit = times.fwd_comm_s[:, :p - 1].sum(axis=1) + times.bwd_comm_s[:, :p - 1].sum(axis=1)
-    t1, _ = (_cooldown(_one_f_one_b_closed(fw, bw, z, z, z, mv), bw, z, mv) if mv >= 2 * p - 1
-             else _one_f_one_b_lattice(fw, bw, z, z, z, mv))
-    fill = _prefix(times.forward_s[:, :, 0] + times.fwd_comm_s)[:, :p]
-    drain = _prefix(times.backward_s[:, :, 0] + times.bwd_comm_s)[:, :p]
-    t2 = ((fill + warm * warm_step).max(axis=1) + (mv - warm) * steady_step.max(axis=1)
-          + (warm * cool_step + drain).max(axis=1))
+    assert v >= 2 and p >= 2 and m % p == 0, "interleaving needs PP >= 2, >= 2 chunks and M % PP == 0"
+    total, finish, exact = interleaved_time(times.forward_s, times.backward_s, times.fwd_comm_s,
+                                            times.bwd_comm_s, m)
     busy, p2p = _busy_interleaved(times, m)
-    total = np.maximum(np.maximum(t1 + transit, t2), (fill + busy + drain).max(axis=1))
-    return PipelineTime(total_s=total, finish_s=total[:, None] - drain, busy_s=busy, p2p_s=p2p, exact=False)
+    return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=bool(exact.all()))
 
 
 def schedule_name(pp: int, virtual_stages: int) -> str:

@@ -149,8 +149,6 @@ def test_1f1b_estimate_is_the_simulated_one(case):
     assert closed.exact_schedule
 
 
-@pytest.mark.xfail(strict=True, reason="interleaved closed form is approximate: measured on random clusters "
-                   "(10x link spread, 20% slower devices) median 0.3%, worst ~12% (docs/time-model.md)")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planned(interleaved=True))
 def test_interleaved_estimate_within_2pct_of_the_simulated_one(case):
