@@ -24,7 +24,8 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 def candidates_table(result: Plan) -> str:
     rows = []
     for i, c in enumerate(result.candidates, 1):
-        sim = f"{c.simulated_time_s:.3f}" if c.simulated_time_s is not None else "-"
+        sim = (f"{c.simulated_time_s:.3f}" if c.simulated_time_s is not None
+               else "exact" if c.time.exact_schedule else "-")
         placement = "default" if c.placement.is_default else "nodes " + ",".join(map(str, c.placement.node_order))
         if len(placement) > 28:
             placement = placement[:25] + "..."

@@ -87,7 +87,8 @@ class TimeEstimate:
     schedule: str = "1f1b"
     """The pipeline schedule Megatron runs for this layout."""
     exact_schedule: bool = True
-    """False when the schedule time is the interleaved approximation (not simulated)."""
+    """False when some replica's interleaved schedule time was extrapolated (cost.interleaved);
+    the simulator's answer otherwise."""
 
 
 def group_links(layout: Layout, cluster: Cluster, placement=None) -> GroupLinks:

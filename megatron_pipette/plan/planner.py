@@ -37,7 +37,8 @@ class Candidate:
     """Predicted time in Megatron's default rank order, for comparison."""
     memory: MemoryEstimate
     simulated_time_s: float | None = None
-    """The event-driven simulator's figure for the same placement (top candidates only)."""
+    """The event-driven simulator's figure for the same placement, for top candidates whose
+    schedule time was not exact (None otherwise: the estimate is the simulator's answer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +101,8 @@ def plan(workload: Workload, cluster: Cluster, *, profile: LayerProfile | None =
     candidates.sort(key=lambda c: c.time.iteration_time_s)
     candidates = [replace(c, simulated_time_s=estimate_time(
         workload, c.layout, cluster, c.placement.logical_to_physical, profile=profile,
-        simulate=True).iteration_time_s) if i < placement_top else c for i, c in enumerate(candidates[:top_k])]
+        simulate=True).iteration_time_s) if i < placement_top and not c.time.exact_schedule else c
+        for i, c in enumerate(candidates[:top_k])]
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
                 candidates=tuple(candidates), considered=considered, out_of_memory=oom,
                 closest_misfit=None if closest is None else (closest[1], closest[2]))
