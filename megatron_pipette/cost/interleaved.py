@@ -185,7 +185,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
     fin = np.full((p, batch), NEG)
     finish = np.zeros((p, batch))
     exact = np.ones(batch, dtype=bool)
-    pf_own, pf_prev, pb_own, pb_next = pf[1:], pf[:p], pb[:p], pb[1:]
+    pf_own, pb_own = pf[1:], pb[:p]
     hist: list[np.ndarray] = []                              # (E, X, Y) at each group start
     nw, checks = len(s.waves), s.checks
     cur = 0                                                    # parity: xs[cur], ys[cur] hold X_w, Y_w
@@ -225,26 +225,15 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
             cur ^= 1
             if kind == STEADY:
                 mx(e, x_own, out=e)                            # the activation this forward waits for
-                add(e, f_i, out=pf_own)
-                pf[0] = pf[p]
-                mx(pf_prev, pf_own, out=xo)                    # the next activation into each rank
-                add(xo, phi_i, out=xo)
-                xn[p] = xn[0]
+                _forward(e, f_i, pf, xo, xn, phi_i)
                 mx(pf_own, xn_next, out=bs)                    # the activation send
                 mx(bs, y_own, out=bs)                          # the gradient
                 add(bs, b_i, out=pb_own)
-                pb[p] = pb[0]
-                mx(pb_own, pb_next, out=yo)                    # the next gradient into each rank
-                add(yo, beta_i, out=yo)
-                yn[0] = yn[p]
+                _gradient(pb, yo, yn, beta_i)                  # the next gradient into each rank
                 mx(pb_own, y_prev, out=e)                      # the previous gradient send
             elif kind == WARMUP:                               # blocking send and receive, no gradients
                 mx(e, x_own, out=e)
-                add(e, f_i, out=pf_own)
-                pf[0] = pf[p]
-                mx(pf_prev, pf_own, out=xo)
-                add(xo, phi_i, out=xo)
-                xn[p] = xn[0]
+                _forward(e, f_i, pf, xo, xn, phi_i)
                 mx(pf_own, xn_next, out=e)
                 mx(e, xo, out=e)
             elif kind == COOLDOWN:                             # blocking send and receive, no activations
@@ -252,10 +241,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
                 add(e, b_i, out=pb_own)
                 if r_last >= 0:
                     finish[r_last] = pb_own[r_last]
-                pb[p] = pb[0]
-                mx(pb_own, pb_next, out=yo)
-                add(yo, beta_i, out=yo)
-                yn[0] = yn[p]
+                _gradient(pb, yo, yn, beta_i)
                 mx(pb_own, y_prev, out=e)
                 mx(e, yn_prev, out=e)
                 mx(e, yo, out=e)
@@ -265,11 +251,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
                 if cool is not None:                           # cooldown: wait for the gradient first
                     add(y_own, cool, out=tmp)
                     mx(e, tmp, out=e)
-                add(e, f_i, out=pf_own)
-                pf[0] = pf[p]
-                mx(pf_prev, pf_own, out=xo)
-                add(xo, phi_i, out=xo)
-                xn[p] = xn[0]
+                _forward(e, f_i, pf, xo, xn, phi_i)
                 mx(pf_own, xn_next, out=bs)
                 mx(bs, y_own, out=bs)
                 add(bs, b_i, out=pb_own)
@@ -278,10 +260,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
                 if warm is not None:                           # warmup: blocking receive, then the
                     add(xo, warm, out=tmp)                     # first gradient receive is posted
                     mx(pb_own, tmp, out=pb_own)
-                pb[p] = pb[0]
-                mx(pb_own, pb_next, out=yo)
-                add(yo, beta_i, out=yo)
-                yn[0] = yn[p]
+                _gradient(pb, yo, yn, beta_i)
                 if first_cool is not None:                     # the last steady send is waited for
                     add(y_prev, first_cool, out=tmp)           # only at the very end
                     mx(fin, tmp, out=fin)
@@ -297,6 +276,28 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
         i = stop
     end = np.maximum(e, fin)
     return end.max(axis=0), finish.T.copy(), exact
+
+
+def _forward(start: np.ndarray, f_i: np.ndarray, pf: np.ndarray, xo: np.ndarray, xn: np.ndarray,
+             phi_i: np.ndarray) -> None:
+    """pF = start + f, and the next activation into each rank X' = max(pF[r-1], pF[r]) + phi[r-1]
+    (pf row 0 and xn row p mirror the wrap-around neighbours)."""
+    p = len(start)
+    np.add(start, f_i, out=pf[1:])
+    pf[0] = pf[p]
+    np.maximum(pf[:p], pf[1:], out=xo)
+    np.add(xo, phi_i, out=xo)
+    xn[p] = xn[0]
+
+
+def _gradient(pb: np.ndarray, yo: np.ndarray, yn: np.ndarray, beta_i: np.ndarray) -> None:
+    """The next gradient into each rank Y' = max(pB[r], pB[r+1]) + beta[r] (pb row p and yn row 0
+    mirror the wrap-around neighbours)."""
+    p = len(yo)
+    pb[p] = pb[0]
+    np.maximum(pb[:p], pb[1:], out=yo)
+    np.add(yo, beta_i, out=yo)
+    yn[0] = yn[p]
 
 
 def _periodic_jump(hist: list[np.ndarray], s: _Structure, w: int, max_groups: int):
