@@ -101,8 +101,8 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices) -> Iterator[La
                       micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                       recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
                       decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                      overlap_grad_reduce=constraints.get("overlap_grad_reduce", dp > 1),
-                      overlap_param_gather=constraints.get("overlap_param_gather", dopt))
+                      overlap_grad_reduce=(overlap := constraints.get("overlap_grad_reduce", dp > 1)),
+                      overlap_param_gather=constraints.get("overlap_param_gather", dopt and overlap))
         for lpv in _virtual_options(workload, base, constraints):
             layout = replace(base, num_layers_per_virtual_pipeline_stage=lpv)
             try:

@@ -198,6 +198,8 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
                              f"multiple of --pipeline-model-parallel-size {pp}")
     if layout.overlap_param_gather and not layout.use_distributed_optimizer:
         raise Infeasible("--overlap-param-gather needs --use-distributed-optimizer")
+    if layout.overlap_param_gather and not layout.overlap_grad_reduce:
+        raise Infeasible("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
 
 
 def _validate_recompute(layout: Layout, layers: list[int]) -> None:

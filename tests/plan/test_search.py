@@ -40,6 +40,16 @@ def test_constraints_fix_fields():
                and l.recompute_method == "uniform" for l in layouts)
 
 
+def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
+    """--use-distributed-optimizer asked for at DP 1: no grad-reduce overlap, so no param-gather
+    overlap either (Megatron asserts the pair)."""
+    w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
+    layouts = list(enumerate_layouts(w, 8, 8, {"use_distributed_optimizer": True,
+                                               "tensor_model_parallel_size": 8}))
+    assert layouts and all(l.dp == 1 and not l.overlap_grad_reduce and not l.overlap_param_gather
+                           for l in layouts)
+
+
 def test_tensor_parallel_across_nodes_only_when_allowed():
     w = workload_from_preset("gpt3-1.3b")
     assert max(l.tp for l in enumerate_layouts(w, 16, 8)) == 8

@@ -42,6 +42,7 @@ def test_megatron_layout():
     (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
     (dict(recompute_method="block"), "--recompute-granularity full"),
     (dict(overlap_param_gather=True), "--use-distributed-optimizer"),
+    (dict(overlap_param_gather=True, use_distributed_optimizer=True), "--overlap-grad-reduce"),
 ])
 def test_megatron_rules_are_infeasible_with_flag(kw, flag):
     with pytest.raises(Infeasible, match=flag):
