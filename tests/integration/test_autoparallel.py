@@ -153,13 +153,16 @@ CHOSEN = re.compile(r"> auto-parallel: chosen layout (tp\d+ pp\d+ dp\d+)")
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """4 processes train and save under one layout; 2 processes resume under the layout the
-    planner picks for 2, from the saved iteration, with finite, still-falling loss."""
+    """4 processes train and save under one layout with the distributed optimizer; 2 processes
+    resume under the layout the planner picks for 2 (keeping the distributed optimizer, whose
+    state must reshard), from the saved iteration, with finite, still-falling loss."""
+    pytest.importorskip("psutil")  # megatron's torch_dist checkpoint writer needs it
     monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
     ckpt = ["--train-iters", "10", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
             "--save-interval", "1000"]
     first = run_bounded(["bash", str(AUTO_GPT), *ckpt, "--tensor-model-parallel-size", "2",
-                         "--pipeline-model-parallel-size", "2", "--exit-interval", "6"], timeout=240)
+                         "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                         "--exit-interval", "6"], timeout=240)
     monkeypatch.setenv("NPROC", "2")
     second = run_bounded(["bash", str(AUTO_GPT), *ckpt], timeout=240)
     before = {int(i): float(v) for i, v in LOSS.findall(first)}
@@ -167,6 +170,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert CHOSEN.search(first).group(1).endswith("dp1")  # tp2 pp2 on 4
     replanned = CHOSEN.search(second).group(1)
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
+    chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
+    assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines
     assert sorted(before) == list(range(1, 7)) and sorted(after) == list(range(7, 11))
     assert all(v == v and v < float("inf") for v in after.values())
     assert after[7] < before[1] - 0.2 and after[10] < after[7], (before, after)
