@@ -76,8 +76,9 @@ def alpha_beta(small_s: np.ndarray, large_s: np.ndarray, small_bytes: int,
     """Bandwidth (B/s) and latency (s) per direction from the two acknowledged one-way timings.
 
     t(S) = 2 alpha + S/beta (the message, then a one-byte reply): beta from
-    the difference of the two sizes, alpha from the small one. The difference is only trusted when the small message
-    takes at most half the large one's time (WELL_CONDITIONED); otherwise a
+    the difference of the two sizes, alpha from the small one. The difference
+    is only trusted when the small message takes at most half the large one's
+    time (WELL_CONDITIONED); otherwise a
     noisy small timing could inflate beta without bound, and beta falls back
     to L/t(L), a lower bound that is close when the large message dominates.
     Pairs without a large timing get NaN bandwidth (filled later); latency
@@ -229,8 +230,7 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
     gpn = gpus_per_node(hosts)
     ts = sender_times([r.small_s for r in reports])
     tl = sender_times([r.large_s for r in reports])
-    bw, _ = alpha_beta(ts, tl, small_bytes, large_bytes)
-    lat = latency_from_small(ts, bw, small_bytes)
+    bw, lat = alpha_beta(ts, tl, small_bytes, large_bytes)
     two_way_bw, two_way_lat = two_way_alpha_beta(
         pair_times([r.exchange_medium_s for r in reports]), pair_times([r.exchange_s for r in reports]),
         medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)
@@ -238,7 +238,7 @@ def build_document(reports: Sequence[RankReport], *, name: str, precision: str, 
         bw, _filled_bw = fill_unmeasured(bw, gpn)
         two_way_bw, _ = fill_unmeasured(two_way_bw, gpn)
         two_way_lat, _ = fill_unmeasured(two_way_lat, gpn)
-    lat = latency_from_small(ts, bw, small_bytes)
+    lat = latency_from_small(ts, bw, small_bytes)   # again: small-only pairs now have a bandwidth
     if n > 1:
         lat, _filled_lat = fill_unmeasured(lat, gpn)
 

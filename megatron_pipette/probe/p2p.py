@@ -10,9 +10,8 @@ size: the one-way times give each direction's alpha-beta (document.alpha_beta),
 the exchanges the alpha-beta a direction keeps while the other is busy, which
 links that are not full duplex lower (1F1B's exchanges and ring collectives run
 that way); the medium size, between the latency- and the bandwidth-bound ends,
-is where such links lose most (medium_bytes). Rounds
-start with an agreement all-reduce that is both the barrier and the budget
-check (budget.choose_round).
+is where such links lose most (medium_bytes). Rounds start with an agreement
+all-reduce that is both the barrier and the budget check (budget.choose_round).
 """
 
 from __future__ import annotations

@@ -102,8 +102,7 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     log.debug("probe: rank %d: collectives done at %.3f s", rank, clock.elapsed())
     report = RankReport(identity=identities[rank], gemm_flops=gemm_flops, memory_bandwidth_Bps=copy_bps,
                         small_s=pairs.small_s, large_s=pairs.large_s, exchange_s=pairs.exchange_s,
-                        exchange_medium_s=pairs.exchange_medium_s,
-                        collectives=records)
+                        exchange_medium_s=pairs.exchange_medium_s, collectives=records)
     reports: list[RankReport] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
     dist.gather_object(report, reports, group=group, group_dst=0)
     answer: dict | tuple[str, str] | None = None

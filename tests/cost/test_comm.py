@@ -30,7 +30,8 @@ def test_ring_all_reduce_known_answer():
 
 def test_half_duplex_links_slow_rings_and_exchanges_but_not_single_messages():
     full = cluster(2, 4)
-    half = dataclasses.replace(full, exchange_bandwidth_Bps=full.bandwidth_Bps / 2, exchange_latency_s=full.latency_s * 3)
+    half = dataclasses.replace(full, exchange_bandwidth_Bps=full.bandwidth_Bps / 2,
+                               exchange_latency_s=full.latency_s * 3)
     a, b = group_links(1, 2, 4, full), group_links(1, 2, 4, half)
     assert a.exchange_s(1e8) is None
     np.testing.assert_array_equal(a.p2p_s(1e8), b.p2p_s(1e8))
