@@ -1,9 +1,10 @@
-"""Time to plan a 96-layer GPT-3-175B-sized model at growing scale, placement included.
+"""Time and peak memory to plan a 96-layer GPT-3-175B-sized model at growing scale, placement included.
 
-Each cluster is DGX A100 nodes whose inter-node links are non-uniform: every node gets a
-random NIC speed factor in [0.3, 1.0] (seeded), and a pair's bandwidth is the slower of
-the two. Planning is timed after the cluster is built (building the N x N matrices is
-reported separately). Run on one core:
+Two clusters per size, both DGX H100 nodes: the preset (uniform links) and a non-uniform
+one whose every node gets a random NIC speed factor in [0.3, 1.0] (seeded), a node pair's
+bandwidth being the slower of the two (a dense node x node matrix, as a probe writes it).
+Each case runs in a fresh process so its peak resident memory (ru_maxrss) is its own; the
+cluster build is timed apart from the planning. Run on one core:
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/plan_scaling.py
 """
@@ -12,47 +13,70 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import resource
+import subprocess
+import sys
 import time
 
 import numpy as np
 
 from megatron_pipette.plan.planner import plan
-from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 from megatron_pipette.spec.workload import workload_from_preset
 
-BARS_S = {1024: 5.0, 8192: 60.0}
+BARS = {1024: (5.0, None), 16384: (10.0, 2.0), 131072: (120.0, 8.0)}
+"""GPUs -> (seconds, GiB) the planner must stay within."""
+GPUS_PER_NODE = 8
 
 
-def nonuniform_cluster(num_gpus: int, seed: int = 0):
-    base = preset_cluster("dgx-a100", num_nodes=num_gpus // 8)
+def cluster(gpus: int, kind: str, seed: int = 0):
+    base = preset_cluster("dgx-h100", num_nodes=gpus // GPUS_PER_NODE)
+    if kind == "uniform":
+        return base
     factor = np.random.default_rng(seed).uniform(0.3, 1.0, size=base.num_nodes)
-    node = np.arange(base.world_size) // 8
-    pair = np.minimum(factor[node][:, None], factor[node][None, :])
-    same = node[:, None] == node[None, :]
-    return dataclasses.replace(base, name=f"dgx-a100x{base.num_nodes}-nonuniform",
-                               bandwidth_Bps=np.where(same, base.bandwidth_Bps, base.bandwidth_Bps * pair))
+    bw = base.inter_node.bandwidth_Bps[0, 0] * np.minimum(factor[:, None], factor[None, :])
+    return dataclasses.replace(base, name=f"{base.name}-nonuniform",
+                               inter_node=LinkLevel(bandwidth_Bps=bw, latency_s=base.inter_node.latency_s))
+
+
+def one(gpus: int, kind: str) -> dict:
+    workload = workload_from_preset("gpt3-175b")
+    t0 = time.perf_counter()
+    c = cluster(gpus, kind)
+    t1 = time.perf_counter()
+    result = plan(workload, c)
+    t2 = time.perf_counter()
+    best = result.best
+    summary = "nothing fits"
+    if best:
+        gain = 100 * (1 - best.time.iteration_time_s / best.default_order_time_s)
+        summary = f"{best.layout.describe()} ({best.time.iteration_time_s:.2f} s, placement {gain:+.1f}%)"
+    return {"build_s": t1 - t0, "plan_s": t2 - t1, "layouts": result.considered,
+            "fit": result.considered - result.out_of_memory, "best": summary,
+            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[64, 512, 1024, 4096, 8192])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[64, 1024, 8192, 16384, 131072])
+    parser.add_argument("--kinds", nargs="+", default=["uniform", "nonuniform"], choices=["uniform", "nonuniform"])
+    parser.add_argument("--one", nargs=2, metavar=("GPUS", "KIND"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    workload = workload_from_preset("gpt3-175b")
-    print(f"{'GPUs':>6} {'build s':>8} {'plan s':>8} {'layouts':>8} {'fit':>6} {'bar s':>6}  best layout (s/iter, placement gain)")
+    if ns.one:
+        print(json.dumps(one(int(ns.one[0]), ns.one[1])))
+        return
+    print(f"{'GPUs':>7} {'links':>10} {'build s':>8} {'plan s':>8} {'peak GiB':>9} {'layouts':>8} {'fit':>6} "
+          f"{'bar':>12}  best layout (s/iter, placement gain)")
     for gpus in ns.gpus:
-        t0 = time.perf_counter()
-        cluster = nonuniform_cluster(gpus)
-        t1 = time.perf_counter()
-        result = plan(workload, cluster)
-        t2 = time.perf_counter()
-        bar = BARS_S.get(gpus)
-        best = result.best
-        summary = "nothing fits"
-        if best:
-            gain = 100 * (1 - best.time.iteration_time_s / best.default_order_time_s)
-            summary = f"{best.layout.describe()} ({best.time.iteration_time_s:.2f} s, {gain:+.1f}%)"
-        print(f"{gpus:>6} {t1 - t0:>8.2f} {t2 - t1:>8.2f} {result.considered:>8} "
-              f"{result.considered - result.out_of_memory:>6} {bar if bar else '-':>6}  {summary}", flush=True)
+        for kind in ns.kinds:
+            proc = subprocess.run([sys.executable, __file__, "--one", str(gpus), kind], capture_output=True,
+                                  text=True, check=True)
+            r = json.loads(proc.stdout)
+            seconds, gib = BARS.get(gpus, (None, None))
+            bar = "-" if seconds is None else f"{seconds:g} s" + (f", {gib:g} GiB" if gib else "")
+            print(f"{gpus:>7} {kind:>10} {r['build_s']:>8.2f} {r['plan_s']:>8.2f} {r['peak_gib']:>9.2f} "
+                  f"{r['layouts']:>8} {r['fit']:>6} {bar:>12}  {r['best']}", flush=True)
 
 
 if __name__ == "__main__":

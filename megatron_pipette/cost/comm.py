@@ -60,9 +60,8 @@ def rings(devices: np.ndarray, cluster: Cluster) -> Rings:
     if n == 1:
         z = np.zeros(devices.shape[:-1])
         return Rings(size=1, alpha_s=z, inv_bw_s_per_B=z)
-    nxt = np.roll(devices, -1, axis=-1)
-    return Rings(size=n, alpha_s=cluster.two_way_latency_s[devices, nxt].max(axis=-1),
-                 inv_bw_s_per_B=(1.0 / cluster.two_way_bandwidth_Bps[devices, nxt]).max(axis=-1))
+    lat, bw = cluster.link(devices, np.roll(devices, -1, axis=-1), two_way=True)
+    return Rings(size=n, alpha_s=lat.max(axis=-1), inv_bw_s_per_B=(1.0 / bw).max(axis=-1))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -112,10 +111,13 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> 
     dev = logical.reshape(pp, dp, tp)
     if pp > 1:
         nxt = np.roll(dev, -1, axis=0)
-        pairs = (np.stack([dev, nxt]), np.stack([nxt, dev]))
-        hop_alpha, hop_inv = cluster.latency_s[pairs], 1.0 / cluster.bandwidth_Bps[pairs]
-        hop_xchg = None if cluster.full_duplex else (cluster.two_way_latency_s[pairs],
-                                                     1.0 / cluster.two_way_bandwidth_Bps[pairs])
+        src, dst = np.stack([dev, nxt]), np.stack([nxt, dev])
+        hop_alpha, hop_bw = cluster.link(src, dst)
+        hop_inv = 1.0 / hop_bw
+        hop_xchg = None
+        if not cluster.full_duplex:
+            xchg_alpha, xchg_bw = cluster.link(src, dst, two_way=True)
+            hop_xchg = (xchg_alpha, 1.0 / xchg_bw)
         ends = np.stack([dev[0], dev[-1]], axis=-1)
     else:
         hop_alpha = hop_inv = np.zeros((2, pp, dp, tp))

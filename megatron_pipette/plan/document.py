@@ -46,8 +46,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
         "default_order_time_s": c.default_order_time_s,
         "simulated_time_s": c.simulated_time_s,
         "placement": {"node_order": list(c.placement.node_order),
-                      "gpus_per_node": c.placement.gpus_per_node,
-                      "rank_of_device": c.placement.physical_to_logical.tolist()},
+                      "gpus_per_node": c.placement.gpus_per_node},
     }
 
 

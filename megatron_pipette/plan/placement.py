@@ -75,13 +75,22 @@ def default_placement(cluster: Cluster) -> Placement:
     return Placement(tuple(range(cluster.num_nodes)), cluster.gpus_per_node)
 
 
+ROW_BLOCK = 512
+"""Rows of the node x node matrix handled at once, so no temporary is another N x N array."""
+
+
 def node_link_weakness(cluster: Cluster) -> np.ndarray:
-    """Per node, the mean of 1/bandwidth over its links to other nodes (higher = weaker)."""
-    node = np.arange(cluster.world_size) // cluster.gpus_per_node
-    inter = node[:, None] != node[None, :]
-    inv = np.where(inter, 1.0 / cluster.bandwidth_Bps, 0.0) + np.where(inter, 1.0 / cluster.bandwidth_Bps.T, 0.0)
-    per_device = inv.sum(axis=1) / max(1, int(inter[0].sum()))
-    return per_device.reshape(cluster.num_nodes, cluster.gpus_per_node).mean(axis=1)
+    """Per node, the mean of 1/bandwidth over its links to and from the other nodes (higher = weaker)."""
+    n = cluster.num_nodes
+    bw = cluster.inter_node.bandwidth_Bps
+    out_sum, in_sum = np.zeros(n), np.zeros(n)
+    for start in range(0, n, ROW_BLOCK):
+        rows = slice(start, min(n, start + ROW_BLOCK))
+        inv = 1.0 / bw[rows]
+        inv[np.arange(inv.shape[0]), np.arange(start, rows.stop)] = 0.0   # a node's link to itself
+        out_sum[rows] = inv.sum(axis=1)
+        in_sum += inv.sum(axis=0)
+    return (out_sum + in_sum) / max(1, 2 * (n - 1))
 
 
 def _role_representatives(layout: Layout, cluster: Cluster) -> list[int]:

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from megatron_pipette.files import atomic_path
+from megatron_pipette.plan.placement import node_link_weakness
 from megatron_pipette.spec.cluster_file import cluster_from_json
 
 STRAGGLER_FRACTION = 0.8
@@ -36,69 +37,77 @@ def _time(s: float) -> str:
     return f"{s * 1e6:.3g} us"
 
 
+def _who(cluster, rank: int) -> str:
+    node, local = divmod(rank, cluster.gpus_per_node)
+    host = cluster.hosts[node] if cluster.hosts else f"node{node}"
+    return f"rank {rank} ({host}, local {local})"
+
+
+def _node(cluster, k: int) -> str:
+    return f"node {k} ({cluster.hosts[k]})" if cluster.hosts else f"node {k}"
+
+
 def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
     """A plain-text report of a cluster document; raises PipetteError when it is not one."""
     cluster = cluster_from_json(cluster_doc, where=where)
-    devices = sorted(cluster_doc["devices"], key=lambda d: d["rank"])
-    n, gpn = cluster.world_size, cluster.gpus_per_node
+    n, gpn, nodes = cluster.world_size, cluster.gpus_per_node, cluster.num_nodes
     probe = cluster_doc.get("probe") or {}
-    kind = cluster.gpu.name if cluster.gpu else devices[0].get("device_name", "unknown")
-    lines = [f"Cluster {cluster.name}: {n} devices, {cluster.num_nodes} node(s) x {gpn} ({kind}), "
+    kind = cluster.gpu.name if cluster.gpu else cluster_doc.get("device_name", "unknown")
+    lines = [f"Cluster {cluster.name}: {n} devices, {nodes} node(s) x {gpn} ({kind}), "
              f"precision {cluster_doc.get('precision', '?')}"]
     if probe:
         lines.append(f"Probed with {probe.get('backend', '?')} in {probe.get('duration_s', 0):.2f} s "
-                     f"(budget {probe.get('budget_s', 0):g} s), {probe.get('rounds_measured', '?')} of "
-                     f"{probe.get('rounds', '?')} tournament rounds")
+                     f"(budget {probe.get('budget_s', 0):g} s): {probe.get('intra_rounds_measured', '?')} of "
+                     f"{probe.get('intra_rounds', '?')} intra-node and {probe.get('inter_rounds_measured', '?')} of "
+                     f"{probe.get('inter_rounds', '?')} inter-node rounds")
 
     flops = cluster.gemm_flops
     median = float(np.median(flops))
     slow = int(np.argmin(flops))
-
-    def who(rank: int) -> str:
-        return f"rank {rank} ({devices[rank]['host']}, local {devices[rank]['local_rank']})"
-
     lines += ["", f"Compute: GEMM median {_rate(median, 'FLOP/s')}, range {_rate(float(flops.min()), 'FLOP/s')}"
                   f" .. {_rate(float(flops.max()), 'FLOP/s')}",
-              f"  slowest device: {who(slow)} at {_rate(float(flops[slow]), 'FLOP/s')}, "
+              f"  slowest device: {_who(cluster, slow)} at {_rate(float(flops[slow]), 'FLOP/s')}, "
               f"{flops[slow] / median:.0%} of the median"]
-    stragglers = [i for i in np.argsort(flops) if flops[i] < STRAGGLER_FRACTION * median]
-    lines.append(f"  stragglers (below {STRAGGLER_FRACTION:.0%} of the median): "
-                 + (", ".join(f"{who(int(i))} {flops[i] / median:.0%}" for i in stragglers) or "none"))
-    mem_bw = [d.get("memory_bandwidth_Bps") for d in devices]
-    if all(isinstance(b, (int, float)) for b in mem_bw):
-        low = int(np.argmin(mem_bw))
-        lines.append(f"  memory bandwidth: median {_rate(float(np.median(mem_bw)), 'B/s')}, "
-                     f"lowest {_rate(float(mem_bw[low]), 'B/s')} on rank {low}")
+    stragglers = [int(i) for i in np.argsort(flops) if flops[i] < STRAGGLER_FRACTION * median]
+    shown = ", ".join(f"{_who(cluster, i)} {flops[i] / median:.0%}" for i in stragglers[:SLOWEST_LINKS])
+    more = f" and {len(stragglers) - SLOWEST_LINKS} more" if len(stragglers) > SLOWEST_LINKS else ""
+    lines.append(f"  stragglers (below {STRAGGLER_FRACTION:.0%} of the median): {shown or 'none'}{more}")
+    lines.append(f"  memory: {cluster.memory_bytes / 2**30:.1f} GiB per device (smallest), bandwidth "
+                 f"{_rate(cluster.memory_bandwidth_Bps, 'B/s')} (lowest)")
 
-    if n > 1:
-        bw, lat = cluster.bandwidth_Bps, cluster.latency_s
-        node = np.arange(n) // gpn
-        pairs = [(min(bw[i, j], bw[j, i]), i, j) for i in range(n) for j in range(i + 1, n)]
-        pairs.sort()
-        lines += ["", f"Slowest links (of {len(pairs)} pairs, one-way bandwidth under load):"]
-        for b, i, j in pairs[:SLOWEST_LINKS]:
-            link = "intra" if node[i] == node[j] else "inter"
-            lines.append(f"  {i:>4} <-> {j:<4} {link}-node  {_rate(float(b), 'B/s'):>11}  "
-                         f"latency {_time(float(max(lat[i, j], lat[j, i])))}")
-        lines += ["", "Per node (mean one-way bandwidth):"]
-        off = ~np.eye(n, dtype=bool)
-        for k in range(cluster.num_nodes):
-            mine = node == k
-            intra = bw[np.outer(mine, mine) & off]
-            inter = bw[np.outer(mine, ~mine)]
-            host = cluster.hosts[k] if cluster.hosts else f"node{k}"
-            lines.append(f"  node {k} ({host}): intra {_rate(float(intra.mean()), 'B/s') if intra.size else '-'}"
-                         f", inter {_rate(float(inter.mean()), 'B/s') if inter.size else '-'}")
-
-    colls = cluster_doc.get("collectives") or []
-    if colls:
-        lines += ["", "All-reduce on TP groups (bus bandwidth, nccl-tests convention):"]
-        for size in sorted({len(c["ranks"]) for c in colls}):
-            group = [c for c in colls if len(c["ranks"]) == size]
-            worst = min(group, key=lambda c: c["busbw_Bps"])
-            lines.append(f"  TP {size}: median {_rate(float(np.median([c['busbw_Bps'] for c in group])), 'B/s')}"
-                         f" over {len(group)} group(s) of {group[0]['bytes'] / 2**20:.3g} MiB; slowest "
-                         f"{worst['ranks']} {_rate(float(worst['busbw_Bps']), 'B/s')}")
+    lines += ["", "Inside the nodes (one-way bandwidth under load):"]
+    for k, level in enumerate(cluster.intra_node):
+        members = np.flatnonzero(cluster.node_class == k)
+        off = ~np.eye(gpn, dtype=bool)
+        bw = np.asarray(level.bandwidth_Bps)[off] if gpn > 1 else np.array([np.inf])
+        who = ", ".join(str(m) for m in members[:8]) + (f" ... ({members.size} nodes)" if members.size > 8 else "")
+        lines.append(f"  class {k} (nodes {who}): median {_rate(float(np.median(bw)), 'B/s')}, "
+                     f"slowest {_rate(float(bw.min()), 'B/s')}")
+    if nodes > 1:
+        bw, lat = cluster.inter_node.bandwidth_Bps, cluster.inter_node.latency_s
+        both = np.minimum(bw, bw.T)
+        upper = np.triu_indices(nodes, 1)
+        order = np.argsort(both[upper], kind="stable")[:SLOWEST_LINKS]
+        lines += ["", f"Between nodes (rail to rail, one-way bandwidth under load; {upper[0].size} node pairs):",
+                  f"  median {_rate(float(np.median(both[upper])), 'B/s')}; cross-rail pairs get "
+                  f"{cluster.cross_rail_bandwidth_factor:.0%} of it"
+                  + (f" and +{_time(cluster.cross_rail_latency_s)} latency" if cluster.cross_rail_latency_s else "")]
+        lines.append("  slowest node pairs:")
+        for i in order:
+            a, b = int(upper[0][i]), int(upper[1][i])
+            lines.append(f"    {_node(cluster, a)} <-> {_node(cluster, b)}  {_rate(float(both[a, b]), 'B/s'):>11}  "
+                         f"latency {_time(float(max(lat[a, b], lat[b, a])))}")
+        weakness = node_link_weakness(cluster)
+        worst = np.argsort(-weakness, kind="stable")[:SLOWEST_LINKS]
+        lines.append("  weakest nodes (harmonic mean of their inter-node bandwidth): " + ", ".join(
+            f"{_node(cluster, int(k))} {_rate(1 / float(weakness[k]), 'B/s')}" for k in worst))
+        if cluster.domain_of_node is not None:
+            lines.append(f"  NVLink domains: {np.unique(cluster.domains).size} of "
+                         f"{cluster.gpus_per_domain} GPUs (smallest)")
+    slow_links = probe.get("slow_links") or []
+    if slow_links:
+        lines += ["", "Slow links found by the probe (measured far below what their nodes' rates predict):"]
+        lines += [f"  - {s.get('reason', s)}" for s in slow_links]
 
     skipped = probe.get("skipped") or []
     lines += ["", "Skipped by the probe:" + ("" if skipped else " nothing")]
@@ -107,34 +116,30 @@ def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
 
 
 def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "cluster file") -> None:
-    """Write a PNG of the one-way bandwidth matrix (GB/s), node boundaries drawn as lines."""
+    """Write a PNG of the node x node bandwidth (GB/s, rail to rail) beside the intra-node matrix of
+    the first node class."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     cluster = cluster_from_json(cluster_doc, where=where)
-    n, gpn = cluster.world_size, cluster.gpus_per_node
-    bw = cluster.bandwidth_Bps.copy() / 1e9
-    np.fill_diagonal(bw, np.nan)
-    size = min(4 + n * 0.25, 14)
-    fig = Figure(figsize=(size + 1.5, size), dpi=100)
+    inter = np.array(cluster.inter_node.bandwidth_Bps, dtype=float) / 1e9
+    intra = np.array(cluster.intra_node[0].bandwidth_Bps, dtype=float) / 1e9
+    np.fill_diagonal(inter, np.nan)
+    np.fill_diagonal(intra, np.nan)
+    fig = Figure(figsize=(15, 6.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    image = ax.imshow(bw, cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=ax, label="one-way bandwidth (GB/s)")
-    if cluster.num_nodes > 1:
-        for k in range(1, cluster.num_nodes):
-            ax.axhline(k * gpn - 0.5, color="white", linewidth=1.5)
-            ax.axvline(k * gpn - 0.5, color="white", linewidth=1.5)
-    if n <= 32:
-        ax.set_xticks(range(n))
-        ax.set_yticks(range(n))
-    else:
-        centers = [k * gpn + (gpn - 1) / 2 for k in range(cluster.num_nodes)]
-        step = max(1, cluster.num_nodes // 16)
-        ax.set_xticks(centers[::step], [f"n{k}" for k in range(0, cluster.num_nodes, step)])
-        ax.set_yticks(centers[::step], [f"n{k}" for k in range(0, cluster.num_nodes, step)])
-    ax.set_xlabel("to rank")
-    ax.set_ylabel("from rank")
-    ax.set_title(f"{cluster.name}: {cluster.num_nodes} node(s) x {gpn}")
+    for k, (matrix, title, unit) in enumerate(((inter, f"between nodes ({cluster.num_nodes})", "node"),
+                                                (intra, f"inside a node (class 0 of {len(cluster.intra_node)})",
+                                                 "local rank"))):
+        ax = fig.add_subplot(1, 2, k + 1)
+        image = ax.imshow(matrix, cmap="viridis", interpolation="nearest")
+        fig.colorbar(image, ax=ax, label="one-way bandwidth (GB/s)")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(f"to {unit}")
+        ax.set_ylabel(f"from {unit}")
+        ax.set_title(title)
+    fig.suptitle(f"{cluster.name}: {cluster.num_nodes} node(s) x {cluster.gpus_per_node}")
     with atomic_path(path, "--heatmap") as tmp:
         fig.savefig(tmp, format="png")

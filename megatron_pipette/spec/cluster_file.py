@@ -1,45 +1,77 @@
-"""The measured-cluster JSON schema (version 1), as pure dict <-> Cluster functions.
+"""The measured-cluster JSON schema (version 2), as pure dict <-> Cluster functions.
 
-The in-job probe writes this document and `pipette plan --cluster FILE` reads
-it. Callers do the file I/O; see docs/cluster-schema.md for the field list.
+The in-job probe writes this document and `pipette plan --cluster FILE` reads it;
+docs/cluster-schema.md lists every field. Callers do the file I/O. Version 1
+files (a GPU x GPU matrix per figure) still load, converted (`_from_version_1`).
 
     {
-      "schema": "megatron-pipette/cluster", "version": 1,
-      "name": "probe-2026-11-22T05:00:00Z",
-      "precision": "bf16",
-      "gpus_per_node": 8,
-      "devices": [{"rank": 0, "host": "node0", "local_rank": 0,
-                   "device_name": "NVIDIA H100 80GB HBM3", "gpu": "H100-80GB",
-                   "memory_bytes": 85520809984, "memory_bandwidth_Bps": 3.0e12,
-                   "gemm_flops": 7.9e14}, ...],
-      "bandwidth_Bps": [[null, 3.7e11, ...], ...],
-      "latency_s": [[null, 6e-06, ...], ...],
-      "exchange_bandwidth_Bps": [[null, 3.6e11, ...], ...],     (optional; default: bandwidth_Bps)
-      "exchange_latency_s": [[null, 8e-06, ...], ...],          (optional; default: latency_s)
-      "collectives": [{"op": "all_reduce", "ranks": [0, 1], "bytes": 67108864,
-                       "time_s": 0.0004, "busbw_Bps": 1.7e11}],
-      "probe": {"backend": "nccl", "duration_s": 4.2, "rounds": 7, "skipped": []}
+      "schema": "megatron-pipette/cluster", "version": 2,
+      "name": "probe-2026-11-22T05:00:00Z", "precision": "bf16",
+      "num_nodes": 2, "gpus_per_node": 8,
+      "gpu": "H100-80GB", "device_name": "NVIDIA H100 80GB HBM3",
+      "nodes": [{"host": "node0", "class": 0, "domain": 0}, ...],
+      "devices": {"memory_bytes": [...], "memory_bandwidth_Bps": [...], "gemm_flops": [...]},
+      "intra_node": [{"bandwidth_Bps": G x G, "latency_s": G x G,
+                      "exchange_bandwidth_Bps": G x G, "exchange_latency_s": G x G}],
+      "inter_node": {"bandwidth_Bps": N x N, "latency_s": N x N, ...,
+                     "cross_rail_bandwidth_factor": 0.9, "cross_rail_latency_s": 2e-6},
+      "probe": {...}
     }
+
+A matrix is a list of rows with null on the diagonal, or, beyond DENSE_LIST_LIMIT
+endpoints, {"float32_base64": "...", "shape": [n, n]} (row-major little-endian float32,
+diagonal NaN), which keeps a 2048-node file at tens of megabytes.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import numpy as np
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.hardware import Cluster, gpu_catalog
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, gpu_catalog
 
 SCHEMA = "megatron-pipette/cluster"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+DENSE_LIST_LIMIT = 256
+"""Matrices with more endpoints than this are written base64-encoded, not as nested lists."""
+LEVEL_KEYS = ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps", "exchange_latency_s")
 
 
-def _matrix(data: dict, key: str, n: int, where: str) -> np.ndarray:
-    rows = data.get(key)
-    if not isinstance(rows, list) or len(rows) != n or any(not isinstance(r, list) or len(r) != n for r in rows):
-        raise PipetteError(f"{where}: '{key}' must be a {n}x{n} matrix")
-    m = np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float)
+def encode_matrix(m: np.ndarray) -> list | dict:
+    """A square matrix for the document; the diagonal is unused and written as null (NaN)."""
+    n = m.shape[0]
+    if n > DENSE_LIST_LIMIT:
+        out = np.array(m, dtype="<f4")
+        np.fill_diagonal(out, np.nan)
+        return {"float32_base64": base64.b64encode(out.tobytes()).decode("ascii"), "shape": [n, n]}
+    rows = np.asarray(m, dtype=float).tolist()
+    for i in range(n):
+        rows[i][i] = None
+    return rows
+
+
+def _decode_matrix(value: Any, key: str, n: int, where: str) -> np.ndarray:
+    if isinstance(value, dict):
+        try:
+            raw = base64.b64decode(value["float32_base64"], validate=True)
+            m = np.frombuffer(raw, dtype="<f4").astype(float).reshape(value["shape"])
+        except (KeyError, TypeError, ValueError, binascii.Error):
+            raise PipetteError(f"{where}: '{key}' is not a valid encoded matrix") from None
+        if m.shape != (n, n):
+            raise PipetteError(f"{where}: '{key}' must be a {n}x{n} matrix, got {m.shape[0]}x{m.shape[1]}")
+    else:
+        if not isinstance(value, list) or len(value) != n or any(not isinstance(r, list) or len(r) != n
+                                                                  for r in value):
+            raise PipetteError(f"{where}: '{key}' must be a {n}x{n} matrix")
+        try:
+            m = np.array([[np.nan if v is None else v for v in row] for row in value], dtype=float)
+        except (TypeError, ValueError):
+            raise PipetteError(f"{where}: '{key}' has a non-numeric entry") from None
     off = ~np.eye(n, dtype=bool)
     if not np.all(np.isfinite(m[off])) or np.any(m[off] < 0):
         raise PipetteError(f"{where}: '{key}' has a missing, negative or non-finite off-diagonal entry")
@@ -47,17 +79,118 @@ def _matrix(data: dict, key: str, n: int, where: str) -> np.ndarray:
     return m
 
 
-def _optional_matrix(data: dict, key: str, n: int, where: str) -> np.ndarray | None:
-    return None if data.get(key) is None else _matrix(data, key, n, where)
+def _level(data: Any, n: int, where: str) -> LinkLevel:
+    if not isinstance(data, dict):
+        raise PipetteError(f"{where}: must be an object with 'bandwidth_Bps' and 'latency_s'")
+    for key in LEVEL_KEYS[:2]:
+        if key not in data:
+            raise PipetteError(f"{where}: '{key}' is missing")
+    m = {key: _decode_matrix(data[key], key, n, where) if data.get(key) is not None else None for key in LEVEL_KEYS}
+    return LinkLevel(**m)
+
+
+def _level_json(level: LinkLevel) -> dict:
+    return {key: encode_matrix(getattr(level, key)) for key in LEVEL_KEYS if getattr(level, key) is not None}
+
+
+def _positive_vector(devices: dict, key: str, n: int, where: str, required: bool = True) -> np.ndarray | None:
+    values = devices.get(key)
+    if values is None and not required:
+        return None
+    if (not isinstance(values, list) or len(values) != n
+            or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 for v in values)):
+        raise PipetteError(f"{where}: devices.{key} must list a positive number for each of the {n} devices")
+    return np.array(values, dtype=float)
+
+
+def _int(data: dict, key: str, where: str) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PipetteError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return value
 
 
 def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
-    """Validate a cluster document and build the Cluster it describes."""
+    """Validate a cluster document (version 1 or 2) and build the Cluster it describes."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise PipetteError(f"{where}: not a megatron-pipette cluster file (missing \"schema\": \"{SCHEMA}\")")
-    if data.get("version") != VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise PipetteError(f"{where}: cluster schema version {data.get('version')!r} is not supported "
-                           f"(this pipette reads version {VERSION})")
+                           f"(this pipette reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if data["version"] == 1:
+        return _from_version_1(data, where)
+    num_nodes, gpn = _int(data, "num_nodes", where), _int(data, "gpus_per_node", where)
+    n = num_nodes * gpn
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list) or len(nodes) != num_nodes or not all(isinstance(x, dict) for x in nodes):
+        raise PipetteError(f"{where}: 'nodes' must list {num_nodes} nodes (num_nodes), "
+                           f"got {len(nodes) if isinstance(nodes, list) else nodes!r}")
+    intra = data.get("intra_node")
+    if not isinstance(intra, list) or not intra:
+        raise PipetteError(f"{where}: 'intra_node' must be a non-empty list of node classes")
+    classes = [x.get("class", 0) for x in nodes]
+    if any(not isinstance(c, int) or not 0 <= c < len(intra) for c in classes):
+        raise PipetteError(f"{where}: every node's 'class' must index 'intra_node' (0..{len(intra) - 1})")
+    domains = [x.get("domain", k) for k, x in enumerate(nodes)]
+    if any(not isinstance(d, int) or d < 0 for d in domains):
+        raise PipetteError(f"{where}: every node's 'domain' must be a non-negative integer")
+    devices = data.get("devices")
+    if not isinstance(devices, dict):
+        raise PipetteError(f"{where}: 'devices' must be an object of per-device lists")
+    memory = _positive_vector(devices, "memory_bytes", n, where)
+    gemm = _positive_vector(devices, "gemm_flops", n, where)
+    mem_bw = _positive_vector(devices, "memory_bandwidth_Bps", n, where, required=False)
+    gpu = gpu_catalog().get(str(data.get("gpu")).lower()) if data.get("gpu") else None
+    if mem_bw is None and gpu is None:
+        raise PipetteError(f"{where}: devices need 'memory_bandwidth_Bps' when 'gpu' is not a catalog GPU")
+    inter = data.get("inter_node")
+    levels = tuple(_level(level, gpn, f"{where}: intra_node[{k}]") for k, level in enumerate(intra))
+    factor = inter.get("cross_rail_bandwidth_factor", 1.0) if isinstance(inter, dict) else 1.0
+    extra = inter.get("cross_rail_latency_s", 0.0) if isinstance(inter, dict) else 0.0
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or not isinstance(extra, (int, float)) \
+            or extra < 0:
+        raise PipetteError(f"{where}: inter_node cross_rail_bandwidth_factor must be in (0, 1] and "
+                           f"cross_rail_latency_s >= 0")
+    return Cluster(name=str(data.get("name", "probed")), num_nodes=num_nodes, gpus_per_node=gpn,
+                   memory_bytes=int(memory.min()),
+                   memory_bandwidth_Bps=float(mem_bw.min()) if mem_bw is not None else gpu.memory_bandwidth_Bps,
+                   gemm_flops=gemm, intra_node=levels, node_class=np.array(classes, dtype=np.int64),
+                   inter_node=_level(inter, num_nodes, f"{where}: inter_node"),
+                   cross_rail_bandwidth_factor=float(factor), cross_rail_latency_s=float(extra),
+                   domain_of_node=None if domains == list(range(num_nodes)) else np.array(domains, dtype=np.int64),
+                   gpu=gpu, hosts=tuple(str(x.get("host", f"node{k}")) for k, x in enumerate(nodes)))
+
+
+def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
+    """The schema document for a Cluster (presets exported for editing, the probe twin's truth)."""
+    hosts = cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes))
+    n = cluster.world_size
+    return {
+        "schema": SCHEMA, "version": VERSION, "name": cluster.name, "precision": precision,
+        "num_nodes": cluster.num_nodes, "gpus_per_node": cluster.gpus_per_node,
+        "gpu": cluster.gpu.name if cluster.gpu else None,
+        "device_name": cluster.gpu.name if cluster.gpu else "unknown",
+        "nodes": [{"host": hosts[k], "class": int(cluster.node_class[k]), "domain": int(cluster.domains[k])}
+                  for k in range(cluster.num_nodes)],
+        "devices": {"memory_bytes": [cluster.memory_bytes] * n,
+                    "memory_bandwidth_Bps": [cluster.memory_bandwidth_Bps] * n,
+                    "gemm_flops": cluster.gemm_flops.tolist()},
+        "intra_node": [_level_json(level) for level in cluster.intra_node],
+        "inter_node": {**_level_json(cluster.inter_node),
+                       "cross_rail_bandwidth_factor": cluster.cross_rail_bandwidth_factor,
+                       "cross_rail_latency_s": cluster.cross_rail_latency_s},
+    }
+
+
+def _from_version_1(data: dict, where: str) -> Cluster:
+    """The Cluster of a version-1 document (one GPU x GPU matrix per figure).
+
+    Inside a node the GPU matrices are kept, one class per distinct block. Between nodes a
+    node pair gets its slowest rail (the largest time over local rank k -> k, as a pipeline
+    hop or a DP ring sees it) and cross-rail pairs a fabric-wide factor: the median ratio of
+    their bandwidth to their rails'. Lossless for node-structured files (presets, anything
+    this package wrote); per-GPU detail between nodes beyond that is averaged away.
+    """
     devices = data.get("devices")
     if not isinstance(devices, list) or not devices:
         raise PipetteError(f"{where}: 'devices' must be a non-empty list")
@@ -68,8 +201,9 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
     gpn = data.get("gpus_per_node")
     if not isinstance(gpn, int) or gpn <= 0 or n % gpn:
         raise PipetteError(f"{where}: gpus_per_node {gpn!r} must be a positive divisor of {n} devices")
+    num_nodes = n // gpn
     hosts = []
-    for node in range(n // gpn):
+    for node in range(num_nodes):
         names = {d.get("host") for d in devices[node * gpn:(node + 1) * gpn]}
         if len(names) != 1:
             raise PipetteError(f"{where}: ranks {node * gpn}..{(node + 1) * gpn - 1} should share one host "
@@ -80,45 +214,47 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
             if not isinstance(d.get(key), (int, float)) or d[key] <= 0:
                 raise PipetteError(f"{where}: device {d['rank']} needs a positive '{key}'")
     names = {d.get("gpu") for d in devices}
-    gpu = gpu_catalog().get(str(names.pop()).lower()) if len(names) == 1 else None
+    full = {key: _decode_matrix(data[key], key, n, where) for key in LEVEL_KEYS if data.get(key) is not None}
+    if "bandwidth_Bps" not in full or "latency_s" not in full:
+        raise PipetteError(f"{where}: 'bandwidth_Bps' and 'latency_s' are required")
+    blocks = {key: m.reshape(num_nodes, gpn, num_nodes, gpn) for key, m in full.items()}
+    classes: list[dict] = []
+    node_class = []
+    for a in range(num_nodes):
+        block = {key: b[a, :, a, :] for key, b in blocks.items()}
+        match = next((k for k, c in enumerate(classes) if all(np.array_equal(c[key], block[key]) for key in block)),
+                     None)
+        if match is None:
+            classes.append(block)
+            match = len(classes) - 1
+        node_class.append(match)
+    rail = np.arange(gpn)
+    inter: dict[str, Any] = {}
+    for key, b in blocks.items():
+        per_rail = b[:, rail, :, rail]                   # (gpn, nodes, nodes): local k -> local k
+        inter[key] = per_rail.max(axis=0) if key.endswith("latency_s") else per_rail.min(axis=0)
+    factor, extra = 1.0, 0.0
+    if num_nodes > 1 and gpn > 1:
+        off_node = ~np.eye(num_nodes, dtype=bool)
+        cross = ~np.eye(gpn, dtype=bool)
+        bw = blocks["bandwidth_Bps"].transpose(0, 2, 1, 3)[off_node]        # (pairs, gpn, gpn)
+        lat = blocks["latency_s"].transpose(0, 2, 1, 3)[off_node]
+        rail_bw = inter["bandwidth_Bps"][off_node][:, None, None]
+        rail_lat = inter["latency_s"][off_node][:, None, None]
+        factor = float(min(1.0, np.median((bw / rail_bw)[:, cross])))
+        extra = float(max(0.0, np.median((lat - rail_lat)[:, cross])))
+
     mem_bw = [d.get("memory_bandwidth_Bps") for d in devices]
+    gpu = gpu_catalog().get(str(names.pop()).lower()) if len(names) == 1 else None
     if all(isinstance(b, (int, float)) and b > 0 for b in mem_bw):
         memory_bandwidth = float(min(mem_bw))
     elif gpu is not None:
         memory_bandwidth = gpu.memory_bandwidth_Bps
     else:
         raise PipetteError(f"{where}: devices need 'memory_bandwidth_Bps' when 'gpu' is not a catalog GPU")
-    return Cluster(name=str(data.get("name", "probed")), num_nodes=n // gpn, gpus_per_node=gpn,
-                   memory_bytes=int(min(d["memory_bytes"] for d in devices)),
-                   memory_bandwidth_Bps=memory_bandwidth,
+    return Cluster(name=str(data.get("name", "probed")), num_nodes=num_nodes, gpus_per_node=gpn,
+                   memory_bytes=int(min(d["memory_bytes"] for d in devices)), memory_bandwidth_Bps=memory_bandwidth,
                    gemm_flops=np.array([float(d["gemm_flops"]) for d in devices]),
-                   bandwidth_Bps=_matrix(data, "bandwidth_Bps", n, where),
-                   latency_s=_matrix(data, "latency_s", n, where),
-                   exchange_bandwidth_Bps=_optional_matrix(data, "exchange_bandwidth_Bps", n, where),
-                   exchange_latency_s=_optional_matrix(data, "exchange_latency_s", n, where),
-                   gpu=gpu, hosts=tuple(hosts))
-
-
-def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
-    """The schema document for a Cluster (presets exported for editing, tests)."""
-    n = cluster.world_size
-
-    def matrix(m: np.ndarray) -> list[list[float | None]]:
-        return [[None if i == j else float(m[i, j]) for j in range(n)] for i in range(n)]
-
-    hosts = cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes))
-    exchange = {key: matrix(m) for key, m in (("exchange_bandwidth_Bps", cluster.exchange_bandwidth_Bps),
-                                              ("exchange_latency_s", cluster.exchange_latency_s)) if m is not None}
-    return {
-        "schema": SCHEMA, "version": VERSION, "name": cluster.name, "precision": precision,
-        "gpus_per_node": cluster.gpus_per_node,
-        "devices": [{"rank": i, "host": hosts[cluster.node_of(i)], "local_rank": i % cluster.gpus_per_node,
-                     "device_name": cluster.gpu.name if cluster.gpu else "unknown",
-                     "gpu": cluster.gpu.name if cluster.gpu else None,
-                     "memory_bytes": cluster.memory_bytes,
-                     "memory_bandwidth_Bps": cluster.memory_bandwidth_Bps,
-                     "gemm_flops": float(cluster.gemm_flops[i])} for i in range(n)],
-        "bandwidth_Bps": matrix(cluster.bandwidth_Bps),
-        "latency_s": matrix(cluster.latency_s),
-        **exchange,
-    }
+                   intra_node=tuple(LinkLevel(**c) for c in classes),
+                   node_class=np.array(node_class, dtype=np.int64), inter_node=LinkLevel(**inter),
+                   cross_rail_bandwidth_factor=factor, cross_rail_latency_s=extra, gpu=gpu, hosts=tuple(hosts))

@@ -1,17 +1,23 @@
-"""The hardware: a GPU catalog and clusters with a per-GPU-pair link matrix.
+"""The hardware: a GPU catalog, and clusters described level by level.
 
-A `Cluster` is what the cost model sees: for every ordered pair of devices the
-one-way bandwidth and latency a message attains while every device talks at
-once, and every device's attainable GEMM throughput. Presets build uniform
-matrices from node figures; the in-job probe measures them
+A `Cluster` is what the cost model sees, in two levels so that it scales with
+nodes rather than GPUs: the links inside a node as a gpus-per-node matrix
+(`intra_node`, one per class of nodes that measured alike), the links between
+nodes as a node x node matrix (`inter_node`: the rate one GPU gets from local
+rank k of one node to local rank k of another while every rail of both nodes
+is busy, the load a pipeline-stage boundary puts on the fabric), a cross-rail
+correction for inter-node pairs of different local ranks, and per-GPU compute
+as a vector. No GPU x GPU array exists anywhere: memory is O(nodes^2 + GPUs).
+Presets build it from node figures; the in-job probe measures it
 (`megatron_pipette.spec.cluster_file` reads and writes that file).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from importlib import resources
 
 import numpy as np
@@ -20,7 +26,7 @@ from megatron_pipette.errors import PipetteError
 
 # Fraction of a datasheet dense peak that large training GEMMs attain; the
 # roofline default when nothing was measured. The H100 machine measured
-# 798 of 989 TFLOP/s (0.81) on an 8192^3 bf16 GEMM (shared/reference/hardware.md);
+# 798 of 989 TFLOP/s (0.81) on an 8192^3 bf16 GEMM (../shared/reference/hardware.md);
 # transformer-layer GEMMs are smaller, hence a lower default.
 DEFAULT_GEMM_EFFICIENCY = 0.75
 
@@ -71,11 +77,57 @@ def lookup_gpu(name: str) -> GPU:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class Cluster:
-    """Devices grouped in equal nodes, with measured or preset link and compute figures.
+class LinkLevel:
+    """The links among the endpoints of one level (the GPUs of a node, or the nodes of a cluster).
 
-    Device i is torchrun rank i of the probed job; node of device i is
-    i // gpus_per_node. Hashed by identity (it holds arrays).
+    Matrices are (n, n), row = sender; the diagonal is unused. A uniform level may hold
+    read-only broadcast views of one value (np.broadcast_to), which cost no memory at any n.
+    """
+
+    bandwidth_Bps: np.ndarray
+    """One-way bytes/s from i to j while every endpoint talks at once (nothing comes back)."""
+    latency_s: np.ndarray
+    """Per-message start-up time (alpha) from i to j, seconds."""
+    exchange_bandwidth_Bps: np.ndarray | None = None
+    """Bytes/s from i to j while j sends to i at the same time (1F1B's exchanges, ring
+    collective steps); None: full-duplex links, as fast as one way."""
+    exchange_latency_s: np.ndarray | None = None
+    """Start-up time of a message inside such an exchange; None: latency_s."""
+
+    def __post_init__(self) -> None:
+        n = self.bandwidth_Bps.shape[0]
+        for m in (self.bandwidth_Bps, self.latency_s, self.exchange_bandwidth_Bps, self.exchange_latency_s):
+            assert m is None or m.shape == (n, n), "every matrix of a level has the same square shape"
+
+    @property
+    def size(self) -> int:
+        return self.bandwidth_Bps.shape[0]
+
+    @property
+    def full_duplex(self) -> bool:
+        """True when exchanges cost what single messages do (no two-way figures given)."""
+        return self.exchange_bandwidth_Bps is None and self.exchange_latency_s is None
+
+    def figures(self, two_way: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(latency_s, bandwidth_Bps) of single messages, or of messages inside an exchange."""
+        if not two_way:
+            return self.latency_s, self.bandwidth_Bps
+        return (self.latency_s if self.exchange_latency_s is None else self.exchange_latency_s,
+                self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps)
+
+
+def uniform_level(n: int, bandwidth_Bps: float, latency_s: float) -> LinkLevel:
+    """A level whose every link is alike (presets): broadcast views, no n x n memory."""
+    return LinkLevel(bandwidth_Bps=np.broadcast_to(np.float64(bandwidth_Bps), (n, n)),
+                     latency_s=np.broadcast_to(np.float64(latency_s), (n, n)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Cluster:
+    """Equal nodes of GPUs, with measured or preset link and compute figures.
+
+    Device d is torchrun rank d of the probed job: node d // gpus_per_node, local rank
+    d % gpus_per_node. Hashed by identity (it holds arrays).
     """
 
     name: str
@@ -88,64 +140,93 @@ class Cluster:
     """Per-device memory bandwidth, for memory-bound operations."""
     gemm_flops: np.ndarray
     """(N,) attainable GEMM FLOP/s per device at the training precision."""
-    bandwidth_Bps: np.ndarray
-    """(N, N) one-way bytes/s from device i to device j; the diagonal is unused."""
-    latency_s: np.ndarray
-    """(N, N) per-message start-up time (alpha), seconds."""
-    exchange_bandwidth_Bps: np.ndarray | None = None
-    """(N, N) bytes/s from i to j while j sends to i at the same time (1F1B's exchanges, ring
-    collective steps); None: full-duplex links, as fast as one way."""
-    exchange_latency_s: np.ndarray | None = None
-    """(N, N) start-up time of a message inside such an exchange; None: latency_s."""
+    intra_node: tuple[LinkLevel, ...]
+    """Links inside a node, one gpus_per_node level per class of nodes that measured alike."""
+    node_class: np.ndarray
+    """(num_nodes,) index into intra_node of each node."""
+    inter_node: LinkLevel
+    """num_nodes level: the links from local rank k of node a to local rank k of node b under
+    rail-to-rail load (every local rank of both nodes exchanging at once)."""
+    cross_rail_bandwidth_factor: float = 1.0
+    """Inter-node pairs of different local ranks (in different NVLink domains) get this fraction
+    of the rail-to-rail rate (their traffic crosses the fabric's spine, or a PXN hop inside the node)."""
+    cross_rail_latency_s: float = 0.0
+    """Extra start-up time of such cross-rail messages, seconds."""
+    domain_of_node: np.ndarray | None = None
+    """(num_nodes,) NVLink domain of each node (GB200 NVL72: 18 hosts of 4 GPUs share one);
+    None: every node is its own domain. Tensor-parallel groups stay inside a domain."""
     gpu: GPU | None = None
     """The catalog entry, when the devices are a known GPU (None for CPU rehearsals)."""
     hosts: tuple[str, ...] = ()
     """Host name per node, when known."""
 
     def __post_init__(self) -> None:
-        n = self.world_size
         if self.num_nodes <= 0:
             raise PipetteError(f"--num-nodes must be a positive integer, got {self.num_nodes}")
         if self.gpus_per_node <= 0:
             raise PipetteError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}")
-        assert self.bandwidth_Bps.shape == (n, n) and self.latency_s.shape == (n, n)
-        assert self.gemm_flops.shape == (n,)
-        assert self.exchange_bandwidth_Bps is None or self.exchange_bandwidth_Bps.shape == (n, n)
-        assert self.exchange_latency_s is None or self.exchange_latency_s.shape == (n, n)
-
-    @property
-    def two_way_bandwidth_Bps(self) -> np.ndarray:
-        """(N, N) bytes/s per direction when both directions of a pair are busy."""
-        return self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps
-
-    @property
-    def two_way_latency_s(self) -> np.ndarray:
-        """(N, N) per-message start-up time when both directions of a pair are busy."""
-        return self.latency_s if self.exchange_latency_s is None else self.exchange_latency_s
-
-    @property
-    def full_duplex(self) -> bool:
-        """True when exchanges cost what single messages do (no two-way figures given)."""
-        return self.exchange_bandwidth_Bps is None and self.exchange_latency_s is None
+        assert self.gemm_flops.shape == (self.world_size,)
+        assert all(level.size == self.gpus_per_node for level in self.intra_node) and self.intra_node
+        assert self.node_class.shape == (self.num_nodes,) and self.node_class.max() < len(self.intra_node)
+        assert self.inter_node.size == self.num_nodes
+        assert self.domain_of_node is None or self.domain_of_node.shape == (self.num_nodes,)
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
-    def node_of(self, device: int) -> int:
-        return device // self.gpus_per_node
+    @property
+    def full_duplex(self) -> bool:
+        """True when no level gives two-way figures: exchanges cost what single messages do."""
+        return self.inter_node.full_duplex and all(level.full_duplex for level in self.intra_node)
 
-    def peak_flops(self, precision: str) -> float:
-        """Datasheet peak when the GPU is known, else the best measured GEMM rate."""
-        return self.gpu.peak(precision) if self.gpu else float(self.gemm_flops.max())
+    @cached_property
+    def _intra(self) -> dict[bool, tuple[np.ndarray, np.ndarray]]:
+        """(classes, g, g) latency and bandwidth stacks, one-way and two-way."""
+        return {two_way: tuple(np.stack([level.figures(two_way)[k] for level in self.intra_node])
+                               for k in (0, 1)) for two_way in (False, True)}
+
+    def link(self, src: np.ndarray, dst: np.ndarray, *, two_way: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(latency_s, bandwidth_Bps) of the links src -> dst (device ids, arrays of one shape), alone
+        or inside an exchange (`two_way`). Vectorised: memory is that of the index arrays."""
+        src, dst = np.asarray(src), np.asarray(dst)
+        node_s, local_s = np.divmod(src, self.gpus_per_node)
+        node_d, local_d = np.divmod(dst, self.gpus_per_node)
+        intra_lat, intra_bw = self._intra[two_way]
+        inter_lat, inter_bw = self.inter_node.figures(two_way)
+        domains = self.domains
+        same_node = node_s == node_d
+        same_rail = (local_s == local_d) | (domains[node_s] == domains[node_d])   # NVSwitch has no rails
+        cls = self.node_class[node_s]
+        lat = np.where(same_node, intra_lat[cls, local_s, local_d],
+                       inter_lat[node_s, node_d] + np.where(same_rail, 0.0, self.cross_rail_latency_s))
+        bw = np.where(same_node, intra_bw[cls, local_s, local_d],
+                      inter_bw[node_s, node_d] * np.where(same_rail, 1.0, self.cross_rail_bandwidth_factor))
+        return lat, bw
+
+    @property
+    def domains(self) -> np.ndarray:
+        """(num_nodes,) NVLink domain of each node."""
+        return np.arange(self.num_nodes) if self.domain_of_node is None else self.domain_of_node
+
+    @property
+    def gpus_per_domain(self) -> int:
+        """GPUs of the smallest NVLink domain: the widest tensor-parallel group that stays inside one."""
+        return int(np.bincount(self.domains).min()) * self.gpus_per_node
 
 
-def uniform_links(num_nodes: int, gpus_per_node: int, intra_bw: float, intra_lat: float,
-                  inter_bw: float, inter_lat: float) -> tuple[np.ndarray, np.ndarray]:
-    """Bandwidth and latency matrices of identical nodes on an identical fabric."""
-    node = np.arange(num_nodes * gpus_per_node) // gpus_per_node
-    same = node[:, None] == node[None, :]
-    return np.where(same, intra_bw, inter_bw).astype(float), np.where(same, intra_lat, inter_lat).astype(float)
+def make_cluster(*, name: str, num_nodes: int, gpus_per_node: int, gpu: GPU | None, memory_bytes: int,
+                 memory_bandwidth_Bps: float, gemm_flops: float | np.ndarray, intra_node: LinkLevel
+                 | Sequence[LinkLevel], inter_node: LinkLevel, node_class: np.ndarray | None = None,
+                 **rest) -> Cluster:
+    """A Cluster with the common defaults filled in: one class of nodes, one GEMM rate."""
+    levels = (intra_node,) if isinstance(intra_node, LinkLevel) else tuple(intra_node)
+    n = num_nodes * gpus_per_node
+    flops = np.broadcast_to(np.asarray(gemm_flops, dtype=float), (n,)).copy()
+    classes = np.zeros(num_nodes, dtype=np.int64) if node_class is None else np.asarray(node_class)
+    return Cluster(name=name, num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=gpu,
+                   memory_bytes=memory_bytes, memory_bandwidth_Bps=memory_bandwidth_Bps, gemm_flops=flops,
+                   intra_node=levels, node_class=classes, inter_node=inter_node, **rest)
 
 
 @cache
@@ -168,10 +249,9 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     if gpus_per_node <= 0:
         raise PipetteError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
     device = lookup_gpu(gpu or p["gpu"])
-    bw, lat = uniform_links(num_nodes, gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"],
-                            p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"])
-    n = num_nodes * gpus_per_node
-    return Cluster(name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                   memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
-                   gemm_flops=np.full(n, device.peak(precision) * DEFAULT_GEMM_EFFICIENCY),
-                   bandwidth_Bps=bw, latency_s=lat, gpu=device)
+    return make_cluster(
+        name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device,
+        memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
+        gemm_flops=device.peak(precision) * DEFAULT_GEMM_EFFICIENCY,
+        intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
+        inter_node=uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]))

@@ -7,16 +7,23 @@ import numpy as np
 import pytest
 
 from megatron_pipette.cost.comm import group_links, rings
-from megatron_pipette.spec.hardware import Cluster, preset_cluster
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, make_cluster, preset_cluster
+
+from helpers.clusters import dense
 
 
-def cluster(nodes=2, gpn=4, intra=100e9, inter=10e9, lat=1e-5) -> Cluster:
-    n = nodes * gpn
-    node = np.arange(n) // gpn
-    same = node[:, None] == node[None, :]
-    return Cluster(name="t", num_nodes=nodes, gpus_per_node=gpn, memory_bytes=80 * 2**30,
-                   memory_bandwidth_Bps=2e12, gemm_flops=np.full(n, 200e12),
-                   bandwidth_Bps=np.where(same, intra, inter).astype(float), latency_s=np.full((n, n), lat))
+def cluster(nodes=2, gpn=4, intra=100e9, inter=10e9, lat=1e-5, cross_rail=1.0) -> Cluster:
+    return make_cluster(name="t", num_nodes=nodes, gpus_per_node=gpn, gpu=None, memory_bytes=80 * 2**30,
+                        memory_bandwidth_Bps=2e12, gemm_flops=200e12,
+                        intra_node=LinkLevel(bandwidth_Bps=np.full((gpn, gpn), intra), latency_s=np.full((gpn, gpn), lat)),
+                        inter_node=LinkLevel(bandwidth_Bps=np.full((nodes, nodes), inter),
+                                             latency_s=np.full((nodes, nodes), lat)),
+                        cross_rail_bandwidth_factor=cross_rail)
+
+
+def half_duplex(level: LinkLevel) -> LinkLevel:
+    return dataclasses.replace(level, exchange_bandwidth_Bps=level.bandwidth_Bps / 2,
+                               exchange_latency_s=level.latency_s * 3)
 
 
 def test_ring_all_reduce_known_answer():
@@ -30,8 +37,8 @@ def test_ring_all_reduce_known_answer():
 
 def test_half_duplex_links_slow_rings_and_exchanges_but_not_single_messages():
     full = cluster(2, 4)
-    half = dataclasses.replace(full, exchange_bandwidth_Bps=full.bandwidth_Bps / 2,
-                               exchange_latency_s=full.latency_s * 3)
+    half = dataclasses.replace(full, intra_node=(half_duplex(full.intra_node[0]),),
+                               inter_node=half_duplex(full.inter_node))
     a, b = group_links(1, 2, 4, full), group_links(1, 2, 4, half)
     assert a.exchange_s(1e8) is None
     np.testing.assert_array_equal(a.p2p_s(1e8), b.p2p_s(1e8))
@@ -56,7 +63,7 @@ def test_groups_follow_megatrons_rank_order():
 
 def test_ring_uses_its_slowest_link_and_only_its_own():
     c = cluster(1, 8)
-    c.bandwidth_Bps[2, 3] = 1e9                       # inside TP group (pp 0, dp 1): devices 2, 3
+    c.intra_node[0].bandwidth_Bps[2, 3] = 1e9          # inside TP group (pp 0, dp 1): devices 2, 3
     links = group_links(2, 1, 4, c)
     cost = links.tensor.all_reduce_s(1e8)
     assert cost[0, 1] > cost[0, 0] * 5
@@ -66,14 +73,18 @@ def test_ring_uses_its_slowest_link_and_only_its_own():
 def test_p2p_is_the_slowest_tp_ranks_link_and_wraps():
     c = cluster(2, 4)
     links = group_links(2, 2, 2, c)                    # stage 0 on node 0, stage 1 on node 1
-    c2 = cluster(2, 4)
-    c2.bandwidth_Bps[1, 5] = 1e9                       # TP rank 1 of dp 0, stage 0 -> stage 1
-    slow = group_links(2, 2, 2, c2)
+    c2 = cluster(2, 4, cross_rail=0.1)                 # stage 0 -> 1 is rail to rail: unaffected
+    assert np.array_equal(group_links(2, 2, 2, c2).p2p_s(1e8), links.p2p_s(1e8))
+    c2 = dataclasses.replace(c2, name="slow", intra_node=(dense(c2.intra_node[0]), dense(c2.intra_node[0])),
+                             node_class=np.array([0, 1]))
+    c2.intra_node[1].bandwidth_Bps[1, 3] = 1e8          # would matter only inside node 1
+    assert np.array_equal(group_links(2, 2, 2, c2).p2p_s(1e8), links.p2p_s(1e8))
+    order = np.array([0, 1, 2, 3, 5, 4, 6, 7])         # node 1's local ranks 0 and 1 swapped: cross-rail hops
+    slow = group_links(2, 2, 2, c2, order)
     fwd, bwd = links.p2p_s(1e8), slow.p2p_s(1e8)
     assert fwd.shape == (2, 2, 2)                      # (direction, dp, hop)
-    assert bwd[0, 0, 0] > fwd[0, 0, 0] * 5             # the slow TP rank sets the hop's time
+    assert bwd[0, 0, 0] > fwd[0, 0, 0] * 5             # the slow (cross-rail) TP rank sets the hop's time
     assert bwd[0, 1, 0] == fwd[0, 1, 0]                # the other replica is untouched
-    assert bwd[1, 0, 0] == fwd[1, 0, 0]                # the way back uses the reverse link
     assert fwd[0, 0, 1] == fwd[0, 0, 0]                # hop 1 wraps 1 -> 0 across nodes too
 
 

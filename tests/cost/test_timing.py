@@ -1,6 +1,5 @@
 """Iteration time: invariants, placement, links, devices, and the simulator cross-check."""
 
-import dataclasses
 import time
 
 import numpy as np
@@ -10,9 +9,11 @@ from hypothesis import strategies as st
 
 from megatron_pipette.cost.timing import estimate_time, group_links
 from megatron_pipette.errors import Infeasible
-from megatron_pipette.spec.hardware import Cluster, preset_cluster
+from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.layout import Layout, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
+
+from helpers.clusters import random_cluster, slow_node_cluster, with_slow_node
 
 GPT = workload_from_preset("gpt3-1.3b", global_batch_size=64)
 H100x4 = preset_cluster("dgx-h100", num_nodes=4)
@@ -20,17 +21,6 @@ H100x4 = preset_cluster("dgx-h100", num_nodes=4)
 
 def layout(tp=1, pp=1, dp=1, **kw) -> Layout:
     return Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, **kw)
-
-
-def random_cluster(seed: int, nodes=4, gpn=8, spread=10.0, slow_devices=0.2) -> Cluster:
-    rng = np.random.default_rng(seed)
-    base = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=gpn)
-    n = nodes * gpn
-    bw = base.bandwidth_Bps * rng.uniform(1 / spread, 1, (n, n))
-    return dataclasses.replace(base, bandwidth_Bps=bw, latency_s=base.latency_s * rng.uniform(1, 3, (n, n)),
-                               gemm_flops=base.gemm_flops * rng.uniform(1 - slow_devices, 1, n),
-                               exchange_bandwidth_Bps=bw * rng.uniform(0.5, 1, (n, n)),
-                               exchange_latency_s=base.latency_s * rng.uniform(1, 5, (n, n)))
 
 
 LAYOUTS = [layout(8, 4, 1), layout(1, 1, 32), layout(2, 4, 4, sequence_parallel=True, use_distributed_optimizer=True),
@@ -72,12 +62,7 @@ def test_whole_node_placements_cost_the_same_on_a_uniform_fabric():
 
 
 def test_a_slow_node_is_worth_moving_to_the_pipeline_end():
-    c = preset_cluster("dgx-h100", num_nodes=4)
-    for other in range(32):                           # node 1's links 20x slower
-        for d in range(8, 16):
-            if other // 8 != 1:
-                c.bandwidth_Bps[d, other] /= 20
-                c.bandwidth_Bps[other, d] /= 20
+    c = slow_node_cluster(4, 8, slow_node=1, factor=20, preset="dgx-h100")
     lay = layout(8, 4, 1)
     middle = estimate_time(GPT, lay, c).iteration_time_s
     order = np.array([0, 2, 3, 1])
@@ -92,17 +77,7 @@ def test_slowing_a_nodes_links_never_speeds_up(node, factor, which, seed):
     lay = LAYOUTS[which]
     before = estimate_time(GPT, lay, c).iteration_time_s
 
-    def slowed(bw: np.ndarray) -> np.ndarray:
-        slow = bw.copy()
-        slow[node * 8:(node + 1) * 8, :] /= factor
-        slow[:, node * 8:(node + 1) * 8] /= factor
-        np.fill_diagonal(slow, np.diag(bw))
-        return slow
-    # A slower link is slower one way and two ways (slowing one alone can make two-way faster
-    # than one-way, which no link is).
-    after = estimate_time(GPT, lay, dataclasses.replace(
-        c, bandwidth_Bps=slowed(c.bandwidth_Bps),
-        exchange_bandwidth_Bps=slowed(c.exchange_bandwidth_Bps))).iteration_time_s
+    after = estimate_time(GPT, lay, with_slow_node(c, node, factor)).iteration_time_s
     assert after >= before * (1 - 1e-12)
 
 

@@ -9,6 +9,8 @@ from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
+from helpers.clusters import dense
+
 W = workload_from_preset("gpt3-1.3b")
 PIPELINE = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, data_parallel_size=1,
                   micro_batch_size=1)
@@ -56,10 +58,9 @@ def test_never_worse_than_default_on_random_links(seed, pp, dp_nodes):
     rng = np.random.default_rng(seed)
     nodes = pp * dp_nodes
     base = preset_cluster("dgx-a100", num_nodes=nodes, gpus_per_node=8)
-    noise = rng.uniform(0.1, 1.0, size=(nodes, nodes))
-    node = np.arange(base.world_size) // 8
-    factor = np.where(node[:, None] == node[None, :], 1.0, noise[node][:, node])
-    cluster = dataclasses.replace(base, bandwidth_Bps=base.bandwidth_Bps * factor)
+    inter = dense(base.inter_node)
+    inter.bandwidth_Bps[...] *= rng.uniform(0.1, 1.0, size=(nodes, nodes))
+    cluster = dataclasses.replace(base, inter_node=inter)
     layout = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=pp, data_parallel_size=dp_nodes,
                     micro_batch_size=1)
     placement, time = optimize_placement(W, layout, cluster)

@@ -9,28 +9,30 @@ from megatron_pipette.spec.hardware import preset_cluster
 
 
 def synthetic_doc() -> dict:
-    cluster = preset_cluster("dgx-h100", num_nodes=2)
+    cluster = preset_cluster("dgx-h100", num_nodes=4)
     doc = cluster_to_json(cluster)
-    doc["devices"][5]["gemm_flops"] *= 0.5                  # a straggler
-    doc["bandwidth_Bps"][3][12] = doc["bandwidth_Bps"][12][3] = 1e9   # a bad inter-node link
-    doc["collectives"] = [{"op": "all_reduce", "ranks": [0, 1], "bytes": 2**26, "time_s": 4e-4,
-                           "busbw_Bps": 1.7e11}]
-    doc["probe"] = {"backend": "nccl", "duration_s": 4.2, "budget_s": 30, "rounds": 15, "rounds_measured": 14,
-                    "skipped": [{"what": "rounds", "rounds": [14], "pairs": [[0, 1]],
-                                 "reason": "budget: 1 of 15 rounds not run"}]}
+    doc["devices"]["gemm_flops"][13] *= 0.5                 # a straggler: node 1, local 5
+    inter = doc["inter_node"]["bandwidth_Bps"]
+    inter[0][3] = inter[3][0] = 1e9                         # a bad node pair
+    doc["probe"] = {"backend": "nccl", "duration_s": 4.2, "budget_s": 30, "intra_rounds": 7,
+                    "intra_rounds_measured": 7, "inter_rounds": 3, "inter_rounds_measured": 2,
+                    "slow_links": [{"nodes": [0, 3], "reason": "node 0 -> node 3: 1 GB/s, 2% of the fit"}],
+                    "skipped": [{"what": "inter_rounds", "rounds": [2], "reason": "budget: 1 of 3 rounds not run"}]}
     return doc
 
 
 def test_summarize_names_the_weak_spots():
     text = summarize(synthetic_doc())
-    assert "16 devices, 2 node(s) x 8 (H100-80GB)" in text
-    assert "slowest device: rank 5" in text
-    assert "stragglers (below 80% of the median): rank 5" in text
-    links = text.split("Slowest links")[1].splitlines()
-    assert "3 <-> 12" in links[1] and "inter-node" in links[1]
-    assert "node 1 (node1): intra" in text
-    assert "TP 2:" in text
-    assert "budget: 1 of 15 rounds not run" in text
+    assert "32 devices, 4 node(s) x 8 (H100-80GB)" in text
+    assert "slowest device: rank 13 (node1, local 5)" in text
+    assert "stragglers (below 80% of the median): rank 13" in text
+    pairs = text.split("slowest node pairs:")[1].splitlines()
+    assert "node 0 (node0) <-> node 3 (node3)" in pairs[1] and "1 GB/s" in pairs[1]
+    weakest = text.split("weakest nodes")[1].splitlines()[0]
+    assert weakest.index("node 0") < weakest.index("node 1") and weakest.index("node 3") < weakest.index("node 1")
+    assert "7 of 7 intra-node and 2 of 3 inter-node rounds" in text
+    assert "node 0 -> node 3: 1 GB/s" in text
+    assert "budget: 1 of 3 rounds not run" in text
 
 
 def test_summarize_is_pure_and_rejects_non_cluster_documents():

@@ -1,12 +1,16 @@
 import copy
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.cluster_file import cluster_from_json, cluster_to_json
-from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
+from megatron_pipette.spec.cluster_file import DENSE_LIST_LIMIT, cluster_from_json, cluster_to_json
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, lookup_gpu, make_cluster, preset_cluster
+
+GOLDEN = Path(__file__).parents[1] / "golden"
 
 
 def test_catalog_has_required_gpus_with_reference_figures():
@@ -28,46 +32,124 @@ def test_unknown_gpu_is_a_clear_error():
 def test_preset_links_are_intra_fast_inter_slow():
     c = preset_cluster("dgx-h100", num_nodes=2)
     assert c.world_size == 16
-    assert c.bandwidth_Bps[0, 7] == 370e9 and c.bandwidth_Bps[0, 8] == 47.5e9
-    assert c.latency_s[0, 8] > c.latency_s[0, 1]
+    lat, bw = c.link(np.array([0, 0]), np.array([7, 8]))
+    assert bw.tolist() == [370e9, 47.5e9]
+    assert lat[1] > lat[0]
     with pytest.raises(PipetteError, match="--cluster 'dgx-b200'"):
         preset_cluster("dgx-b200")
     with pytest.raises(PipetteError, match="--num-nodes"):
         preset_cluster("dgx-a100", num_nodes=0)
 
 
+def test_a_preset_of_any_size_holds_no_node_by_node_array():
+    c = preset_cluster("dgx-h100", num_nodes=16384)
+    assert c.world_size == 131072
+    held = [c.inter_node.bandwidth_Bps, c.inter_node.latency_s, *c.intra_node[0].figures(False)]
+    assert all(m.strides == (0, 0) for m in held)          # broadcast views of one value
+    assert c.gemm_flops.nbytes == 8 * 131072
+
+
+def two_node_cluster(**rest) -> Cluster:
+    """2 nodes of 4; node 1 in its own intra-node class with a slow 2<->3 link; rail links 10 GB/s."""
+    fast = LinkLevel(bandwidth_Bps=np.full((4, 4), 100e9), latency_s=np.full((4, 4), 1e-6))
+    slow = LinkLevel(bandwidth_Bps=fast.bandwidth_Bps.copy(), latency_s=fast.latency_s)
+    slow.bandwidth_Bps[2, 3] = 1e9
+    inter = LinkLevel(bandwidth_Bps=np.array([[np.inf, 10e9], [20e9, np.inf]]), latency_s=np.full((2, 2), 5e-6))
+    return make_cluster(name="t", num_nodes=2, gpus_per_node=4, gpu=None, memory_bytes=2**34,
+                        memory_bandwidth_Bps=1e12, gemm_flops=1e14, intra_node=(fast, slow),
+                        node_class=np.array([0, 1]), inter_node=inter, **rest)
+
+
+def test_link_reads_the_right_level_class_direction_and_rail():
+    c = two_node_cluster(cross_rail_bandwidth_factor=0.5, cross_rail_latency_s=2e-6)
+    src, dst = np.array([2, 6, 1, 5, 1, 2]), np.array([3, 7, 5, 1, 6, 7])
+    lat, bw = c.link(src, dst)
+    assert bw.tolist() == [100e9, 1e9, 10e9, 20e9, 5e9, 5e9]
+    np.testing.assert_allclose(lat, [1e-6, 1e-6, 5e-6, 5e-6, 7e-6, 7e-6])
+    assert c.full_duplex
+    assert np.array_equal(c.link(src, dst, two_way=True)[1], bw)
+
+
 def test_cluster_json_round_trip():
     c = preset_cluster("dgx-a100", num_nodes=2)
-    back = cluster_from_json(cluster_to_json(c))
+    back = cluster_from_json(json.loads(json.dumps(cluster_to_json(c))))
     assert back.world_size == 16 and back.gpu.name == "A100-80GB"
-    assert np.array_equal(back.bandwidth_Bps[~np.eye(16, dtype=bool)], c.bandwidth_Bps[~np.eye(16, dtype=bool)])
-    assert back.hosts == ("node0", "node1")
-    assert back.full_duplex and back.two_way_bandwidth_Bps is back.bandwidth_Bps
-    assert back.two_way_latency_s is back.latency_s
+    devices = np.arange(16)
+    assert all(np.array_equal(a, b) for a, b in zip(back.link(devices, devices[::-1]), c.link(devices, devices[::-1])))
+    assert back.hosts == ("node0", "node1") and back.full_duplex
 
 
-def test_cluster_json_keeps_the_two_way_bandwidth():
-    c = preset_cluster("dgx-a100", num_nodes=2)
-    c = dataclasses.replace(c, exchange_bandwidth_Bps=c.bandwidth_Bps / 2, exchange_latency_s=c.latency_s * 3)
-    back = cluster_from_json(cluster_to_json(c))
-    off = ~np.eye(16, dtype=bool)
-    assert np.array_equal(back.two_way_bandwidth_Bps[off], c.bandwidth_Bps[off] / 2)
-    assert np.array_equal(back.two_way_latency_s[off], c.latency_s[off] * 3) and not back.full_duplex
+def test_cluster_json_keeps_classes_two_way_figures_and_cross_rail():
+    c = two_node_cluster(cross_rail_bandwidth_factor=0.5, cross_rail_latency_s=2e-6)
+    c = dataclasses.replace(c, inter_node=dataclasses.replace(
+        c.inter_node, exchange_bandwidth_Bps=c.inter_node.bandwidth_Bps / 2,
+        exchange_latency_s=c.inter_node.latency_s * 3))
+    back = cluster_from_json(json.loads(json.dumps(cluster_to_json(c))))
+    src, dst = np.array([2, 1, 1]), np.array([3, 5, 6])
+    for two_way in (False, True):
+        for a, b in zip(back.link(src, dst, two_way=two_way), c.link(src, dst, two_way=two_way)):
+            np.testing.assert_array_equal(a, b)
+    assert not back.full_duplex and back.node_class.tolist() == [0, 1]
+
+
+def test_large_node_matrices_travel_base64_encoded():
+    n = DENSE_LIST_LIMIT + 4
+    rng = np.random.default_rng(0)
+    level = LinkLevel(bandwidth_Bps=rng.uniform(1e9, 5e10, (n, n)), latency_s=rng.uniform(1e-6, 1e-5, (n, n)))
+    c = dataclasses.replace(preset_cluster("dgx-a100", num_nodes=n), inter_node=level)
     doc = cluster_to_json(c)
-    doc["exchange_bandwidth_Bps"][2][3] = -1.0
-    with pytest.raises(PipetteError, match="exchange_bandwidth_Bps"):
-        cluster_from_json(doc)
+    assert set(doc["inter_node"]["bandwidth_Bps"]) == {"float32_base64", "shape"}
+    back = cluster_from_json(json.loads(json.dumps(doc)))
+    off = ~np.eye(n, dtype=bool)
+    np.testing.assert_allclose(back.inter_node.bandwidth_Bps[off], level.bandwidth_Bps[off], rtol=1e-7)
+
+
+def test_version_1_files_load_converted():
+    v1 = json.loads((GOLDEN / "slow_node_cluster.json").read_text())
+    assert v1["version"] == 1
+    c = cluster_from_json(v1)
+    assert (c.num_nodes, c.gpus_per_node, len(c.intra_node)) == (4, 8, 1)
+    off = ~np.eye(4, dtype=bool)
+    slow = (np.arange(4)[:, None] == 1) ^ (np.arange(4)[None, :] == 1)
+    assert np.all(c.inter_node.bandwidth_Bps[off & slow] == 23.75e9 / 10)
+    assert np.all(c.inter_node.bandwidth_Bps[off & ~slow] == 23.75e9)
+    assert c.cross_rail_bandwidth_factor == 1.0
+
+
+def test_version_1_conversion_keeps_the_slowest_rail_and_a_cross_rail_factor():
+    v1 = json.loads((GOLDEN / "slow_node_cluster.json").read_text())
+    bw = v1["bandwidth_Bps"]
+    for i in range(32):
+        for j in range(32):
+            if i // 8 != j // 8 and i % 8 != j % 8:
+                bw[i][j] *= 0.5                      # cross-rail pairs at half the rail rate
+    bw[3][27] = 1e8                                   # node 0 -> node 3 on rail 3 is slow
+    c = cluster_from_json(v1)
+    assert c.cross_rail_bandwidth_factor == 0.5
+    assert c.inter_node.bandwidth_Bps[0, 3] == 1e8 and c.inter_node.bandwidth_Bps[3, 0] == 23.75e9
+
+
+def test_bad_cluster_files_are_clear_errors_version_1():
+    doc = json.loads((GOLDEN / "slow_node_cluster.json").read_text())
+    doc["devices"][9]["host"] = "node0"
+    with pytest.raises(PipetteError, match="should share one host"):
+        cluster_from_json(doc, where="--cluster f.json")
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(version=2), "version 2"),
+    (lambda d: d.update(version=3), "version 3 is not supported"),
     (lambda d: d.pop("schema"), "not a megatron-pipette cluster file"),
-    (lambda d: d.update(gpus_per_node=3), "gpus_per_node 3"),
-    (lambda d: d["devices"][9].update(host="node0"), "should share one host"),
-    (lambda d: d["bandwidth_Bps"][0].__setitem__(1, None), "bandwidth_Bps"),
-    (lambda d: d["latency_s"].pop(), "latency_s"),
-    (lambda d: d["devices"][3].update(gemm_flops=0), "gemm_flops"),
-    (lambda d: d["devices"].pop(), "gpus_per_node"),
+    (lambda d: d.update(num_nodes=3), "'nodes' must list 3 nodes"),
+    (lambda d: d.update(gpus_per_node=0), "'gpus_per_node' must be a positive integer"),
+    (lambda d: d["devices"]["gemm_flops"].pop(), "devices.gemm_flops must list a positive number for each of the 16"),
+    (lambda d: d["devices"]["memory_bytes"].__setitem__(3, 0), "devices.memory_bytes"),
+    (lambda d: d["intra_node"][0]["bandwidth_Bps"][0].__setitem__(1, None), "bandwidth_Bps"),
+    (lambda d: d["inter_node"]["latency_s"].pop(), "inter_node: 'latency_s' must be a 2x2 matrix"),
+    (lambda d: d["inter_node"]["bandwidth_Bps"][1].__setitem__(0, -5.0), "negative"),
+    (lambda d: d["inter_node"].update(bandwidth_Bps={"float32_base64": "@@", "shape": [2, 2]}), "not a valid"),
+    (lambda d: d["nodes"][1].update({"class": 4}), "'class' must index 'intra_node'"),
+    (lambda d: d["inter_node"].update(cross_rail_bandwidth_factor=1.5), "cross_rail_bandwidth_factor"),
+    (lambda d: d.pop("intra_node"), "'intra_node' must be a non-empty list"),
 ])
 def test_bad_cluster_files_are_clear_errors(mutate, message):
     doc = copy.deepcopy(cluster_to_json(preset_cluster("dgx-a100", num_nodes=2)))
