@@ -56,10 +56,11 @@ def probe_fidelity(out: Path, rates: list[float]) -> dict:
             if i == j:
                 continue
             want, _ = spec.expected_link(i, j)
-            got = doc["bandwidth_Bps"][i][j]
+            inter = doc["inter_node"]     # one process per node: its one rail
+            got = inter["bandwidth_Bps"][i][j]
             rows.append({"src": i, "dst": j, "shaped_Bps": want, "probed_Bps": got,
-                         "error": got / want - 1, "latency_s": doc["latency_s"][i][j],
-                         "two_way_Bps": doc["exchange_bandwidth_Bps"][i][j]})
+                         "error": got / want - 1, "latency_s": inter["latency_s"][i][j],
+                         "two_way_Bps": inter["exchange_bandwidth_Bps"][i][j]})
     print(f"\n## Probe fidelity: {n} nodes x 1 process, rates (Mbit/s) {rates}, probe wall {wall:.1f} s")
     print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'latency ms':>11} {'two-way MB/s':>13}")
     for r in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,3 +23,10 @@ def atomic_path(path: str | os.PathLike, flag: str) -> Iterator[Path]:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise PipetteError(f"{flag} {path}: cannot write: {e.strerror or e}") from None
+
+
+def write_cluster_file(doc: dict, path: str | os.PathLike, flag: str = "--out") -> None:
+    """Write a cluster document (the probe's, or its twin's) atomically; small ones indented for reading."""
+    indent = 1 if doc["num_nodes"] * doc["gpus_per_node"] <= 64 else None
+    with atomic_path(path, flag) as tmp:
+        tmp.write_text(json.dumps(doc, indent=indent) + "\n")

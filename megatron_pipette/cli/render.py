@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_pipette.cost.memory import MemoryEstimate
 from megatron_pipette.cost.timing import TimeEstimate
+from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
 
 GiB = 2**30
@@ -26,13 +27,17 @@ def candidates_table(result: Plan) -> str:
     for i, c in enumerate(result.candidates, 1):
         sim = (f"{c.simulated_time_s:.3f}" if c.simulated_time_s is not None
                else "exact" if c.time.exact_schedule else "-")
-        placement = "default" if c.placement.is_default else "nodes " + ",".join(map(str, c.placement.node_order))
-        if len(placement) > 28:
-            placement = placement[:25] + "..."
+        placement = "default" if c.placement.is_default else "nodes " + node_order(c.placement)
         rows.append([str(i), c.layout.describe(), f"{c.time.iteration_time_s:.3f}", sim,
                      f"{c.time.tflops_per_gpu:.3g}",
                      f"{_gib(c.memory.peak_bytes)}/{_gib(c.memory.capacity_bytes)}", placement])
     return table(rows, ["#", "layout", "s/iter", "simulated", "TFLOP/s/GPU", "peak GiB/GPU", "placement"])
+
+
+def node_order(placement: Placement, width: int = 22) -> str:
+    """The physical node of each logical node, shortened to `width` characters."""
+    text = ",".join(map(str, placement.node_order))
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def breakdown(time: TimeEstimate) -> str:
@@ -75,3 +80,23 @@ def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate
                       f"{time.tflops_per_gpu:.3g} TFLOP/s per GPU, peak {_gib(memory.peak_bytes)} GiB "
                       f"of {_gib(memory.capacity_bytes)} GiB ({verdict})", "",
                       breakdown(time), "", stage_memory(memory)])
+
+
+def twin_report(doc: dict, simulated_s: float, wall_s: float, errors: dict[str, float]) -> str:
+    """What `pipette probe-sim` found: the probe's simulated cost, its findings, its error against the truth."""
+    p = doc["probe"]
+    lines = [f"simulated probe time {simulated_s:.2f} s (budget {p['budget_s']:g} s), wall time {wall_s:.2f} s",
+             f"  {p['world_size']} ranks on {doc['num_nodes']} nodes x {doc['gpus_per_node']}: "
+             f"{p['intra_rounds_measured']} of {p['intra_rounds']} intra-node and {p['inter_rounds_measured']} of "
+             f"{p['inter_rounds']} inter-node rounds, {p['node_pairs_measured']} of "
+             f"{doc['num_nodes'] * (doc['num_nodes'] - 1) // 2} node pairs measured"]
+    findings = p["slow_nodes"] + p["slow_links"]
+    lines.append("slow: " + ("none found" if not findings else f"{len(findings)} found"))
+    lines += [f"  - {f['reason']}" for f in findings[:20]]
+    if len(findings) > 20:
+        lines.append(f"  ... and {len(findings) - 20} more")
+    if errors:
+        lines.append(f"inter-node bandwidth against the truth: median error {errors['median']:.1%}, worst "
+                     f"{errors['worst']:.1%} over all node pairs, {errors['worst_measured']:.1%} over measured ones")
+    lines += [f"skipped: {s['reason']}" for s in p["skipped"]]
+    return "\n".join(lines)

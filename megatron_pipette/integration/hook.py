@@ -133,9 +133,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     cluster_doc = phases.run("probe", lambda: run_probe(
         budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
         small_bytes=4096, large_bytes=(64 << 20) if on_gpu else (1 << 20), repeats=3,
-        out=cache / "cluster.json", timeout_s=timeout.total_seconds()))
-    cluster = cluster_from_json(cluster_doc, where="probe")
-    log(f"probed {world} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s", rank)
+        out=cache / "cluster.json", timeout_s=timeout.total_seconds()))   # the document: rank 0 only
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
@@ -143,7 +141,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     parallel_state.initialize_model_parallel(1, 1)
     try:
         return _on_rank0_then_broadcast(lambda: _profile_and_plan(
-            workload, cluster, constraints, opts, cache, phases, on_gpu, budget), rank)
+            workload, cluster_doc, constraints, opts, cache, phases, on_gpu, budget), rank)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -163,10 +161,12 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
     return result
 
 
-def _profile_and_plan(workload, cluster, constraints, opts, cache: Path, phases: Phases, on_gpu: bool,
+def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Path, phases: Phases, on_gpu: bool,
                       budget: float) -> dict:
     from megatron_pipette.profile import profile_layers
 
+    cluster = cluster_from_json(cluster_doc, where="probe")
+    log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s", 0)
     tp_sizes = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node % t == 0
                 and workload.num_attention_heads % t == 0 and workload.query_groups % t == 0]
     if "tensor_model_parallel_size" in constraints:

@@ -1,4 +1,4 @@
-"""In-job cluster probe: per-pair links, per-device compute, TP all-reduce, in a time budget.
+"""In-job cluster probe: links inside and between nodes, per-device compute, in a time budget.
 
     from megatron_pipette.probe import run_probe
     doc = run_probe(budget_s=30, precision="bf16", small_bytes=4096,
@@ -6,7 +6,7 @@
 
 Standalone: `torchrun --nproc_per_node N -m megatron_pipette.probe --out cluster.json`.
 The torch-dependent entry points load lazily so that the pure parts
-(`schedule`, `budget`, `document`) import without torch.
+(`schedule`, `budget`, `engine`, `fit`, `document`, `twin`) import without torch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_pipette.probe.runner import run_probe, write_cluster_file
+    from megatron_pipette.probe.runner import run_probe
 
-__all__ = ["run_probe", "write_cluster_file"]
+__all__ = ["run_probe"]
 
 
 def __getattr__(name: str) -> Any:

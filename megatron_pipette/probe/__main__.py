@@ -33,17 +33,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_pipette.probe",
-                                description="Measure this job's cluster (links, devices, TP all-reduce) "
-                                            "and write the pipette cluster file.")
+                                description="Measure this job's cluster (links inside and between nodes, "
+                                            "devices) and write the pipette cluster file.")
     p.add_argument("--out", required=True, help="cluster JSON to write (rank 0 writes it atomically)")
     p.add_argument("--budget-s", type=float, default=30.0, help="seconds the probe may take (default 30)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -53,8 +46,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-bytes", type=_size, default=None,
                    help="bandwidth message size (default 64M on GPU, 4M on CPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed exchanges per size and pair (default 5)")
-    p.add_argument("--tp-sizes", type=_sizes, default=None,
-                   help="TP group sizes to time all-reduce on, e.g. 2,4,8 (default: divisors of GPUs per node)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="give up on an unresponsive peer after this long (default 60 s + the budget)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage's timing on every rank")
@@ -109,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_pipette.probe.runner import run_probe
 
         run_probe(budget_s=args.budget_s, precision=args.precision, small_bytes=args.small_bytes,
-                  large_bytes=large, repeats=args.repeats, tp_sizes=args.tp_sizes, out=args.out,
+                  large_bytes=large, repeats=args.repeats, out=args.out,
                   timeout_s=timeout_s)
         dist.destroy_process_group()
         return 0

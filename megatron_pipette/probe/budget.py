@@ -2,12 +2,13 @@
 
 Why: a probe run inside a training job spends GPU-hours of the whole job, so it
 must end when the caller said, at any scale. The compute check runs for fixed
-windows (a share of the budget); the point-to-point tournament re-plans every
-round from the costs measured so far (cutting repeats first, then the large
-message, then whole rounds); the collectives get a reserved slice and stop when
-it is spent. Every input to a decision is agreed across ranks (all-reduce MAX)
-before it is used, so all ranks take the same decision without talking again.
-Pure Python: unit-tested without torch.
+windows (a share of the budget); the intra-node rounds get a share of the rest
+by their count (at least INTRA_MIN_SHARE), the inter-node rounds what is left,
+and each phase re-plans every round from the costs measured so far (cutting
+repeats first, then the large message, then whole rounds). Every input to a
+decision is agreed across ranks (all-reduce MAX) before it is used, so all
+ranks take the same decision without talking again. Pure Python: unit-tested
+without torch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 COMPUTE_SHARE = 0.10
 COMPUTE_MIN_S, COMPUTE_MAX_S = 0.04, 1.0
 GEMM_FRACTION = 0.6          # of the compute slice; the rest times the memory copy
-COLLECTIVES_SHARE = 0.15
 FINAL_SHARE = 0.05           # gather, build, validate, write, broadcast
+INTRA_MIN_SHARE = 0.2        # of the point-to-point time, when there are inter-node rounds too
 FINAL_MIN_S, FINAL_MAX_S = 0.05, 5.0
 SAFETY = 1.25
 """Estimated costs are inflated by this factor before they are compared with the time left:
@@ -35,20 +36,24 @@ class BudgetPlan:
     gemm_window_s: float
     copy_window_s: float
     p2p_deadline_s: float
-    collectives_deadline_s: float
+
+    def intra_deadline_s(self, now_s: float, intra_rounds: int, inter_rounds: int) -> float:
+        """End of the intra-node phase starting at `now_s`: a share of the point-to-point time by
+        round count; time it leaves unused passes to the inter-node rounds."""
+        if inter_rounds == 0:
+            return self.p2p_deadline_s
+        share = max(INTRA_MIN_SHARE, intra_rounds / (intra_rounds + inter_rounds))
+        return now_s + share * max(0.0, self.p2p_deadline_s - now_s)
 
 
-def plan_budget(budget_s: float, *, with_collectives: bool) -> BudgetPlan:
-    """Split `budget_s` into the compute windows and the p2p/collective deadlines."""
+def plan_budget(budget_s: float) -> BudgetPlan:
+    """Split `budget_s` into the compute windows and the point-to-point deadline."""
     if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s > 0):
         raise ValueError(f"budget must be a positive number of seconds, got {budget_s!r}")
     compute = min(max(COMPUTE_SHARE * budget_s, COMPUTE_MIN_S), COMPUTE_MAX_S)
     final = min(max(FINAL_SHARE * budget_s, FINAL_MIN_S), FINAL_MAX_S)
-    collectives = COLLECTIVES_SHARE * budget_s if with_collectives else 0.0
-    end = budget_s - final
     return BudgetPlan(budget_s=float(budget_s), gemm_window_s=GEMM_FRACTION * compute,
-                      copy_window_s=(1 - GEMM_FRACTION) * compute,
-                      p2p_deadline_s=end - collectives, collectives_deadline_s=end)
+                      copy_window_s=(1 - GEMM_FRACTION) * compute, p2p_deadline_s=budget_s - final)
 
 
 @dataclass(frozen=True)
@@ -74,28 +79,24 @@ class RoundCosts:
 
 
 def choose_round(costs: RoundCosts, *, time_left_s: float, rounds_left: int, max_repeats: int,
-                 large_allowed: bool = True) -> RoundConfig | None:
+                 bandwidth_first: bool = False) -> RoundConfig | None:
     """The richest round that lets every remaining round fit in `time_left_s`.
 
     Preference: full repeats with both sizes; fewer repeats; then the small
     message alone (bandwidth for those pairs is then filled in, see
-    document.fill_unmeasured). When not even the cheapest round fits for all
-    remaining rounds, run the cheapest one while it alone still fits (later
-    rounds will be skipped), and return None once it does not.
+    probe.fit). When not even the cheapest round fits for all remaining rounds,
+    run the cheapest one while it alone still fits (later rounds will be
+    skipped), and return None once it does not. With `bandwidth_first` (the
+    inter-node rounds, whose skipped pairs a per-node fit fills in) rounds are
+    cut before the large message: one repeat of both sizes while it fits.
     """
     assert rounds_left >= 1 and max_repeats >= 1
-    sizes = (True, False) if large_allowed else (False,)
-    for large in sizes:
+    for large in (True, False):
         for repeats in range(max_repeats, 0, -1):
             config = RoundConfig(repeats, large)
             if rounds_left * costs.round_s(config) <= time_left_s:
                 return config
+        if bandwidth_first and large and costs.round_s(RoundConfig(1, True)) <= time_left_s:
+            return RoundConfig(1, True)
     cheapest = RoundConfig(1, False)
     return cheapest if costs.round_s(cheapest) <= time_left_s else None
-
-
-def affordable_repeats(one_s: float, *, time_left_s: float, max_repeats: int) -> int:
-    """How many timed repeats of an operation costing `one_s` (plus SAFETY) fit in `time_left_s` (0..max)."""
-    if one_s <= 0:
-        return max_repeats
-    return max(0, min(max_repeats, int(time_left_s // (SAFETY * one_s))))

@@ -1,15 +1,17 @@
-"""Small communication helpers shared by the probe stages.
+"""Point-to-point helpers of the torch transport: timed one-way messages and exchanges.
 
-Why: every budget decision must be identical on all ranks, so each stage
-agrees on its inputs with one all-reduce MAX that doubles as the round
-barrier; and every point-to-point wait carries a timeout so that a dead or
-stuck partner ends the probe with an error instead of a hang.
+Why: every point-to-point wait carries a timeout so that a dead or stuck partner
+ends the probe with an error instead of a hang; and on NCCL every message goes
+through `batch_isend_irecv`, which runs on the group's own communicator, where a
+single `send`/`recv` would create a two-rank communicator for each new pair
+(torch's ProcessGroupNCCL keys unbatched point-to-point by the rank pair): a
+tournament would then set up a communicator per partner, each a store round trip
+and an NCCL initialisation that nothing bounds.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -39,60 +41,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def agree_max(group: dist.ProcessGroup | None, device: torch.device, values: Sequence[float]) -> list[float]:
-    """Element-wise maximum of `values` over all ranks; also a barrier.
+def _post(ops: list[tuple], group: dist.ProcessGroup | None, device: torch.device) -> list[dist.Work]:
+    """Start (op, tensor, peer) point-to-point operations together: one batch on NCCL."""
+    if device.type == "cuda":
+        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group) for op, tensor, peer in ops])
+    return [op(tensor, peer, group) for op, tensor, peer in ops]
 
-    Returns on every rank only after every rank contributed, and the host
-    waits for the result (tolist), so it synchronises the ranks like
-    dist.barrier while carrying the figures the next decision needs.
-    """
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+
+def _wait(works: list[dist.Work], device: torch.device, timeout: timedelta) -> None:
+    for work in works:
+        if device.type == "cuda":
+            work.wait()      # NCCL's own timeout (the group's) ends a stuck wait
+        else:
+            work.wait(timeout)
 
 
 def one_way(group: dist.ProcessGroup | None, device: torch.device, peer: int, data: torch.Tensor,
             ack: torch.Tensor, sending: bool, timeout: timedelta) -> float:
-    """One message to `peer` (sending) or from it, answered by a one-byte acknowledgement;
-    seconds on this rank. The sender's time is the message's one-way time plus the small
-    reply's, with nothing travelling the other way while the message does."""
-    peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+    """One message to `peer` (global rank; sending) or from it, answered by a one-byte
+    acknowledgement; seconds on this rank. The sender's time is the message's one-way time plus
+    the small reply's, with nothing travelling the other way while the message does (so the
+    message and the reply are two batches, one after the other)."""
     start = time.perf_counter()
-    if sending:
-        ops = [(dist.isend, data), (dist.irecv, ack)]
-    else:
-        ops = [(dist.irecv, data), (dist.isend, ack)]
-    for op, tensor in ops:
-        _wait(op(tensor, peer_global, group), device, timeout)
+    steps = [(dist.isend, data), (dist.irecv, ack)] if sending else [(dist.irecv, data), (dist.isend, ack)]
+    for op, tensor in steps:
+        _wait(_post([(op, tensor, peer)], group, device), device, timeout)
     synchronize(device)
     return time.perf_counter() - start
 
 
-def _wait(work: dist.Work, device: torch.device, timeout: timedelta) -> None:
-    if device.type == "cuda":
-        work.wait()
-    else:
-        work.wait(timeout)
-
-
 def exchange(group: dist.ProcessGroup | None, device: torch.device, me: int, peer: int,
              send: torch.Tensor, recv: torch.Tensor, timeout: timedelta) -> float:
-    """One concurrent bidirectional exchange with `peer` (group ranks); returns seconds on this rank.
+    """One concurrent bidirectional exchange with `peer` (global ranks); seconds on this rank.
 
-    The lower rank posts its send first and the higher its receive first, so
-    even a backend whose sends block until matched cannot deadlock. On NCCL
-    both operations go in one batch (one fused group call).
+    The lower rank posts its send first and the higher its receive first, so even a backend
+    whose sends block until matched cannot deadlock.
     """
-    peer_global = dist.get_global_rank(group, peer) if group is not None else peer
     start = time.perf_counter()
-    if device.type == "cuda":
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer_global, group),
-                                        dist.P2POp(dist.irecv, recv, peer_global, group)])
-    elif me < peer:
-        works = [dist.isend(send, peer_global, group), dist.irecv(recv, peer_global, group)]
-    else:
-        works = [dist.irecv(recv, peer_global, group), dist.isend(send, peer_global, group)]
-    for w in works:
-        _wait(w, device, timeout)
+    ops = [(dist.isend, send, peer), (dist.irecv, recv, peer)]
+    _wait(_post(ops if me < peer else ops[::-1], group, device), device, timeout)
     synchronize(device)
     return time.perf_counter() - start

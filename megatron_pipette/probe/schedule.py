@@ -1,50 +1,132 @@
-"""Round-robin tournament ("circle method") pairing every rank with every other.
+"""Which ranks meet in each probe round: tournaments inside nodes and between nodes.
 
-Why a tournament: probing N ranks pair by pair, one pair at a time, costs
-N(N-1)/2 sequential exchanges; the circle method measures N/2 disjoint pairs
-at once, so every pair is met in N-1 rounds (N rounds when N is odd, one rank
-sitting out each round). At 1024 GPUs that is 1023 rounds instead of 523,776
-exchanges. Pure Python: it is unit-tested without torch.
+Why this shape: a GPU-level tournament needs N-1 rounds (1023 at 1024 GPUs). The
+probe instead measures the two levels the cluster model has: inside every node
+at once (gpus_per_node - 1 rounds), then between nodes (num_nodes - 1 rounds),
+where all local ranks of the two nodes of a pair exchange rail to rail at once
+(local rank k with local rank k, the load a pipeline-stage boundary puts on the
+fabric). Two extra rounds repeat node pairs with shifted rails (local k with
+k + gpus_per_node / 2) to price cross-rail traffic. The inter-node rounds run in
+a fixed spread order (`inter_round_order`) so that a budget that stops after k
+rounds has still shown every node k different partners.
+
+The circle method gives each round N/2 disjoint pairs; every pair meets in
+exactly one round. Pure: unit-tested without torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 Pair = tuple[int, int]
+CROSS_RAIL_ROUNDS = 2
+"""Inter-node rounds repeated with shifted rails (the first ones in the spread order)."""
+ORDER_SEED = 0
+
+
+def rounds_in_tournament(n: int) -> int:
+    """n-1 rounds for even n, n for odd n (one sits out each round), none for n <= 1."""
+    if n < 0:
+        raise ValueError(f"tournament size must be >= 0, got {n}")
+    return 0 if n <= 1 else n - 1 if n % 2 == 0 else n
+
+
+def round_partners(n: int, r: int) -> np.ndarray:
+    """(n,) partner of each of 0..n-1 in round r of the circle-method tournament; -1 sits out.
+
+    With m = n rounded up to even (a phantom m-1 for odd n), m-1 stays fixed and meets r; the
+    others pair as (r + i, r - i) mod (m - 1) for i = 1 .. m/2 - 1. O(n) per round, vectorised.
+    """
+    assert 0 <= r < rounds_in_tournament(n)
+    m = n + n % 2
+    partner = np.empty(m, dtype=np.int64)
+    i = np.arange(1, m // 2)
+    a, b = (r + i) % (m - 1), (r - i) % (m - 1)
+    partner[a], partner[b] = b, a
+    partner[m - 1], partner[r] = r, m - 1
+    partner = partner[:n]
+    partner[partner == n] = -1      # drawn against the phantom: sits out
+    return partner
 
 
 def tournament(n: int) -> list[list[Pair]]:
-    """The rounds of an all-pairs tournament over ranks 0..n-1.
-
-    Each round lists disjoint pairs (low, high) with low < high; every
-    unordered pair appears in exactly one round. Even n gives n-1 rounds of
-    n/2 pairs; odd n gives n rounds of (n-1)/2 pairs, a different rank sitting
-    out each round. n <= 1 gives no rounds.
-    """
-    if n < 0:
-        raise ValueError(f"tournament size must be >= 0, got {n}")
-    if n <= 1:
-        return []
-    # Odd n: add a phantom rank; whoever is drawn against it sits out.
-    slots = list(range(n)) + ([None] if n % 2 else [])
-    m = len(slots)
-    rounds: list[list[Pair]] = []
-    for _ in range(m - 1):
-        pairs: list[Pair] = []
-        for i in range(m // 2):
-            a, b = slots[i], slots[m - 1 - i]
-            if a is not None and b is not None:
-                pairs.append((min(a, b), max(a, b)))
-        rounds.append(sorted(pairs))
-        # Keep slot 0 fixed, rotate the rest one step clockwise.
-        slots = [slots[0], slots[-1], *slots[1:-1]]
+    """The rounds of an all-pairs tournament over 0..n-1, as sorted (low, high) pairs: each
+    round's pairs are disjoint and every unordered pair appears in exactly one round."""
+    rounds = []
+    for r in range(rounds_in_tournament(n)):
+        p = round_partners(n, r)
+        low = np.flatnonzero((p >= 0) & (np.arange(n) < p))
+        rounds.append([(int(a), int(p[a])) for a in low])
     return rounds
 
 
 def partner_in(pairs: list[Pair], rank: int) -> int | None:
-    """The rank paired with `rank` in one round, or None when it sits out."""
+    """The one paired with `rank` in one round, or None when it sits out."""
     for a, b in pairs:
         if a == rank:
             return b
         if b == rank:
             return a
     return None
+
+
+def inter_round_order(num_nodes: int) -> list[int]:
+    """Tournament rounds between nodes in the order the probe runs them: a fixed pseudo-random
+    permutation, so any prefix pairs each node with partners spread over the whole allocation
+    (the circle method's first rounds pair mostly mirror-image neighbours)."""
+    return np.random.default_rng(ORDER_SEED).permutation(rounds_in_tournament(num_nodes)).tolist()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One probe round: who meets whom."""
+
+    kind: str
+    """"intra" (inside every node at once), "inter" (node pairs, rail to rail) or "cross_rail"
+    (node pairs again, local rank k with k + rail_shift)."""
+    index: int
+    """Round of its tournament: over local ranks for "intra", over nodes otherwise."""
+    size: int
+    """Players of that tournament: gpus_per_node for "intra", num_nodes otherwise."""
+    rail_shift: int = 0
+
+    @property
+    def partner(self) -> np.ndarray:
+        """(size,) partner local rank ("intra") or node; -1 sits out. Computed on demand: holding
+        every round's partners would be O(nodes^2)."""
+        return round_partners(self.size, self.index)
+
+    def partner_ranks(self, ranks: np.ndarray, gpus_per_node: int) -> np.ndarray:
+        """The partner of each of `ranks` (global ranks; -1 sits out). Vectorised."""
+        node, local = np.divmod(np.asarray(ranks), gpus_per_node)
+        if self.kind == "intra":
+            other = self.partner[local]
+            return np.where(other < 0, -1, node * gpus_per_node + other)
+        other = self.partner[node]
+        shift = np.where(node < other, self.rail_shift, -self.rail_shift)
+        return np.where(other < 0, -1, other * gpus_per_node + (local + shift) % gpus_per_node)
+
+
+def probe_rounds(num_nodes: int, gpus_per_node: int) -> tuple[list[Round], list[Round]]:
+    """(intra-node rounds, inter-node rounds with the cross-rail rounds interleaved early)."""
+    intra = [Round("intra", k, gpus_per_node) for k in range(rounds_in_tournament(gpus_per_node))]
+    inter: list[Round] = []
+    for position, k in enumerate(inter_round_order(num_nodes)):
+        inter.append(Round("inter", k, num_nodes))
+        if position < CROSS_RAIL_ROUNDS and gpus_per_node > 1:
+            inter.append(Round("cross_rail", k, num_nodes, rail_shift=max(1, gpus_per_node // 2)))
+    return intra, inter
+
+
+def node_pairs_met(num_nodes: int, gpus_per_node: int, inter_rounds_run: int) -> np.ndarray:
+    """(nodes, nodes) bool: the node pairs that met rail to rail in the first `inter_rounds_run`
+    inter-node rounds (a document's probe.inter_rounds_measured)."""
+    met = np.zeros((num_nodes, num_nodes), dtype=bool)
+    for rnd in probe_rounds(num_nodes, gpus_per_node)[1][:inter_rounds_run]:
+        if rnd.kind == "inter":
+            partner = rnd.partner
+            has = np.flatnonzero(partner >= 0)
+            met[has, partner[has]] = True
+    return met

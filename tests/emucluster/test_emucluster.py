@@ -26,10 +26,10 @@ def test_spec_paths() -> None:
 @pytest.mark.torchrun
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
-    """2 nodes x 2 processes; the inter-node link is shaped to 100 Mbit/s: the probe's inter-node
-    bandwidths are the slow ones, of the order of the shaped rate (two pairs share the link in a
-    probe round and gloo's bidirectional exchange gets about half of it, see docs/validation.md),
-    and every namespace is gone afterwards."""
+    """2 nodes x 2 processes; each node's access link is shaped to 100 Mbit/s and the probe's
+    inter-node rounds run both rails at once, so each rail gets half of it (the loaded rate a
+    pipeline-stage boundary sees); the node level recovers that within 25%, and every namespace
+    is gone afterwards."""
     out = tmp_path / "cluster.json"
     rate = 100.0
     cl = EmuCluster({"nodes": 2, "rate_mbit": rate}, tag="t")
@@ -40,13 +40,12 @@ def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert cl.base not in names
     doc = json.loads(out.read_text())
-    bw = doc["bandwidth_Bps"]
-    assert [d["host"].split("/")[-1] for d in doc["devices"]] == ["0", "0", "1", "1"]
-    inter = [bw[i][j] for i in range(4) for j in range(4) if i // 2 != j // 2]
-    intra = [bw[0][1], bw[1][0], bw[2][3], bw[3][2]]
-    shaped = rate * 1e6 / 8
-    assert max(inter) < min(intra) / 3, (inter, intra)
-    assert all(0.15 * shaped < b < 1.25 * shaped for b in inter), (inter, shaped)
+    assert [n["host"].split("/")[-1] for n in doc["nodes"]] == ["0", "1"]
+    inter = doc["inter_node"]["bandwidth_Bps"]
+    per_rail = rate * 1e6 / 8 / 2
+    assert all(abs(b / per_rail - 1) < 0.25 for b in (inter[0][1], inter[1][0])), (inter, per_rail)
+    intra = [level["bandwidth_Bps"][0][1] for level in doc["intra_node"]]
+    assert min(intra) > 3 * max(inter[0][1], inter[1][0]), (intra, inter)
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")

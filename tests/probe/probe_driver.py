@@ -1,4 +1,4 @@
-"""Test-only torchrun entry point: run_probe on gloo, every rank dumps what it returned.
+"""Test-only torchrun entry point: run_probe on gloo, every rank dumps what it returned (None off rank 0).
 
 Usage: torchrun ... probe_driver.py OUT_DIR JSON_KWARGS
 

@@ -2,19 +2,24 @@
 
 import pytest
 
-from megatron_pipette.probe.budget import (RoundConfig, RoundCosts, affordable_repeats, choose_round,
-                                           plan_budget)
+from megatron_pipette.probe.budget import RoundConfig, RoundCosts, choose_round, plan_budget
 
 
 def test_plan_budget_fits_inside_the_budget():
     for budget in (0.5, 2, 30, 600):
-        p = plan_budget(budget, with_collectives=True)
+        p = plan_budget(budget)
         assert 0 < p.gemm_window_s and 0 < p.copy_window_s
-        assert p.gemm_window_s + p.copy_window_s < p.p2p_deadline_s < p.collectives_deadline_s < budget
-    assert plan_budget(30, with_collectives=False).p2p_deadline_s == plan_budget(30, with_collectives=False
-                                                                                 ).collectives_deadline_s
+        assert p.gemm_window_s + p.copy_window_s < p.p2p_deadline_s < budget
     with pytest.raises(ValueError):
-        plan_budget(0, with_collectives=True)
+        plan_budget(0)
+
+
+def test_intra_node_rounds_get_a_share_by_count_and_pass_on_what_they_leave():
+    p = plan_budget(30)
+    assert p.intra_deadline_s(1.0, 7, 0) == p.p2p_deadline_s             # one node: all of it
+    few = p.intra_deadline_s(1.0, 7, 1023)
+    assert few == pytest.approx(1.0 + 0.2 * (p.p2p_deadline_s - 1.0))    # at least INTRA_MIN_SHARE
+    assert p.intra_deadline_s(1.0, 7, 7) == pytest.approx(1.0 + 0.5 * (p.p2p_deadline_s - 1.0))
 
 
 COSTS = RoundCosts(overhead_s=0.01, small_s=0.001, large_s=0.1)
@@ -32,7 +37,9 @@ def test_cuts_repeats_first_then_the_large_message_then_rounds():
     assert choose_round(COSTS, time_left_s=0.005, rounds_left=10, max_repeats=5) is None
 
 
-def test_affordable_repeats():
-    assert affordable_repeats(0.1, time_left_s=0.40, max_repeats=5) == 3
-    assert affordable_repeats(0.1, time_left_s=-1, max_repeats=5) == 0
-    assert affordable_repeats(0.0, time_left_s=1, max_repeats=5) == 5
+def test_bandwidth_first_cuts_rounds_before_the_large_message():
+    # Between nodes a skipped pair is filled from the per-node fit, a pair without bandwidth is not.
+    assert choose_round(COSTS, time_left_s=0.6, rounds_left=10, max_repeats=5,
+                        bandwidth_first=True) == RoundConfig(1, True)
+    assert choose_round(COSTS, time_left_s=0.12, rounds_left=10, max_repeats=5,
+                        bandwidth_first=True) == RoundConfig(1, False)

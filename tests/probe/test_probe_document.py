@@ -1,20 +1,28 @@
-"""Building the cluster document from per-rank reports: pure numpy, no processes."""
+"""From measured times to the cluster document: the fits, and the whole probe on its twin.
 
+The twin runs the probe's real engine and document code over simulated messages, so these
+tests check the probe end to end without processes: a noise-free twin must return its truth.
+"""
+
+import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 
+from helpers.clusters import dense, slowed_nodes
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.probe.budget import RoundConfig
-from megatron_pipette.probe.document import (RankReport, alpha_beta, build_document, fill_unmeasured,
-                                             gpus_per_node, medium_bytes, merge_collectives, pair_times,
-                                             sender_times, two_way_alpha_beta)
-from megatron_pipette.probe.schedule import tournament
+from megatron_pipette.probe.budget import plan_budget
+from megatron_pipette.probe.document import build_document, gpus_per_node
+from megatron_pipette.probe.engine import run_engine
+from megatron_pipette.probe.fit import alpha_beta, medium_bytes, pair_min, two_way_alpha_beta
+from megatron_pipette.probe.twin import TwinSettings, TwinTransport
 from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 
 NAN = math.nan
-S, L = 4096, 4 * 2**20
+S, L = 4096, 64 * 2**20
 
 
 def test_gpus_per_node_from_hosts():
@@ -25,15 +33,10 @@ def test_gpus_per_node_from_hosts():
             gpus_per_node(bad)
 
 
-def test_pair_times_take_the_smaller_side_and_are_symmetric():
-    t = pair_times([[NAN, 2.0, NAN], [3.0, NAN, NAN], [NAN, NAN, NAN]])
+def test_pair_min_takes_the_smaller_side_and_is_symmetric():
+    t = pair_min(np.array([[NAN, 2.0, NAN], [3.0, NAN, NAN], [NAN, NAN, NAN]]))
     assert t[0, 1] == t[1, 0] == 2.0
     assert np.isnan(t[0, 2]) and np.isnan(t[0, 0])
-
-
-def test_sender_times_keep_each_direction():
-    t = sender_times([[NAN, 2.0], [3.0, NAN]])
-    assert t[0, 1] == 2.0 and t[1, 0] == 3.0 and np.isnan(t[0, 0])
 
 
 def test_alpha_beta_recovers_the_model():
@@ -49,72 +52,108 @@ def test_alpha_beta_recovers_the_model():
 
 def test_two_way_alpha_beta_from_two_exchange_sizes():
     m = medium_bytes(S, L)
-    assert m == 128 * 2**10 and medium_bytes(4096, 64 * 2**20) == 512 * 2**10
+    assert m == 512 * 2**10 and medium_bytes(4096, 4 * 2**20) == 128 * 2**10
     one_way, alpha = np.array([[np.inf, 1e8], [2e8, np.inf]]), np.array([[0.0, 1e-3], [1e-3, 0.0]])
     # half duplex, and a medium exchange that loses 20 ms more (acknowledgements behind data)
-    tm, tl = pair_times([[NAN, 0.021 + m / 0.5e8], [NAN, NAN]]), pair_times([[NAN, 0.021 + L / 0.5e8], [NAN, NAN]])
+    tm = pair_min(np.array([[NAN, 0.021 + m / 0.5e8], [NAN, NAN]]))
+    tl = pair_min(np.array([[NAN, 0.021 + L / 0.5e8], [NAN, NAN]]))
     bw, lat = two_way_alpha_beta(tm, tl, m, L, one_way, alpha)
     np.testing.assert_allclose(bw[[0, 1], [1, 0]], [0.5e8, 0.5e8])
     np.testing.assert_allclose(lat[[0, 1], [1, 0]], [0.021, 0.021])
     # full duplex: never above the one-way rate (the exchange ends with the slower direction),
     # and never below the one-way latency
-    tm, tl = pair_times([[NAN, m / 1e8], [NAN, NAN]]), pair_times([[NAN, L / 1e8], [NAN, NAN]])
+    tm, tl = pair_min(np.array([[NAN, m / 1e8], [NAN, NAN]])), pair_min(np.array([[NAN, L / 1e8], [NAN, NAN]]))
     bw, lat = two_way_alpha_beta(tm, tl, m, L, one_way, alpha)
     np.testing.assert_allclose(bw[[0, 1], [1, 0]], [1e8, 1e8])
     np.testing.assert_allclose(lat[[0, 1], [1, 0]], [1e-3, 1e-3])
 
 
-def test_fill_uses_same_kind_median():
-    n, gpn = 4, 2
-    m = np.full((n, n), NAN)
-    m[0, 1] = m[1, 0] = 100.0      # intra
-    m[0, 2] = m[2, 0] = 10.0       # inter
-    m[1, 3] = m[3, 1] = 30.0       # inter
-    m[1, 2] = 40.0                 # one direction measured: only the other is filled
-    out, filled = fill_unmeasured(m, gpn)
-    assert out[2, 3] == out[3, 2] == 100.0                 # intra from intra
-    assert out[0, 3] == out[3, 0] == out[2, 1] == 30.0     # inter from inter (10, 10, 30, 30, 40)
-    assert out[1, 2] == 40.0
-    assert sorted(filled) == [[0, 3], [1, 2], [2, 3]]
-    with pytest.raises(PipetteError, match="no pair"):
-        fill_unmeasured(np.full((2, 2), NAN), 2)
+def identities(truth):
+    return [{"host": f"node{r // truth.gpus_per_node}", "device_name": "NVIDIA H100 80GB HBM3", "gpu": "H100-80GB",
+             "memory_bytes": truth.memory_bytes} for r in range(truth.world_size)]
 
 
-def test_merge_collectives_keeps_the_slowest_member():
-    recs = merge_collectives([[{"op": "all_reduce", "ranks": [0, 1], "bytes": 100, "time_s": 1.0}],
-                              [{"op": "all_reduce", "ranks": [0, 1], "bytes": 100, "time_s": 2.0}]])
-    assert recs == [{"op": "all_reduce", "ranks": [0, 1], "bytes": 100, "time_s": 2.0, "busbw_Bps": 50.0}]
+def probe_twin(truth, budget_s=30.0, noise=0.0, seed=0, repeats=3):
+    transport = TwinTransport(truth, TwinSettings(small_bytes=S, large_bytes=L, noise=noise, seed=seed))
+    m = run_engine(transport, plan_budget(budget_s), repeats=repeats)
+    doc = build_document(m, identities(truth), name="twin", precision="bf16", small_bytes=S, large_bytes=L,
+                         max_repeats=repeats, probe_meta={"backend": "twin"})
+    return cluster_from_json(json.loads(json.dumps(doc))), doc, transport.clock
 
 
-def _report(rank, n, host, small, large):
-    ident = {"host": host, "local_rank": None, "local_world_size": None, "host_memory_bytes": 8 * 2**30,
-             "device_name": "cpu", "gpu": None, "memory_bytes": None}
-    return RankReport(identity=ident, gemm_flops=1e10 * (rank + 1), memory_bandwidth_Bps=5e9,
-                      small_s=small, large_s=large, exchange_s=large, exchange_medium_s=small, collectives=[])
+def symmetric(m):
+    return np.minimum(m, m.T)
 
 
-def test_document_with_skipped_rounds_is_complete_and_accepted():
-    n = 4
-    rounds = tournament(n)
-    configs = [RoundConfig(5, True), RoundConfig(2, False), None]   # round 2 dropped by the budget
-    small = [[NAN] * n for _ in range(n)]
-    large = [[NAN] * n for _ in range(n)]
-    for k, cfg in enumerate(configs):
-        if cfg is None:
-            continue
-        for a, b in rounds[k]:
-            small[a][b] = small[b][a] = 1e-4
-            if cfg.large:
-                large[a][b] = large[b][a] = 1e-4 + L / 2e9
-    reports = [_report(r, n, "h0" if r < 2 else "h1", small[r], large[r]) for r in range(n)]
-    doc = build_document(reports, name="t", precision="fp32", small_bytes=S, large_bytes=L,
-                         round_configs=configs, max_repeats=5, probe_meta={"backend": "gloo"})
-    cluster = cluster_from_json(doc)
-    assert cluster.num_nodes == 2 and doc["gpus_per_node"] == 2
-    assert doc["devices"][3]["memory_bytes"] == 4 * 2**30 and doc["devices"][3]["local_rank"] == 1
-    bw = np.array([[0 if v is None else v for v in row] for row in doc["bandwidth_Bps"]])
-    assert np.allclose(bw, bw.T) and (bw + np.eye(n) > 0).all()
-    whats = {s["what"]: s for s in doc["probe"]["skipped"]}
-    assert set(whats) == {"repeats", "large_message", "rounds"}
-    assert whats["rounds"]["pairs"] == [list(p) for p in rounds[2]]
-    assert doc["probe"]["rounds"] == 3 and doc["probe"]["rounds_measured"] == 2
+def uneven_truth(nodes=6, gpn=4, seed=0):
+    """Two intra-node classes, random node pairs (symmetric exchange figures, as an exchange is
+    timed as a whole), half-duplex inter-node exchanges, a cross-rail penalty."""
+    rng = np.random.default_rng(seed)
+    base = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=gpn)
+    intra = dense(base.intra_node[0])
+    slow_intra = dense(intra)
+    slow_intra.bandwidth_Bps[1, 2] /= 5      # both directions: an exchange is timed as a whole
+    slow_intra.bandwidth_Bps[2, 1] /= 5
+    bw = 47.5e9 * rng.uniform(0.3, 1, (nodes, nodes))
+    lat = 1e-5 * rng.uniform(1, 3, (nodes, nodes))
+    inter = LinkLevel(bandwidth_Bps=bw, latency_s=symmetric(lat), exchange_bandwidth_Bps=symmetric(bw) / 2,
+                      exchange_latency_s=symmetric(lat) * 2)
+    return dataclasses.replace(base, intra_node=(intra, slow_intra), node_class=np.arange(nodes) % 2,
+                               inter_node=inter, cross_rail_bandwidth_factor=0.6, cross_rail_latency_s=3e-6)
+
+
+def test_a_noise_free_twin_returns_its_truth():
+    truth = uneven_truth()
+    probed, doc, clock = probe_twin(truth)
+    p = doc["probe"]
+    assert p["inter_rounds_measured"] == p["inter_rounds"] and p["skipped"] == [] and clock < 30
+    assert len(probed.intra_node) == 2 and probed.node_class.tolist() == [0, 1, 0, 1, 0, 1]
+    rng = np.random.default_rng(1)
+    src, dst = rng.integers(0, truth.world_size, (2, 500))
+    src, dst = src[src != dst], dst[src != dst]
+    for two_way in (False, True):
+        (lat, bw), (true_lat, true_bw) = probed.link(src, dst, two_way=two_way), truth.link(src, dst, two_way=two_way)
+        np.testing.assert_allclose(bw, true_bw, rtol=1e-6)
+        np.testing.assert_allclose(lat, true_lat, rtol=1e-3)   # the fit neglects the one-byte reply's transfer
+    assert probed.cross_rail_bandwidth_factor == pytest.approx(0.6)
+    assert probed.cross_rail_latency_s == pytest.approx(3e-6, rel=1e-3)
+    np.testing.assert_allclose(probed.gemm_flops, truth.gemm_flops)
+    assert p["slow_links"] == [] or all(link["bandwidth_Bps"] < 0.5 * link["predicted_Bps"] for link in p["slow_links"])
+
+
+def test_the_budget_leaves_pairs_to_the_per_node_fit_which_still_finds_a_slow_node():
+    nodes = 64
+    truth = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=2)
+    truth = dataclasses.replace(truth, inter_node=slowed_nodes(truth.inter_node, [7], 4.0))
+    probed, doc, clock = probe_twin(truth, budget_s=0.9, noise=0.02)
+    p = doc["probe"]
+    assert 3 <= p["inter_rounds_measured"] < p["inter_rounds"], p["inter_rounds_measured"]
+    assert clock <= 0.9
+    assert [n["node"] for n in p["slow_nodes"]] == [7]
+    assert p["slow_nodes"][0]["rate_Bps"] == pytest.approx(47.5e9 / 4, rel=0.25)
+    bw = probed.inter_node.bandwidth_Bps
+    others = [k for k in range(nodes) if k != 7]
+    np.testing.assert_allclose(bw[7, others], 47.5e9 / 4, rtol=0.25)      # measured or filled alike
+    off = ~np.eye(nodes, dtype=bool)
+    off[7, :] = off[:, 7] = False
+    np.testing.assert_allclose(bw[off], 47.5e9, rtol=0.25)
+    assert any(s["what"] == "rounds" and s["phase"] == "inter-node" for s in p["skipped"])
+    assert all("pairs" not in s for s in p["skipped"])                      # listed compactly
+
+
+def test_a_slow_pair_is_reported_when_its_round_ran():
+    nodes = 8
+    truth = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=2)
+    inter = dense(truth.inter_node)
+    inter.bandwidth_Bps[2, 5] = inter.bandwidth_Bps[5, 2] = 4.75e9
+    probed, doc, _ = probe_twin(dataclasses.replace(truth, inter_node=inter), noise=0.02)
+    slow = {tuple(link["nodes"]) for link in doc["probe"]["slow_links"]}
+    assert slow == {(2, 5), (5, 2)}
+    assert probed.inter_node.bandwidth_Bps[2, 5] == pytest.approx(4.75e9, rel=0.25)
+    assert doc["probe"]["slow_nodes"] == []
+
+
+def test_the_twin_is_deterministic_for_a_seed():
+    truth = uneven_truth(4, 3)
+    assert probe_twin(truth, noise=0.1, seed=3)[1] == probe_twin(truth, noise=0.1, seed=3)[1]
+    assert probe_twin(truth, noise=0.1, seed=3)[1] != probe_twin(truth, noise=0.1, seed=4)[1]

@@ -1,48 +1,84 @@
-"""The circle-method tournament: pure Python, no torch."""
+"""Tournaments inside and between nodes: pure, no torch."""
 
 import subprocess
 import sys
 from itertools import combinations
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_pipette.probe.schedule import partner_in, tournament
+from megatron_pipette.probe.schedule import (CROSS_RAIL_ROUNDS, partner_in, probe_rounds, round_partners,
+                                             rounds_in_tournament, tournament)
 
 
 @given(st.integers(min_value=0, max_value=64))
-def test_every_pair_exactly_once_each_rank_at_most_once_per_round(n):
+def test_every_pair_exactly_once_each_player_at_most_once_per_round(n):
     rounds = tournament(n)
     seen = [p for r in rounds for p in r]
     assert sorted(seen) == list(combinations(range(n), 2))
     for pairs in rounds:
-        ranks = [x for p in pairs for x in p]
-        assert len(ranks) == len(set(ranks))
+        players = [x for p in pairs for x in p]
+        assert len(players) == len(set(players))
         assert all(a < b for a, b in pairs)
 
 
 @given(st.integers(min_value=2, max_value=64))
 def test_round_count_and_sit_outs(n):
     rounds = tournament(n)
+    assert len(rounds) == rounds_in_tournament(n)
     if n % 2 == 0:
         assert len(rounds) == n - 1
         assert all(len(r) == n // 2 for r in rounds)
     else:
         assert len(rounds) == n
         sitting = [next(x for x in range(n) if partner_in(r, x) is None) for r in rounds]
-        assert sorted(sitting) == list(range(n))   # each rank sits out exactly once
+        assert sorted(sitting) == list(range(n))   # each sits out exactly once
 
 
 def test_small_cases_and_partner_lookup():
     assert tournament(0) == [] and tournament(1) == []
     assert tournament(2) == [[(0, 1)]]
-    r = tournament(3)
-    assert len(r) == 3 and all(len(p) == 1 for p in r)
+    assert round_partners(3, 0).tolist().count(-1) == 1
     assert partner_in([(0, 3), (1, 2)], 2) == 1 and partner_in([(0, 3)], 1) is None
+
+
+@given(st.integers(1, 9), st.integers(1, 8))
+def test_probe_rounds_pair_ranks_rail_to_rail_and_cover_every_node_pair(nodes, gpn):
+    intra, inter = probe_rounds(nodes, gpn)
+    ranks = np.arange(nodes * gpn)
+    met = set()
+    for rnd in intra:
+        p = rnd.partner_ranks(ranks, gpn)
+        has = p >= 0
+        assert np.all(p[p[has]] == ranks[has])                       # mutual
+        assert np.all(p[has] // gpn == ranks[has] // gpn)            # inside the node
+    for rnd in inter:
+        p = rnd.partner_ranks(ranks, gpn)
+        has = p >= 0
+        assert np.all(p[p[has]] == ranks[has])
+        assert np.all(p[has] // gpn != ranks[has] // gpn)            # between nodes
+        same_rail = p[has] % gpn == ranks[has] % gpn
+        assert same_rail.all() if rnd.kind == "inter" else (gpn == 1 or not same_rail.any())
+        if rnd.kind == "inter":
+            met |= {(int(a) // gpn, int(b) // gpn) for a, b in zip(ranks[has], p[has])}
+    assert met == {(a, b) for a in range(nodes) for b in range(nodes) if a != b}
+    assert sum(r.kind == "cross_rail" for r in inter) == (min(CROSS_RAIL_ROUNDS, len(tournament(nodes)))
+                                                           if gpn > 1 else 0)
+
+
+def test_a_prefix_of_the_inter_node_rounds_spreads_partners():
+    # Any k rounds give every node k distinct partners (each round is a perfect matching); the
+    # spread order keeps them from being mirror-image neighbours only.
+    _, inter = probe_rounds(64, 1)
+    partners = np.stack([r.partner for r in inter[:4]])
+    assert all(len(set(partners[:, k])) == 4 for k in range(64))
+    assert np.median(np.abs(partners - np.arange(64))) > 8
 
 
 def test_pure_parts_import_without_torch():
     code = ("import sys, megatron_pipette.probe.schedule, megatron_pipette.probe.budget, "
-            "megatron_pipette.probe.document, megatron_pipette.report; "
+            "megatron_pipette.probe.engine, megatron_pipette.probe.fit, megatron_pipette.probe.document, "
+            "megatron_pipette.probe.twin, megatron_pipette.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,62 @@
+"""What the probe needs from the ranks it runs on: the transport interface.
+
+Why an interface: the probe's logic (`probe.engine`: round scheduling, budget
+decisions, what is gathered where) is written once and runs on two transports:
+torch.distributed on the real job (`probe.torch_transport`, one process per
+rank, `ranks` = [its rank]) and the probe twin (`probe.twin`, one process
+playing every rank at once, `ranks` = all of them, message times from a truth
+cluster file). Every method is vectorised over the ranks this process plays, so
+the engine never loops over ranks. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PairTimes:
+    """One round's medians for each rank this process plays (NaN: sat out, or size not timed)."""
+
+    small_s: np.ndarray
+    """One-way small message to the partner, acknowledged by one byte (the sender's time)."""
+    large_s: np.ndarray
+    """One-way large message to the partner, acknowledged."""
+    exchange_medium_s: np.ndarray
+    """Medium message both ways at once with the partner."""
+    exchange_large_s: np.ndarray
+    """Large message both ways at once."""
+    small_wall_s: np.ndarray
+    """Wall time of one repeat of the small part (both directions), this rank's median."""
+    large_wall_s: np.ndarray
+    """Wall time of one repeat of the large part (both directions and both exchanges)."""
+
+
+class Transport(Protocol):
+    """The ranks of one probe. Every call is collective: all ranks make it, in the same order."""
+
+    world_size: int
+    gpus_per_node: int
+    ranks: np.ndarray
+    """The global ranks this process plays."""
+    is_root: bool
+    """True for the process that plays rank 0 (it builds the document)."""
+
+    def elapsed(self) -> float:
+        """Seconds since the probe started (after its first barrier), on this process's clock."""
+
+    def compute(self, gemm_window_s: float, copy_window_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """(GEMM FLOP/s, copy bytes/s) each played rank attains while every rank computes at once."""
+
+    def gather_max(self, slots: np.ndarray, values: np.ndarray, num_slots: int) -> np.ndarray:
+        """(num_slots, m): row s is the element-wise max of every row of `values` (R, m), from all
+        ranks, whose slot is s; -inf where none. Also a barrier."""
+
+    def measure_pairs(self, partner: np.ndarray, *, repeats: int, large: bool, warm_up: bool) -> PairTimes:
+        """Each played rank with partner[i] (global rank, -1 sits out): `warm_up` first exchanges a
+        small message (connection set-up, both partners start together), then `repeats` times the
+        one-way small message each way, and with `large` the one-way large message each way and the
+        medium and large exchanges."""
