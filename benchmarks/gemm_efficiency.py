@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_pipette.spec.hardware import gpu_catalog
@@ -280,17 +281,18 @@ def fit_half_dim(rows: list[dict], reference: dict[str, float]) -> dict[str, dic
     tflops / reference (least squares in log), and the median and worst error it leaves."""
     fits = {}
     for dtype, ref in reference.items():
-        data = [(r["m"], r["n"], r["k"], r["tflops"] / ref) for r in rows if r["dtype"] == dtype and "tflops" in r]
-        if not data:
+        data = np.array([(r["m"], r["n"], r["k"], r["tflops"] / ref) for r in rows
+                         if r["dtype"] == dtype and "tflops" in r], dtype=float).reshape(-1, 4)
+        if not len(data):
             continue
-
-        def errors(c: float) -> list[float]:
-            return [math.log(e) - sum(math.log(x / (x + c)) for x in (m, n, k)) for m, n, k, e in data]
-
-        c = min(range(0, 1025, 4), key=lambda c: sum(x * x for x in errors(c)))
-        err = sorted(abs(math.expm1(x)) for x in errors(c))
-        fits[dtype] = {"half_dim": c, "median_rel_error": round(err[len(err) // 2], 3),
-                       "max_rel_error": round(err[-1], 3), "points": len(data)}
+        dims, measured = data[:, :3], np.log(data[:, 3])
+        grid = np.arange(0, 1025, 4, dtype=float)
+        # errors[c, gemm]: log measured - log modelled efficiency
+        errors = measured[None, :] - np.log(dims[None] / (dims[None] + grid[:, None, None])).sum(axis=2)
+        best = int(np.argmin((errors ** 2).sum(axis=1)))
+        rel = np.abs(np.expm1(errors[best]))
+        fits[dtype] = {"half_dim": int(grid[best]), "median_rel_error": round(float(np.median(rel)), 3),
+                       "max_rel_error": round(float(rel.max()), 3), "points": len(data)}
     return fits
 
 
