@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['backward_s'] * 1e3:>8.3f} {r['backward_tflops_causal']:>9.4g} {r['backward_tflops_full']:>7.4g} "
               f"{r['forward_ratio']:>9.3g} {r['backward_ratio']:>9.3g}")
     left = doc["planned"] - len(doc["rows"])
-    print(f"{len(doc['rows'])} measured in {meta['elapsed_s']} s" + (f", {left} left out by the budget" if left else ""))
+    cut = f", {left} left out by the budget" if left else ""
+    print(f"{len(doc['rows'])} measured in {meta['elapsed_s']} s{cut}")
     return 0
 
 

@@ -18,7 +18,7 @@ wgrad TN: the transposes Megatron's linear layers pass); fp8 with torch._scaled_
 (e4m3 operands, per-tensor scales from amax, bf16 output; the second operand
 column-major, as Transformer Engine's cached transposes give it; fast accumulation
 in forward only, as TE's default recipe). Inputs are random normal. Each distinct
-(m, n, k, layout, dtype) is timed once: one untimed run, one timed run that sets the
+(m, n, k, layout, dtype) is timed once: one untimed run, whose wall time sets the
 repeat count (5 to 30, ~5 ms in all), then the median over the repeats, each between
 CUDA events with the L2 cache flushed before it (the weights never sit in L2 in
 training). Shapes are measured in order of token count 4096, 8192, 2048, 16384 so a
@@ -154,10 +154,13 @@ class Timer:
 
     def measure(self, step: Callable[[Callable[[], None]], object], phases: int = 1, min_reps: int = 5,
                 target_s: float = 0.005, max_reps: int = 30) -> list[float]:
-        """`step(mark)` runs once per repeat and calls mark() before, between and after its phases."""
+        """`step(mark)` runs once per repeat and calls mark() before, between and after its phases.
+        The untimed warm-up's wall time (one-off costs included, so an over-estimate) sets the repeats."""
+        t0 = time.perf_counter()
         step(lambda: None)
-        first = self._run(step, phases, 1)
-        reps = max(min_reps, min(max_reps, int(target_s / max(sum(first[0]), 1e-7))))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        reps = max(min_reps, min(max_reps, int(target_s / (time.perf_counter() - t0))))
         runs = self._run(step, phases, reps)
         return [statistics.median(r[i] for r in runs) for i in range(phases)]
 
