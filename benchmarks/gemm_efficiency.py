@@ -332,12 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file, rewritten as rows come in")
     p.add_argument("--budget-s", type=float, default=180.0, help="stop starting new GEMMs after this long")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                   help="b*s per micro-batch, in measuring order (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ns = p.parse_args(argv)
     start = time.monotonic()
     device = torch.device("cpu" if ns.quick else "cuda")
     hidden, tps, tokens = (QUICK["hidden"], QUICK["tp"], QUICK["tokens"]) if ns.quick else (
-        HIDDEN_SIZES, TP_SIZES, TOKENS)
+        HIDDEN_SIZES, TP_SIZES, tuple(ns.tokens))
     models = layer_models(hidden)
     if ns.quick:
         models = [dataclasses.replace(w, vocab_size=QUICK["vocab"]) for w in models]

@@ -8,7 +8,8 @@
 # Each part runs in its own process under a hard time limit, so one that fails or overruns
 # still leaves the others' results; the whole run keeps inside DEVICE_TOTAL_S (default 510 s).
 # PARTS (default "gemm attention profile") picks parts; GEMM_BUDGET_S, ATTENTION_BUDGET_S
-# and PROFILE_SCALE (multiplies each profile's budget) trade them off.
+# and PROFILE_SCALE (multiplies each profile's budget) trade them off; GEMM_TOKENS (e.g.
+# "2048 16384") picks the GEMM table's token counts, to finish one a first run cut short.
 set -u -o pipefail
 
 START=$(date +%s)
@@ -71,7 +72,7 @@ EOF
     if wants gemm; then
         say "GEMM efficiency table (budget ${GEMM_S} s)"
         step $((GEMM_S + 60)) "$PYTHON" benchmarks/gemm_efficiency.py $QUICK --budget-s "$GEMM_S" \
-            --out "$OUT/gemm_efficiency.json"
+            ${GEMM_TOKENS:+--tokens $GEMM_TOKENS} --out "$OUT/gemm_efficiency.json"
     fi
     if wants attention; then
         say "causal attention (budget ${ATTENTION_S} s)"
