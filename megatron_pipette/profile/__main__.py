@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     m = doc["measurement"]
     print(f"{out}: {len(doc['layers'])} layer entries on {doc['device']['device_name']}, "
-          f"{len(m['measured'])} shapes measured, {len(m['skipped'])} skipped by the budget, {m['elapsed_s']:.1f} s")
+          f"{len(m['measured'])} shapes measured, {len(m['skipped'])} skipped (budget or memory), "
+          f"{m['elapsed_s']:.1f} s")
     return 0
 
 

@@ -10,7 +10,12 @@ all-gather/reduce-scatter) are left out and modelled by the planner.
 The layer spec is Megatron's: Transformer Engine's when it imports, else the local
 spec. Fusions follow Megatron-LM's training defaults (bias-activation and
 bias-dropout-add everywhere; masked softmax and RoPE fusion on a GPU, which
-need CUDA kernels). They matter for memory, not only time: the fused SwiGLU
+need CUDA kernels: the masked softmax only where its Apex kernels import, as
+megatron-core imports them mid-forward and fails without them; RoPE fusion
+with Transformer Engine). The unfused attention's softmax runs in the input
+precision, as Megatron-LM's --attention-softmax-in-fp32 defaults to off
+(TransformerConfig's own default is on, which would save an fp32 copy of the
+scores). They matter for memory, not only time: the fused SwiGLU
 saves its input and recomputes the activation in backward, the unfused one
 keeps three more ffn-wide tensors. On a CPU the runtime runs these
 torch.compile'd functions eagerly (profile.runtime), so the saved tensors are
@@ -20,6 +25,7 @@ off: it accumulates into DDP's `main_grad`, which a bare module has not got.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +44,14 @@ SEQUENCE_SHARDED_MODULES = frozenset({
     "", "layers.0", "layers.0.input_layernorm", "layers.0.pre_mlp_layernorm",
     "layers.0.self_attention.linear_qkv", "layers.0.mlp.linear_fc1",
 })
+
+
+def fused_softmax(device: torch.device) -> bool:
+    """Whether Megatron's masked-softmax fusion can run: on a GPU with the CUDA kernels
+    (Apex, or Megatron-LM's own build) its FusedScaleMaskSoftmax imports when it picks them."""
+    return device.type == "cuda" and all(
+        importlib.util.find_spec(m) is not None
+        for m in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
 
 
 def have_transformer_engine() -> bool:
@@ -98,7 +112,8 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
         tensor_model_parallel_size=1, sequence_parallel=False,
         use_cpu_initialization=device.type == "cpu",
         bias_activation_fusion=workload.swiglu or workload.add_bias_linear,  # Megatron-LM's rule
-        bias_dropout_fusion=True, masked_softmax_fusion=cuda,
+        bias_dropout_fusion=True, masked_softmax_fusion=fused_softmax(device),
+        attention_softmax_in_fp32=False,
         apply_rope_fusion=cuda and te and workload.position_embedding_type == "rope",
         gradient_accumulation_fusion=False,
         attention_backend=AttnBackend[workload.attention_backend] if te else AttnBackend.local,

@@ -37,9 +37,11 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
     and the others interpolated ("measured": false). Shapes are measured most useful
     first (profile.shapes.plan_shapes) and skipped once `budget_s` (wall seconds)
     would be exceeded by the estimated cost of the next one; the first layer shape is
-    always measured. The budget clock starts once megatron-core is imported and the
-    process groups are up (a few seconds, recorded as "setup_s"). `rank` is the
-    device's rank in the cluster file (default: this process's torch.distributed rank).
+    always measured. A shape that runs out of device memory is skipped too ("out of
+    memory"), so one too large does not lose the others. The budget clock starts once
+    megatron-core is imported and the process groups are up (a few seconds, recorded
+    as "setup_s"). `rank` is the device's rank in the cluster file (default: this
+    process's torch.distributed rank).
     """
     _check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters)
     dev = resolve_device(device)
@@ -56,7 +58,12 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
             if have_layer and estimate is not None and time.perf_counter() - start + estimate > budget_s:
                 skipped.append({**shape.describe(), "reason": f"budget (estimated {estimate:.2f} s)"})
                 continue
-            results.append(_measure(workload, shape, env, te, warmup, iters))
+            try:
+                results.append(_measure(workload, shape, env, te, warmup, iters))
+            except torch.OutOfMemoryError:
+                # The device's memory, not the budget, ends this shape; the others may still fit.
+                skipped.append({**shape.describe(), "reason": "out of memory"})
+                torch.cuda.empty_cache()
         elapsed = time.perf_counter() - start
         record = {**device_record(dev, env.rank if rank is None else rank), **reference}
     return {
@@ -74,6 +81,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
                                      micro_batch_sizes=micro_batch_sizes),
         "measurement": {
             "layer_spec": "transformer_engine" if te else "local",
+            "masked_softmax_fusion": build.fused_softmax(dev),
             "torch": torch.__version__, "megatron_core": _megatron_version(),
             "timing": "cuda events" if dev.type == "cuda" else "perf_counter",
             "activation_bytes": "saved-tensor hooks, distinct storages, parameters and shared inputs excluded",

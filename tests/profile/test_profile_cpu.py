@@ -153,6 +153,35 @@ def test_profiling_leaves_the_process_as_it_found_it():
     assert (tp_random._CUDA_RNG_STATE_TRACKER, tp_random._get_cuda_rng_state) == before[1:]
 
 
+
+def test_a_shape_out_of_device_memory_is_skipped_and_the_rest_measured(monkeypatch):
+    from megatron_pipette.profile import profiler
+
+    measure = profiler._measure
+
+    def small_only(workload, shape, *args):
+        if shape.micro_batch_size > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return measure(workload, shape, *args)
+
+    monkeypatch.setattr(profiler, "_measure", small_only)
+    doc = profile_layers(WORKLOAD, tp_sizes=(1,), micro_batch_sizes=(1, 2), recompute=(None,),
+                         sequence_parallel=(False,), device="cpu", warmup=0, iters=1)
+    m = doc["measurement"]
+    assert {s["micro_batch_size"] for s in m["measured"]} == {1}
+    assert {s["reason"] for s in m["skipped"]} == {"out of memory"} and len(m["skipped"]) == 3
+
+
+def test_gpu_config_runs_softmax_as_megatron_lm_does_without_its_fused_kernels():
+    """A GPU without Apex has no masked-softmax kernels: megatron-core would import them
+    mid-forward and fail. Softmax stays in bf16 (Megatron-LM's --attention-softmax-in-fp32 is off)."""
+    from megatron_pipette.profile import build
+
+    bf16 = dataclasses.replace(WORKLOAD, precision="bf16")
+    config = build.layer_config(bf16, 1, None, torch.device("cuda", 0), te=False)
+    assert not config.masked_softmax_fusion and not config.attention_softmax_in_fp32
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"tp_sizes": (3,)}, "--tp 3: --num-attention-heads 4 is not divisible"),
     ({"micro_batch_sizes": (0,)}, "--mbs must be positive"),
