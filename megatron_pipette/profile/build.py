@@ -131,8 +131,9 @@ def layer_step(workload: Workload, tp: int, mbs: int, recompute: str | None, env
     config = layer_config(workload, tp, recompute, device, te)
     spec = (get_gpt_layer_with_transformer_engine_spec() if te
             else get_gpt_layer_local_spec(normalization=workload.normalization))
+    # Megatron's Float16Module casts every parameter (the torch norms' too) to the training dtype.
     block = TransformerBlock(config, spec, pre_process=True, post_process=False,
-                             pg_collection=env.pg_collection).to(device).train()
+                             pg_collection=env.pg_collection).to(device=device, dtype=dtype).train()
     x = torch.randn(s, mbs, workload.hidden_size, device=device, dtype=dtype, requires_grad=True)
     shared: list[torch.Tensor] = []
     # The local spec's unfused attention needs the causal mask GPTModel gets from the data
@@ -155,15 +156,15 @@ def embedding_step(workload: Workload, tp: int, mbs: int, env: Any, te: bool) ->
     """Word (vocab/TP rows) and position embeddings with dropout, as GPTModel's pre-process."""
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 
-    device, s = env.device, workload.seq_length
+    device, dtype, s = env.device, DTYPES[workload.precision], workload.seq_length
     config = layer_config(workload, tp, None, device, te)
     rows = workload.padded_vocab_size(tp) // tp
     embedding = LanguageModelEmbedding(config=config, vocab_size=rows, max_sequence_length=workload.max_positions,
                                        position_embedding_type=workload.position_embedding_type,
-                                       tp_group=env.pg_collection.tp).to(device).train()
+                                       tp_group=env.pg_collection.tp).to(device=device, dtype=dtype).train()
     ids = torch.randint(0, rows, (mbs, s), device=device)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(mbs, s)
-    grad = torch.randn(s, mbs, workload.hidden_size, device=device, dtype=DTYPES[workload.precision])
+    grad = torch.randn(s, mbs, workload.hidden_size, device=device, dtype=dtype)
 
     def forward() -> torch.Tensor:
         return embedding(input_ids=ids, position_ids=positions)
@@ -190,7 +191,7 @@ def output_step(workload: Workload, tp: int, mbs: int, env: Any, te: bool) -> St
     module.output_layer = tensor_parallel.ColumnParallelLinear(
         h, cols, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
         gather_output=False, tp_group=env.pg_collection.tp)
-    module.to(device).train()
+    module.to(device=device, dtype=DTYPES[workload.precision]).train()
     x = torch.randn(s, mbs, h, device=device, dtype=DTYPES[workload.precision], requires_grad=True)
     labels = torch.randint(0, cols, (s, mbs), device=device)
 
