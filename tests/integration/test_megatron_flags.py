@@ -16,6 +16,10 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture(scope="module")
 def megatron_parser() -> argparse.ArgumentParser:
+    return build_megatron_parser()
+
+
+def build_megatron_parser() -> argparse.ArgumentParser:
     """Megatron's own argument parser, with the groups it adds only when an extension is installed
     (kitchen quantization), without process groups or the --auto-parallel flags."""
     kitchen = types.ModuleType("megatron.core.extensions.kitchen")
@@ -77,3 +81,10 @@ def test_megatrons_parsed_command_lines(megatron_parser):
                                        "--position-embedding-type", "yarn", "--no-overlap-p2p-communication"])
     assert [r.flag for r in refusals(vars(args))] == [
         "--position-embedding-type", "--no-overlap-p2p-communication", "--num-experts"]
+
+
+def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
+    """Some defaults are read when the parser is built (--inprocess-active-world-size: WORLD_SIZE)."""
+    for name, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    assert refusals(vars(build_megatron_parser().parse_args([]))) == []
