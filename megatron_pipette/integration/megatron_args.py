@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.megatron_flags import refusals
+from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
 LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
@@ -47,9 +47,7 @@ def workload_from_args(args: Any) -> Workload:
     """The planner's Workload for the model Megatron was asked to train. Raises PipetteError naming
     every argument set to something the planner cannot price (spec/megatron_flags.py): planning
     such a job would be silently wrong."""
-    refused = refusals(vars(args))
-    if refused:
-        raise PipetteError("; ".join(map(str, refused)))
+    check_priced(vars(args))
     if args.global_batch_size is None:
         raise PipetteError("--auto-parallel needs an explicit --global-batch-size "
                            "(the planner chooses the data-parallel size, which Megatron's default depends on)")

@@ -18,6 +18,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.workload import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDINGS, megatron_flag
 
 ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
@@ -98,3 +99,10 @@ def refusals(values: Mapping[str, Any]) -> list[Refusal]:
             verb = "is" if len(allowed) == 1 else "are"
             found.append(Refusal(table.flag(name), value, f"only {', '.join(allowed)} {verb} modelled"))
     return found
+
+
+def check_priced(values: Mapping[str, Any]) -> None:
+    """Raise PipetteError naming every refusal among `values` (see refusals)."""
+    refused = refusals(values)
+    if refused:
+        raise PipetteError("; ".join(map(str, refused)))

@@ -5,7 +5,8 @@ import enum
 
 import pytest
 
-from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, flag_table, refusals
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, check_priced, flag_table, refusals
 
 
 def megatron_defaults(**values) -> argparse.Namespace:
@@ -64,6 +65,10 @@ def test_enum_values_count_by_name():
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
     assert len(refused(num_experts=8, context_parallel_size=2, fp8="e4m3")) == 3
     assert refusals({"num_experts": 8}) and not refusals({"save": "/ckpt", "auto_parallel": True})
+    with pytest.raises(PipetteError, match="^--num-experts 8: mixture-of-experts is not modelled yet; "
+                                           "--context-parallel-size 2: context parallelism is not modelled yet$"):
+        check_priced({"num_experts": 8, "context_parallel_size": 2, "lr": 0.1})
+    check_priced({"num_experts": None, "lr": 0.1})
 
 
 def test_value_checked_arguments_are_in_the_table():
