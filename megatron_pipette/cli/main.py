@@ -16,8 +16,8 @@ import sys
 from megatron_pipette import __version__
 from megatron_pipette.cli import render
 from megatron_pipette.cli.args import (DEFAULT_MODEL, add_cluster_flags, add_layout_flags, add_workload_flags,
-                                       cluster_from_args, layout_constraints, profile_from_args, read_json,
-                                       workload_from_args)
+                                       check_megatron_flags, cluster_from_args, layout_constraints,
+                                       profile_from_args, read_json, split_megatron_flags, workload_from_args)
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.document import estimate_json, plan_json
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
@@ -114,8 +114,13 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, leftovers = parser.parse_known_args(argv)
+    megatron, unknown = split_megatron_flags(leftovers) if ns.command != "show" else ({}, leftovers)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        check_megatron_flags(megatron)
         return {"plan": cmd_plan, "estimate": cmd_estimate, "show": cmd_show}[ns.command](ns)
     except PipetteError as e:
         print(f"pipette {ns.command}: error: {e}", file=sys.stderr)
