@@ -5,7 +5,7 @@ class: *modelled* (a Workload or Layout field, or read to build one), *refused* 
 anything but Megatron's own default, with the reason (it changes time or memory per iteration
 in a way the cost model does not describe: mixture-of-experts, context parallelism, FP8, ...),
 or *neutral* (logging, paths, seeds, learning-rate schedule, ...). A few arguments are modelled
-for some values only (ALLOWED_VALUES). tests/integration/test_megatron_flags.py holds the table
+for some values only (ALLOWED_VALUES). tests/integration/test_megatron_parser.py holds the table
 against Megatron's own parser, so a new Megatron release cannot add a flag unnoticed.
 """
 
