@@ -116,23 +116,22 @@ def workload_from_args(ns: argparse.Namespace, default_model: str | None,
 
 def split_megatron_flags(leftovers: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """Argparse's leftover words as Megatron flags (argument name -> the words after the flag, or
-    its `=value`) and the words that are no Megatron flag."""
+    its `=value`) and the words that are not Megatron flags."""
     by_option = {option: name for name, options in flag_table().options.items() for option in options}
     given: dict[str, list[str]] = {}
     unknown, current = [], None
     for word in leftovers:
+        if not word.startswith("--"):
+            (unknown if current is None else given[current]).append(word)
+            continue
         option, is_pair, value = word.partition("=")
-        if word.startswith("--"):
-            current = by_option.get(option)
-            if current is None:
-                unknown.append(word)
-            else:
-                given[current] = [value] if is_pair else []
-                current = None if is_pair else current
-        elif current is not None:
-            given[current].append(word)
-        else:
+        current = by_option.get(option)
+        if current is None:
             unknown.append(word)
+        elif is_pair:
+            given[current], current = [value], None
+        else:
+            given[current] = []
     return given, unknown
 
 

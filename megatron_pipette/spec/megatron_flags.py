@@ -52,9 +52,10 @@ class Refusal:
     def __str__(self) -> str:
         """`--num-experts 64: mixture-of-experts is not modelled yet` (a switch without its value)."""
         value = getattr(self.value, "name", self.value)
-        shown = "" if isinstance(value, bool) else " " + (" ".join(map(str, value)) if isinstance(value, list)
-                                                          else str(value))
-        return f"{self.flag}{shown}: {self.reason}"
+        if isinstance(value, bool):
+            return f"{self.flag}: {self.reason}"
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        return f"{self.flag} {shown}: {self.reason}"
 
 
 @dataclass(frozen=True)
