@@ -3,7 +3,9 @@
 Every Workload and Layout field becomes the Megatron flag of the same name
 (`hidden_size` -> `--hidden-size`). Flags the user did not type are absent
 from the parsed namespace (argparse.SUPPRESS), which is how the planner tells
-a constraint from a default.
+a constraint from a default. Megatron's other flags, left over by argparse,
+are judged by spec/megatron_flags.py: neutral ones are ignored, so a launch
+line can be pasted; one the planner cannot price is an error naming it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_clus
 from megatron_pipette.spec.layer_profile import (LayerProfile, check_profile_device, check_profile_matches,
                                                   profile_from_json)
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.megatron_flags import check_priced, flag_table
 from megatron_pipette.spec.workload import (Workload, megatron_flag, model_presets, workload_fields,
                                              workload_from_preset)
 
@@ -109,6 +112,52 @@ def workload_from_args(ns: argparse.Namespace, default_model: str | None,
             return Workload(**{**fallbacks, **given})
         model = default_model
     return workload_from_preset(model, **given)
+
+
+def split_megatron_flags(leftovers: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """Argparse's leftover words as Megatron flags (argument name -> the words after the flag, or
+    its `=value`) and the words that are not Megatron flags."""
+    by_option = {option: name for name, options in flag_table().options.items() for option in options}
+    given: dict[str, list[str]] = {}
+    unknown, current = [], None
+    for word in leftovers:
+        if not word.startswith("--"):
+            (unknown if current is None else given[current]).append(word)
+            continue
+        option, is_pair, value = word.partition("=")
+        current = by_option.get(option)
+        if current is None:
+            unknown.append(word)
+        elif is_pair:
+            given[current], current = [value], None
+        else:
+            given[current] = []
+    return given, unknown
+
+
+def _megatron_value(words: list[str], default: object) -> object:
+    """What Megatron would parse from the words after a flag, judged by its default: a switch
+    changes the default, numbers compare as numbers, anything else as text."""
+    if not words:
+        return not default if isinstance(default, bool) else True
+    sample = default[0] if isinstance(default, list) and default else default
+    kind = type(sample) if isinstance(sample, int | float) and not isinstance(sample, bool) else str
+    try:
+        values = [kind(w) for w in words]
+    except ValueError:
+        values = list(words)
+    return values if isinstance(default, list) or len(values) > 1 else values[0]
+
+
+def check_megatron_flags(given: dict[str, list[str]]) -> None:
+    """Raise PipetteError naming the Megatron flags the planner cannot price, and any that describe
+    the model but have no pipette flag (the plan would silently ignore them)."""
+    table = flag_table()
+    unused = [table.flag(name) for name in given if name in table.modelled]
+    if unused:
+        raise PipetteError(f"{', '.join(unused)}: not a pipette flag; pipette plans from the model flags in --help")
+    check_priced({name: _megatron_value(words, table.refused[name].default if name in table.refused else None)
+                  for name, words in given.items()})
 
 
 def layout_constraints(ns: argparse.Namespace) -> dict:

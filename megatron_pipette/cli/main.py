@@ -19,8 +19,8 @@ import time as time_module
 from megatron_pipette import __version__
 from megatron_pipette.cli import render
 from megatron_pipette.cli.args import (DEFAULT_MODEL, add_cluster_flags, add_layout_flags, add_workload_flags,
-                                       cluster_from_args, layout_constraints, profile_from_args, read_json,
-                                       workload_from_args)
+                                       check_megatron_flags, cluster_from_args, layout_constraints,
+                                       profile_from_args, read_json, split_megatron_flags, workload_from_args)
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.files import write_cluster_file
 from megatron_pipette.plan.document import chosen_from_json, estimate_json, plan_json
@@ -195,8 +195,14 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, leftovers = parser.parse_known_args(argv)
+    megatron, unknown = (split_megatron_flags(leftovers) if ns.command in ("plan", "estimate")
+                         else ({}, leftovers))
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        check_megatron_flags(megatron)
         return {"plan": cmd_plan, "estimate": cmd_estimate, "show": cmd_show,
                 "probe-sim": cmd_probe_sim}[ns.command](ns)
     except PipetteError as e:

@@ -220,7 +220,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         digest = hashlib.sha256(json.dumps(doc["candidates"][0], sort_keys=True).encode()).hexdigest()
         status = f"ok:{digest}"
     except Exception as e:  # any failure falls back (or stops) on every rank, together
-        doc, status = None, f"failed:{type(e).__name__}: {e}".replace("\n", " ")[:500]
+        why = str(e) if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
+        doc, status = None, f"failed:{why}".replace("\n", " ")[:500]
     if phases.elapsed() > opts.auto_parallel_budget_s:
         status = f"failed:budget of {opts.auto_parallel_budget_s:g} s exceeded ({phases.elapsed():.0f} s)"
     # Peers stuck in a collective with a failed rank give up after probe_timeout; wait longer.

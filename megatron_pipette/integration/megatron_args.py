@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
 LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
@@ -24,8 +25,6 @@ LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout
 # Megatron has one flag per direction of a switch; both pin the field.
 NEGATED_FLAGS = {"--no-overlap-grad-reduce": "overlap_grad_reduce",
                  "--no-overlap-param-gather": "overlap_param_gather"}
-# Megatron's other ways of asking for a virtual pipeline; the plan sets its own.
-VIRTUAL_PIPELINE_FIELDS = ("num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout")
 
 
 def typed_flags(argv: Sequence[str]) -> set[str]:
@@ -45,7 +44,10 @@ def _enum_name(value: Any) -> str:
 
 
 def workload_from_args(args: Any) -> Workload:
-    """The planner's Workload for the model Megatron was asked to train."""
+    """The planner's Workload for the model Megatron was asked to train. Raises PipetteError naming
+    every argument set to something the planner cannot price (spec/megatron_flags.py): planning
+    such a job would be silently wrong."""
+    check_priced(vars(args))
     if args.global_batch_size is None:
         raise PipetteError("--auto-parallel needs an explicit --global-batch-size "
                            "(the planner chooses the data-parallel size, which Megatron's default depends on)")
@@ -53,7 +55,6 @@ def workload_from_args(args: Any) -> Workload:
     if args.vocab_size is None and getattr(args, "padded_vocab_size", None) is None:
         raise PipetteError("--auto-parallel needs the vocabulary size: pass --vocab-size "
                            "(the tokenizer is built only after the layout is chosen)")
-    backend = _enum_name(getattr(args, "attention_backend", "auto"))
     return Workload(
         name="the model of these Megatron flags",
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -64,14 +65,10 @@ def workload_from_args(args: Any) -> Workload:
         swiglu=bool(args.swiglu), vocab_size=args.vocab_size or args.padded_vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
-        position_embedding_type=args.position_embedding_type
-        if args.position_embedding_type in ("learned_absolute", "rope", "none") else "rope",
-        max_position_embeddings=args.max_position_embeddings,
-        normalization=args.normalization if args.normalization in ("LayerNorm", "RMSNorm") else "LayerNorm",
-        add_bias_linear=bool(args.add_bias_linear), attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
-        attention_backend=backend if backend in ("auto", "flash", "fused", "unfused", "local") else "auto",
-        precision=precision)
+        position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
+        normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision)
 
 
 def layout_from_args(args: Any, world_size: int) -> Layout:
@@ -82,7 +79,8 @@ def layout_from_args(args: Any, world_size: int) -> Layout:
             value = getattr(args, f.name, f.default)
             values[f.name] = bool(value) if isinstance(f.default, bool) else value
     tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
-    return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp)))
+    cp = getattr(args, "context_parallel_size", 1)  # refused for planning, but Megatron divides by it
+    return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp * cp)))
 
 
 def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
@@ -125,9 +123,6 @@ def apply_layout(args: Any, layout: Layout) -> None:
     for field in dataclasses.fields(Layout):
         if field.name != "data_parallel_size":
             setattr(args, field.name, getattr(layout, field.name))
-    for name in VIRTUAL_PIPELINE_FIELDS:
-        if hasattr(args, name):
-            setattr(args, name, None)
     # recompute_num_layers has a Megatron default of 1 only meaningful with full recompute.
     if layout.recompute_granularity != "full":
         args.recompute_method = None
@@ -136,8 +131,6 @@ def apply_layout(args: Any, layout: Layout) -> None:
 def make_resumable_across_layouts(args: Any) -> None:
     """Checkpoints that another layout can load: distributed checkpoints, and optimizer
     state saved fully reshardable (the default dp_reshardable cannot change TP or PP)."""
-    if getattr(args, "use_checkpoint_args", False):
-        raise PipetteError("--use-checkpoint-args would override the planned layout; drop it with --auto-parallel")
     args.ckpt_format = "torch_dist"
     if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
         args.dist_ckpt_optim_fully_reshardable = True

@@ -68,6 +68,52 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--num-experts", "8"], "--num-experts 8: mixture-of-experts is not modelled yet"),
+    (["plan", "--num-experts=8"], "--num-experts 8: mixture-of-experts is not modelled yet"),
+    (["estimate", *SMALL, "--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not"),
+    (["plan", "--tp-comm-overlap"], "--tp-comm-overlap: overlapping tensor-parallel communication"),
+    (["plan", "--no-overlap-p2p-communication"], "--no-overlap-p2p-communication: the model prices Megatron's"),
+    (["plan", "--cp-comm-type", "a2a", "p2p"], "--cp-comm-type a2a p2p: context parallelism"),
+    (["plan", "--moe-aux-loss-coeff", "1e-2"], "--moe-aux-loss-coeff 0.01: mixture-of-experts"),
+    (["plan", "--optimizer", "sgd"], "--optimizer sgd: only adam is modelled"),
+    (["plan", "--position-embedding-type", "yarn"], "--position-embedding-type must be one of"),
+    (["plan", "--padded-vocab-size", "50304"], "--padded-vocab-size: not a pipette flag"),
+])
+def test_megatron_flags_the_planner_cannot_price_are_one_line_errors(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.startswith(f"pipette {argv[0]}: error: {message}") and out == ""
+    assert err.count("\n") == 1, err
+
+
+def test_a_pasted_launch_line_plans_as_its_model_flags(capsys):
+    launch = ["--context-parallel-size", "1", "--moe-router-topk", "2", "--lr", "1e-4", "--adam-eps", "-1e-8",
+              "--save=/ckpt", "--transformer-impl", "local", "--no-masked-softmax-fusion", "--optimizer", "adam"]
+    code, out, err = run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2", *launch)
+    assert code == 0 and err == ""
+    assert (code, out) == run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2")[:2]
+
+
+@pytest.mark.parametrize("argv", [["plan", "--not-a-flag", "3"], ["plan", "--num-experts=8", "stray"],
+                                  ["show", "c.json", "--lr", "1e-4"]])
+def test_flags_neither_pipette_nor_megatron_get_argparses_error(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "unrecognized arguments: " in capsys.readouterr().err
+
+
+def test_every_modelled_megatron_flag_is_a_pipette_flag_or_refused_by_it():
+    from megatron_pipette.cli.main import build_parser
+    from megatron_pipette.spec.megatron_flags import flag_table
+
+    table = flag_table()
+    for command in ("plan", "estimate"):
+        parser = build_parser()._subparsers._group_actions[0].choices[command]
+        options = {o for action in parser._actions for o in action.option_strings}
+        megatron = {name for name, names in table.options.items() if options & set(names)}
+        assert megatron <= table.modelled and table.modelled - megatron == {"padded_vocab_size"}
+
+
 def test_bad_cluster_file(capsys, tmp_path):
     bad = tmp_path / "c.json"
     bad.write_text("{not json")

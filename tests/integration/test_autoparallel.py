@@ -131,6 +131,23 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
 
 
 @pytest.mark.torchrun
+def test_a_flag_the_planner_cannot_price_falls_back_or_stops(run_torchrun, tmp_path: Path) -> None:
+    """--num-experts is not modelled: before any probe, every rank keeps the user's flags with one
+    warning naming the flag, or, under --auto-parallel-strict, every rank stops."""
+    args = [*TINY, "--num-experts", "4", "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path)]
+    out = run_torchrun(WORKER, args, nproc=2, timeout=180)
+    reason = "rank 0,1: --num-experts 4: mixture-of-experts is not modelled yet"
+    assert f"> auto-parallel: WARNING: planning failed ({reason}); training with the flags as given: " \
+           "tp1 pp1 dp2 mbs1\n" in out, out[-3000:]
+    assert out.count("WARNING: planning failed") == 1 and "probed" not in out
+    got = groups_of(out)
+    assert sorted(got) == [0, 1] and all(r["layout"] == [1, 1, 2] and r["rank"] == p for p, r in got.items())
+    stopped = run_torchrun(WORKER, [*args, "--auto-parallel-strict"], nproc=2, timeout=180, expect_failure=True)
+    assert stopped.count(f"auto-parallel failed (--auto-parallel-strict): {reason}") == 2, stopped[-3000:]
+    assert "GROUPS" not in stopped
+
+
+@pytest.mark.torchrun
 def test_elastic_restart_plans_again_under_fresh_prefixes(run_bounded, tmp_path: Path, monkeypatch) -> None:
     """torchrun restarts the worker group after a crash: the hook starts over on the same store under
     new prefixes, finds the plan cached for this allocation, and every process gets its groups again."""

@@ -18,7 +18,7 @@ def megatron_namespace(**kw):
                 max_position_embeddings=64, normalization="LayerNorm", add_bias_linear=True,
                 attention_dropout=0.1, hidden_dropout=0.1, attention_backend="auto", bf16=True, fp16=False,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, micro_batch_size=1,
-                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=2,
+                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
                 sequence_parallel=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
@@ -40,6 +40,24 @@ def test_sequence_parallel_is_ruled_out_without_te_or_apex(monkeypatch):
         "tensor_model_parallel_size": 2, "sequence_parallel": False}
 
 
+def test_workload_refuses_what_the_planner_cannot_price():
+    with pytest.raises(PipetteError, match=r"^--num-experts 64: mixture-of-experts is not modelled yet$"):
+        ma.workload_from_args(megatron_namespace(num_experts=64))
+    with pytest.raises(PipetteError) as every:
+        ma.workload_from_args(megatron_namespace(context_parallel_size=2, use_checkpoint_args=True))
+    assert sorted(str(every.value).split("; ")) == [
+        "--context-parallel-size 2: context parallelism is not modelled yet",
+        "--use-checkpoint-args: the checkpoint's arguments would replace the planned ones"]
+    assert ma.workload_from_args(megatron_namespace(num_experts=None, context_parallel_size=1)).num_layers == 4
+
+
+@pytest.mark.parametrize("field, value", [("position_embedding_type", "yarn"), ("normalization", "GroupNorm"),
+                                          ("attention_backend", "sparse")])
+def test_workload_refuses_values_it_does_not_know(field, value):
+    with pytest.raises(PipetteError, match=f"^--{field.replace('_', '-')} {value}: only "):
+        ma.workload_from_args(megatron_namespace(**{field: value}))
+
+
 def test_workload_needs_global_batch_and_vocab():
     assert ma.workload_from_args(megatron_namespace()).precision == "bf16"
     with pytest.raises(PipetteError, match="--global-batch-size"):
@@ -54,8 +72,12 @@ def test_apply_layout_rewrites_megatrons_args():
                     micro_batch_size=4, num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True)
     ma.apply_layout(args, layout)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == (2, 2, 4)
-    assert args.num_layers_per_virtual_pipeline_stage == 1 and args.num_virtual_stages_per_pipeline_rank is None
+    assert args.num_layers_per_virtual_pipeline_stage == 1
     assert args.use_distributed_optimizer and ma.layout_from_args(args, 4) == layout
+
+
+def test_the_fallback_layout_has_megatrons_data_parallel_size():
+    assert ma.layout_from_args(megatron_namespace(context_parallel_size=2), 8).describe() == "tp1 pp1 dp4 mbs1"
 
 
 def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
@@ -66,5 +88,3 @@ def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
     assert ma.checkpoint_constraints(args) == {"use_distributed_optimizer": True}
     ma.make_resumable_across_layouts(args)
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
-    with pytest.raises(PipetteError, match="--use-checkpoint-args"):
-        ma.make_resumable_across_layouts(megatron_namespace(use_checkpoint_args=True))

@@ -1,0 +1,90 @@
+"""data/megatron_flags.json against the parser of the pinned Megatron-LM: every argument it parses
+is classified exactly once, and the table names nothing Megatron does not parse. A new Megatron
+release that adds an argument fails here until someone decides what the planner makes of it."""
+
+import argparse
+import sys
+import types
+
+import pytest
+
+from megatron_pipette.integration.options import add_auto_parallel_args
+from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, flag_table, refusals
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module")
+def megatron_parser() -> argparse.ArgumentParser:
+    return build_megatron_parser()
+
+
+def build_megatron_parser() -> argparse.ArgumentParser:
+    """Megatron's own argument parser, with the groups it adds only when an extension is installed
+    (kitchen quantization), without process groups or the --auto-parallel flags."""
+    kitchen = types.ModuleType("megatron.core.extensions.kitchen")
+    kitchen.HAVE_KITCHEN, kitchen.KitchenSpecProvider = True, object
+    saved = sys.modules.get(kitchen.__name__)
+    sys.modules[kitchen.__name__] = kitchen
+    try:
+        from megatron.training import arguments
+
+        add = getattr(arguments.add_megatron_arguments, "__wrapped__", arguments.add_megatron_arguments)
+        parser = add(argparse.ArgumentParser(allow_abbrev=False))
+    finally:
+        if saved is None:
+            del sys.modules[kitchen.__name__]
+        else:
+            sys.modules[kitchen.__name__] = saved
+    ours = {a.dest for a in add_auto_parallel_args(argparse.ArgumentParser(add_help=False))._actions}
+    assert not ours & {a.dest for a in parser._actions}, "the --auto-parallel flags leaked into Megatron's parser"
+    return parser
+
+
+def options_by_name(parser: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:
+    options: dict[str, tuple[str, ...]] = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            options[action.dest] = options.get(action.dest, ()) + tuple(action.option_strings)
+    return options
+
+
+def test_every_megatron_argument_is_classified_once(megatron_parser):
+    table = flag_table()
+    parsed = set(options_by_name(megatron_parser))
+    unclassified = parsed - table.modelled - table.neutral - set(table.refused)
+    assert not unclassified, f"Megatron arguments missing from data/megatron_flags.json: {sorted(unclassified)}"
+    stale = (table.modelled | table.neutral | set(table.refused)) - parsed
+    assert not stale, f"data/megatron_flags.json names arguments Megatron does not parse: {sorted(stale)}"
+
+
+def test_the_table_has_megatrons_options_and_defaults(megatron_parser):
+    table = flag_table()
+    assert {n: set(o) for n, o in options_by_name(megatron_parser).items()} == \
+        {n: set(o) for n, o in table.options.items()}
+    assert all(table.flag(n) in o for n, o in options_by_name(megatron_parser).items())
+    defaults = vars(megatron_parser.parse_args([]))
+    wrong = {n: (r.default, defaults[n]) for n, r in table.refused.items() if r.default != defaults[n]}
+    assert not wrong, f"refused arguments whose default is not Megatron's: {wrong}"
+
+
+def test_allowed_values_are_megatrons(megatron_parser):
+    choices = {a.dest: a.choices for a in megatron_parser._actions if a.dest in ALLOWED_VALUES}
+    for name, allowed in ALLOWED_VALUES.items():
+        if choices[name] is not None:
+            assert set(allowed) <= {getattr(c, "name", c) for c in choices[name]}, name
+
+
+def test_megatrons_parsed_command_lines(megatron_parser):
+    assert refusals(vars(megatron_parser.parse_args([]))) == []
+    args = megatron_parser.parse_args(["--num-experts", "64", "--context-parallel-size", "1", "--lr", "3e-4",
+                                       "--position-embedding-type", "yarn", "--no-overlap-p2p-communication"])
+    assert [r.flag for r in refusals(vars(args))] == [
+        "--position-embedding-type", "--no-overlap-p2p-communication", "--num-experts"]
+
+
+def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
+    """Some defaults are read when the parser is built (--inprocess-active-world-size: WORLD_SIZE)."""
+    for name, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    assert refusals(vars(build_megatron_parser().parse_args([]))) == []

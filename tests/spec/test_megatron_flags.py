@@ -1,0 +1,76 @@
+"""The table of Megatron's arguments and the check on a parsed namespace (no torch)."""
+
+import argparse
+import enum
+
+import pytest
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, check_priced, flag_table, refusals
+
+
+def megatron_defaults(**values) -> argparse.Namespace:
+    """A namespace like Megatron's parsed args: every refused argument at Megatron's default,
+    the value-checked ones at Megatron's defaults, then `values`."""
+    defaults = {name: refused.default for name, refused in flag_table().refused.items()}
+    defaults.update(position_embedding_type="learned_absolute", normalization="LayerNorm",
+                    attention_backend="auto", transformer_impl="transformer_engine", optimizer="adam",
+                    rerun_mode="validate_results", num_layers=24, lr=1e-4, seed=1234)
+    return argparse.Namespace(**{**defaults, **values})
+
+
+def refused(**values) -> list[str]:
+    return [str(r) for r in refusals(vars(megatron_defaults(**values)))]
+
+
+def test_megatron_defaults_are_never_refused():
+    assert refused() == []
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"num_experts": 8}, "--num-experts 8: mixture-of-experts is not modelled yet"),
+    ({"context_parallel_size": 2}, "--context-parallel-size 2: context parallelism is not modelled yet"),
+    ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size 4: mixture-of-experts"),
+    ({"fp8": "hybrid"}, "--fp8-format hybrid: FP8/FP4 training is not modelled"),
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap: overlapping tensor-parallel communication"),
+    ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
+    ({"cp_comm_type": ["a2a"]}, "--cp-comm-type a2a: context parallelism"),
+    ({"multi_latent_attention": True}, "--multi-latent-attention: multi-latent attention is not modelled yet"),
+    ({"position_embedding_type": "yarn"}, "--position-embedding-type yarn: only learned_absolute, rope, none"),
+    ({"normalization": "GroupNorm"}, "--normalization GroupNorm: only LayerNorm, RMSNorm are modelled"),
+    ({"transformer_impl": "inference_optimized"}, "--transformer-impl inference_optimized: only"),
+    ({"optimizer": "sgd"}, "--optimizer sgd: only adam is modelled"),
+])
+def test_refused_values_name_flag_value_and_reason(values, message):
+    (got,) = refused(**values)
+    assert got.startswith(message), got
+
+
+@pytest.mark.parametrize("values", [
+    {"num_experts": None}, {"context_parallel_size": 1}, {"cp_comm_type": ["p2p"]}, {"moe_router_topk": 2},
+    {"position_embedding_type": "rope"}, {"normalization": "RMSNorm"}, {"transformer_impl": "local"},
+    {"lr": 3e-4, "seed": 7, "num_layers": 96},
+])
+def test_defaults_and_modelled_values_are_accepted(values):
+    assert refused(**values) == []
+
+
+def test_enum_values_count_by_name():
+    backend = enum.Enum("AttnBackend", "flash fused unfused local auto sparse")
+    assert refused(attention_backend=backend.flash) == []
+    assert refused(attention_backend=backend.sparse) == [
+        f"--attention-backend sparse: only {', '.join(ALLOWED_VALUES['attention_backend'])} are modelled"]
+
+
+def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
+    assert len(refused(num_experts=8, context_parallel_size=2, fp8="e4m3")) == 3
+    assert refusals({"num_experts": 8}) and not refusals({"save": "/ckpt", "auto_parallel": True})
+    with pytest.raises(PipetteError, match="^--num-experts 8: mixture-of-experts is not modelled yet; "
+                                           "--context-parallel-size 2: context parallelism is not modelled yet$"):
+        check_priced({"num_experts": 8, "context_parallel_size": 2, "lr": 0.1})
+    check_priced({"num_experts": None, "lr": 0.1})
+
+
+def test_value_checked_arguments_are_in_the_table():
+    table = flag_table()
+    assert set(ALLOWED_VALUES) <= table.modelled | table.neutral
