@@ -1,8 +1,9 @@
 """Rank placement: which physical node runs which logical node of Megatron's rank grid.
 
 Only whole nodes are permuted, so every process keeps its local GPU
-(`rank % gpus_per_node == LOCAL_RANK`) and tensor-parallel groups stay inside
-a node. The objective is the same predicted iteration time that ranks
+(`rank % gpus_per_node == LOCAL_RANK`); when a tensor-parallel group spans the
+nodes of an NVLink domain (GB200 NVL72), nodes move in blocks of that many and
+start domain-aligned, so the group stays inside its domain. The objective is the same predicted iteration time that ranks
 layouts (`cost.timing.estimate_time`), never a proxy.
 
 The search is a deterministic, bounded best-improvement local search over
@@ -64,9 +65,11 @@ class Placement:
     def is_default(self) -> bool:
         return self.node_order == tuple(range(len(self.node_order)))
 
-    def swapped(self, a: int, b: int) -> Placement:
+    def swapped(self, a: int, b: int, unit: int = 1) -> Placement:
+        """Logical blocks a and b (of `unit` consecutive logical nodes each) trade their physical nodes."""
         order = list(self.node_order)
-        order[a], order[b] = order[b], order[a]
+        order[a * unit:(a + 1) * unit], order[b * unit:(b + 1) * unit] = \
+            order[b * unit:(b + 1) * unit], order[a * unit:(a + 1) * unit]
         return Placement(tuple(order), self.gpus_per_node)
 
 
@@ -93,39 +96,52 @@ def node_link_weakness(cluster: Cluster) -> np.ndarray:
     return (out_sum + in_sum) / max(1, 2 * (n - 1))
 
 
-def _role_representatives(layout: Layout, cluster: Cluster) -> list[int]:
-    """One logical node per distinct set of pipeline stages, ends of the pipeline first."""
-    gpn = cluster.gpus_per_node
+def _role_representatives(layout: Layout, cluster: Cluster, unit: int) -> list[int]:
+    """One block of `unit` logical nodes per distinct set of pipeline stages, ends of the pipeline first."""
+    size = cluster.gpus_per_node * unit
     stage_of_rank = np.arange(cluster.world_size) // (layout.tp * layout.dp)
     seen: dict[tuple[int, ...], int] = {}
-    for k in range(cluster.num_nodes):
-        role = tuple(np.unique(stage_of_rank[k * gpn:(k + 1) * gpn]))
+    for k in range(cluster.num_nodes // unit):
+        role = tuple(np.unique(stage_of_rank[k * size:(k + 1) * size]))
         seen.setdefault(role, k)
     last = layout.pp - 1
-    return sorted(seen.values(), key=lambda k: (min(abs(stage_of_rank[k * gpn]), abs(last - stage_of_rank[k * gpn])), k))
+    return sorted(seen.values(),
+                  key=lambda k: (min(abs(stage_of_rank[k * size]), abs(last - stage_of_rank[k * size])), k))
+
+
+def domain_aligned(cluster: Cluster, unit: int) -> Placement:
+    """The order that keeps every block of `unit` consecutive logical nodes (one tensor-parallel group
+    wider than a node) inside one NVLink domain: nodes sorted by domain, torchrun order kept within."""
+    return Placement(tuple(np.argsort(cluster.domains, kind="stable").tolist()), cluster.gpus_per_node)
 
 
 def optimize_placement(workload: Workload, layout: Layout, cluster: Cluster, *,
                        profile: LayerProfile | None = None) -> tuple[Placement, TimeEstimate]:
-    """The best node permutation found, and its predicted time (same model as the ranking)."""
-    current = default_placement(cluster)
+    """The best node permutation found, and its predicted time (same model as the ranking).
+
+    Nodes move in blocks of `unit` = TP / GPUs per node (1 when TP fits in a node), so a
+    tensor-parallel group that spans the nodes of an NVLink domain stays inside it."""
+    unit = max(1, layout.tp // cluster.gpus_per_node)
+    current = default_placement(cluster) if unit == 1 else domain_aligned(cluster, unit)
     best = estimate_time(workload, layout, cluster, current.logical_to_physical, profile=profile)
-    if cluster.num_nodes == 1:
+    blocks = cluster.num_nodes // unit
+    if blocks == 1:
         return current, best
     weakness = node_link_weakness(cluster)
     if np.ptp(weakness) <= 1e-12 * weakness.max():
         return current, best  # uniform fabric: every whole-node permutation costs the same
-    targets = _role_representatives(layout, cluster)
-    exhaustive = cluster.num_nodes <= 8
+    targets = _role_representatives(layout, cluster, unit)
+    exhaustive = blocks <= 8
     for _ in range(MAX_ROUNDS):
-        physical_weak = np.argsort(-weakness, kind="stable")[:WEAK_NODES_PER_ROUND]
         logical_of_physical = np.argsort(np.asarray(current.node_order))
-        movers = [int(logical_of_physical[p]) for p in physical_weak]
-        pairs = ([(a, b) for a in range(cluster.num_nodes) for b in range(a + 1, cluster.num_nodes)]
+        block_weakness = np.zeros(blocks)
+        np.add.at(block_weakness, logical_of_physical // unit, weakness)
+        movers = np.argsort(-block_weakness, kind="stable")[:WEAK_NODES_PER_ROUND].tolist()
+        pairs = ([(a, b) for a in range(blocks) for b in range(a + 1, blocks)]
                  if exhaustive else [(a, b) for a in movers for b in targets if a != b])
         found = None
         for a, b in pairs:
-            trial = current.swapped(a, b)
+            trial = current.swapped(a, b, unit)
             estimate = estimate_time(workload, layout, cluster, trial.logical_to_physical, profile=profile)
             if estimate.iteration_time_s < best.iteration_time_s * (1 - RELATIVE_IMPROVEMENT):
                 found, best = trial, estimate

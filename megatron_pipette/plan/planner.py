@@ -71,7 +71,8 @@ def plan(workload: Workload, cluster: Cluster, *, profile: LayerProfile | None =
     heap: list[tuple[float, int, Layout, TimeEstimate, MemoryEstimate]] = []
     keep = max(top_k, placement_top)
     for layout in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
-                                    allow_tp_across_nodes=allow_tp_across_nodes):
+                                    allow_tp_across_nodes=allow_tp_across_nodes,
+                                    gpus_per_domain=cluster.gpus_per_domain):
         considered += 1
         memory = estimate_memory(workload, layout, cluster.memory_bytes, profile=profile, overheads=overheads)
         if not memory.fits:

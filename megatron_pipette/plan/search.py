@@ -4,7 +4,8 @@ Flags the user set explicitly (`--tensor-model-parallel-size 8` beside
 `--auto-parallel`) arrive as `constraints`: a mapping from Layout field name to
 the fixed value. Everything else is searched. The enumeration is exhaustive
 over Megatron's choices, except for the few restrictions documented here:
-tensor parallel stays inside a node unless `allow_tp_across_nodes`, uneven
+tensor parallel stays inside a node (or an NVLink domain of several) unless
+`allow_tp_across_nodes`, uneven
 pipeline splits only shorten the first and/or last stage (Megatron's
 --decoder-first/last-pipeline-num-layers), the two nearest splits of each kind, and full
 recomputation is searched in Megatron's recommended form (uniform, 1 layer
@@ -54,20 +55,26 @@ def _check_constraints(constraints: Mapping[str, Any]) -> None:
         raise PipetteError(f"unknown layout constraint(s): {', '.join(sorted(unknown))}")
 
 
+def fits_fast_domain(tp: int, gpus_per_node: int, gpus_per_domain: int) -> bool:
+    """TP groups (consecutive ranks) stay inside one NVLink domain: inside a node, or whole nodes of
+    one domain (GB200 NVL72: up to 18 nodes of 4)."""
+    return gpus_per_node % tp == 0 or (tp % gpus_per_node == 0 and gpus_per_domain % tp == 0)
+
+
 def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
-                      constraints: Mapping[str, Any] | None = None, *,
-                      allow_tp_across_nodes: bool = False) -> Iterator[Layout]:
+                      constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
+                      gpus_per_domain: int | None = None) -> Iterator[Layout]:
     """Yield every valid layout (validate_layout passes) that honours the constraints."""
     constraints = dict(constraints or {})
     _check_constraints(constraints)
+    domain = gpus_per_domain or gpus_per_node
 
     def choices(name: str, options):
         return [constraints[name]] if name in constraints else list(options)
 
-    tp_max = world_size if allow_tp_across_nodes else gpus_per_node
-    for tp in choices("tensor_model_parallel_size", (d for d in divisors(world_size) if d <= tp_max)):
+    for tp in choices("tensor_model_parallel_size", divisors(world_size)):
         if world_size % tp or (not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
-                               and gpus_per_node % tp):
+                               and not fits_fast_domain(tp, gpus_per_node, domain)):
             continue
         for pp in choices("pipeline_model_parallel_size", divisors(world_size // tp)):
             if world_size % (tp * pp):

@@ -29,6 +29,9 @@ from megatron_pipette.errors import PipetteError
 # 798 of 989 TFLOP/s (0.81) on an 8192^3 bf16 GEMM (../shared/reference/hardware.md);
 # transformer-layer GEMMs are smaller, hence a lower default.
 DEFAULT_GEMM_EFFICIENCY = 0.75
+MAX_DENSE_NODES = 16384
+"""Nodes up to which a non-uniform node x node level is held as dense matrices (2 GiB each at
+the limit); uniform presets hold broadcast views and have no limit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,9 +252,20 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     if gpus_per_node <= 0:
         raise PipetteError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
     device = lookup_gpu(gpu or p["gpu"])
+    per_domain = p.get("nodes_per_domain", 1)
+    inter, domains = uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]), None
+    if per_domain > 1 and num_nodes > 1:
+        if num_nodes > MAX_DENSE_NODES:
+            raise PipetteError(f"--num-nodes {num_nodes}: a {name} cluster's node x node links are not uniform "
+                               f"(NVLink domains of {per_domain} nodes), and this planner holds them densely for "
+                               f"at most {MAX_DENSE_NODES} nodes")
+        domains = np.arange(num_nodes) // per_domain
+        same = domains[:, None] == domains[None, :]
+        inter = LinkLevel(bandwidth_Bps=np.where(same, p["domain_bandwidth_Bps"], p["inter_node_bandwidth_Bps"]),
+                          latency_s=np.where(same, p["domain_latency_s"], p["inter_node_latency_s"]))
     return make_cluster(
         name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device,
         memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
         gemm_flops=device.peak(precision) * DEFAULT_GEMM_EFFICIENCY,
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
-        inter_node=uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]))
+        inter_node=inter, domain_of_node=domains)

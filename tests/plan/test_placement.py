@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_pipette.cost.timing import estimate_time
-from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
+from megatron_pipette.plan.placement import Placement, default_placement, domain_aligned, optimize_placement
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
@@ -65,3 +65,31 @@ def test_never_worse_than_default_on_random_links(seed, pp, dp_nodes):
                     micro_batch_size=1)
     placement, time = optimize_placement(W, layout, cluster)
     assert time.iteration_time_s <= default_time(layout, cluster)
+
+
+def test_tensor_parallel_groups_wider_than_a_node_stay_inside_their_nvlink_domain():
+    # 8 trays of 4 GPUs in two NVLink domains whose torchrun order interleaves them.
+    base = preset_cluster("gb200-nvl72", num_nodes=8)
+    domains = np.array([0, 1, 0, 1, 0, 1, 0, 1])
+    inter = dense(base.inter_node)
+    same = domains[:, None] == domains[None, :]
+    inter.bandwidth_Bps[...] = np.where(same, 740e9, 47.5e9)
+    inter.bandwidth_Bps[6, :] /= 4                                   # a slow tray, for placement to act on
+    cluster = dataclasses.replace(base, inter_node=inter, domain_of_node=domains)
+    layout = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, data_parallel_size=1)
+    placement, time = optimize_placement(W, layout, cluster)
+    order = np.asarray(placement.node_order)
+    assert all(domains[order[2 * k]] == domains[order[2 * k + 1]] for k in range(4))
+    aligned = estimate_time(W, layout, cluster, domain_aligned(cluster, 2).logical_to_physical).iteration_time_s
+    assert time.iteration_time_s <= aligned < default_time(layout, cluster)
+
+
+def test_the_search_offers_tensor_parallel_across_the_nodes_of_a_domain_only():
+    from megatron_pipette.plan.search import enumerate_layouts
+
+    w = workload_from_preset("llama3-70b", global_batch_size=64)
+    cluster = preset_cluster("gb200-nvl72", num_nodes=36)
+    tps = {lay.tp for lay in enumerate_layouts(w, cluster.world_size, cluster.gpus_per_node,
+                                                gpus_per_domain=cluster.gpus_per_domain)}
+    assert tps == {1, 2, 4, 8}          # 8 spans two trays of a domain; wider ones fail the 8 query groups
+    assert not [t for t in tps if t > 4 and 72 % t]
