@@ -11,7 +11,6 @@ pairs), so a 2048-node document builds in well under a second. Pure: numpy only.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,11 +106,15 @@ def _ran(phase: PhaseResult) -> list:
 
 
 def _median_or(values: np.ndarray, axis: int, default: float) -> np.ndarray:
-    """nanmedian along `axis`, `default` where a row has nothing measured."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)        # all-NaN rows: handled below
-        med = np.nanmedian(values, axis=axis)
-    return np.where(np.isnan(med), default, med)
+    """Median of the non-NaN entries along `axis`, `default` where there are none. One sort of the
+    whole array (NaN sorts last) instead of numpy's per-row nanmedian, which loops in Python."""
+    ordered = np.sort(np.moveaxis(values, axis, -1), axis=-1)
+    if ordered.shape[-1] == 0:
+        return np.full(ordered.shape[:-1], default)
+    count = np.sum(~np.isnan(ordered), axis=-1)
+    middle = [np.take_along_axis(ordered, np.minimum(k, ordered.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+              for k in (np.maximum(count - 1, 0) // 2, count // 2)]
+    return np.where(count > 0, (middle[0] + middle[1]) / 2, default)
 
 
 # Inside the nodes.
