@@ -8,7 +8,9 @@ rank pins its main thread (and threads it starts later) to one CPU, lowers
 its priority and starts a pure-Python busy thread that competes with it for
 that CPU and for the GIL. PIPETTE_PROBE_TEST_STUCK_RANK=<rank> makes that rank
 never call the probe (with PIPETTE_PROBE_TEST_TIMEOUT_S as the group's
-timeout). Nothing in megatron_pipette knows about these variables.
+timeout). PIPETTE_PROBE_TEST_DIE_RANK=<rank> makes that rank exit abruptly
+PIPETTE_PROBE_TEST_DIE_AFTER_S seconds into the probe, mid-round. Nothing in
+megatron_pipette knows about these variables.
 """
 
 import json
@@ -42,6 +44,9 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     if os.environ.get("PIPETTE_PROBE_TEST_STUCK_RANK") == os.environ["RANK"]:
         time.sleep(3600)            # a rank that never arrives: the others must give up, not hang
+    if os.environ.get("PIPETTE_PROBE_TEST_DIE_RANK") == os.environ["RANK"]:
+        delay = float(os.environ["PIPETTE_PROBE_TEST_DIE_AFTER_S"])
+        threading.Timer(delay, os._exit, args=(3,)).start()
     if os.environ.get("PIPETTE_PROBE_TEST_SLOW_RANK") == os.environ["RANK"]:
         _slow_down_this_process()   # after the imports, which it would slow to a crawl
     doc = run_probe(**kwargs)

@@ -110,3 +110,26 @@ def test_cli_user_error_is_one_line(tmp_path):
                               text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})
         assert proc.returncode == 1, proc.stderr
         assert "Traceback" not in proc.stderr and flag in proc.stderr
+
+
+def test_a_rank_lost_mid_round_ends_every_other_rank_within_the_timeout(tmp_path):
+    """Three torchrun agents (one rank each, so no agent tears down the others' workers): rank 1
+    dies 2 s into a probe that has rounds to run for much longer; ranks 0 and 2 must fail on
+    their own, bounded by the probe's timeout, and write nothing."""
+    timeout_s = 4
+    env = {**os.environ, "PIPETTE_PROBE_TEST_DIE_RANK": "1", "PIPETTE_PROBE_TEST_DIE_AFTER_S": "2",
+           "PIPETTE_PROBE_TEST_TIMEOUT_S": str(timeout_s)}
+    port = str(29500 + os.getpid() % 1000)
+    kwargs = {**KWARGS, "budget_s": 60.0, "repeats": 1000, "timeout_s": timeout_s}
+    procs = [subprocess.Popen([TORCHRUN, "--nnodes=3", f"--node-rank={k}", "--nproc_per_node=1",
+                               "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", DRIVER,
+                               str(tmp_path), json.dumps(kwargs)], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(3)]
+    try:
+        codes = [p.wait(timeout=90) for p in procs]      # the bound is the probe's, far inside this
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(code != 0 for code in codes), codes
+    assert not list(tmp_path.glob("rank*.json"))
