@@ -49,6 +49,7 @@ def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
     assert all(0.15 * shaped < b < 1.25 * shaped for b in inter), (inter, shaped)
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_teardown_on_error_and_stale_cleanup() -> None:
     cl = EmuCluster({"nodes": 2, "rate_mbit": 50}, tag="e")

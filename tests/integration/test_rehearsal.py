@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHECKS = """
@@ -37,6 +39,7 @@ print("ok")
 """
 
 
+@pytest.mark.torchrun
 def test_redirects() -> None:
     out = subprocess.run(
         [sys.executable, "-c", CHECKS], cwd=REPO, capture_output=True, text=True, timeout=120

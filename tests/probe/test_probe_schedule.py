@@ -4,6 +4,7 @@ import subprocess
 import sys
 from itertools import combinations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -41,6 +42,7 @@ def test_small_cases_and_partner_lookup():
     assert partner_in([(0, 3), (1, 2)], 2) == 1 and partner_in([(0, 3)], 1) is None
 
 
+@pytest.mark.torchrun
 def test_pure_parts_import_without_torch():
     code = ("import sys, megatron_pipette.probe.schedule, megatron_pipette.probe.budget, "
             "megatron_pipette.probe.document, megatron_pipette.report; "

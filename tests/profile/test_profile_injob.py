@@ -60,6 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.torchrun
 def test_rank_zero_of_a_tp2_job_profiles_with_its_own_groups(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["megatron_pipette.profile", "megatron.core.parallel_state"])
