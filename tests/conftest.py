@@ -3,12 +3,45 @@
 Hypothesis runs derandomized by default (profile "ci"): a fresh clone draws the same examples
 every time, so CI cannot turn red without a code change. `HYPOTHESIS_PROFILE=dev` (make
 test-random) explores new examples, as a developer should before landing a property.
+
+PIPETTE_TEST_NO_TORCH=1 (make test-fast) makes importing torch or megatron an error, so the
+planner's tiers stay runnable where only numpy is installed. Nothing here imports torch: tests
+marked gpu import it when they are about to run, to skip themselves without CUDA.
 """
 
+import importlib.abc
 import os
+import sys
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TORCH_PACKAGES = ("torch", "megatron")
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    """Fails any import of torch or megatron, naming the tier's rule."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in TORCH_PACKAGES:
+            raise ModuleNotFoundError(f"{name} imported under PIPETTE_TEST_NO_TORCH=1 (the torch-free tier)",
+                                      name=name)
+        return None
+
+
+if os.environ.get("PIPETTE_TEST_NO_TORCH") == "1":
+    imported = sorted(m for m in sys.modules if m.partition(".")[0] in TORCH_PACKAGES)
+    assert not imported, f"torch-free tier, but already imported: {imported[:5]}"
+    sys.meta_path.insert(0, _NoTorch())
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
