@@ -178,13 +178,19 @@ def test_a_slower_device_slows_its_stage():
 
 
 def test_gpt3_175b_on_1024_a100s_is_in_the_papers_range():
-    """Narayanan et al. 2021 measured ~140-160 TFLOP/s per A100 for GPT-3 175B; we print ours."""
+    """Narayanan et al. 2021 measured about 140-160 TFLOP/s per A100 for GPT-3 175B. The roofline
+    is not tuned to it: it may miss by its error on the emulated cluster (about 10%, docs/
+    validation.md), not more. docs/validation.md quotes these figures; a change updates it."""
     w = workload_from_preset("gpt3-175b")
     c = preset_cluster("dgx-a100", num_nodes=128)
-    for lay in (layout(8, 8, 16), layout(8, 16, 8), layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4)):
-        est = estimate_time(w, lay, c)
-        print(f"GPT-3 175B {lay.describe()}: {est.tflops_per_gpu:.1f} TFLOP/s per GPU, {est.iteration_time_s:.2f} s")
-        assert 100 < est.tflops_per_gpu < 200
+    quoted = {layout(8, 8, 16): 158.7, layout(8, 16, 8): 156.2,
+              layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4): 163.6}
+    got = {lay: estimate_time(w, lay, c).tflops_per_gpu for lay in quoted}
+    for lay, tflops in got.items():
+        assert 0.9 * 140 < tflops < 1.1 * 160, lay.describe()
+        assert tflops == pytest.approx(quoted[lay], abs=0.05), f"{lay.describe()}: update docs/validation.md"
+    # Interleaving shrinks the bubble by the number of chunks (p-1)/v: faster at the same grid.
+    assert got[layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4)] > got[layout(8, 8, 16)]
 
 
 @st.composite
