@@ -94,7 +94,6 @@ def rendezvous_times(program: tuple, t: StageTimes) -> tuple[np.ndarray, np.ndar
     ends when it is made; a transfer ends its duration after both sides posted it (the two-way
     rate when both posted it with the reverse message); a wait ends with the transfers it names.
     p2p: each rank's blocking calls, each as long as its slowest message."""
-    p = len(program)
     f, b = t.forward_s[0], t.backward_s[0]
     (fx, bx), alone = t.exchange_s, (t.fwd_comm_s[0], t.bwd_comm_s[0])
     posts = {}                                        # key -> [(rank, op index, paired)] of both sides
