@@ -12,6 +12,8 @@ marked gpu import it when they are about to run, to skip themselves without CUDA
 import importlib.abc
 import os
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import settings
@@ -45,3 +47,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def forked() -> Callable[..., list[int]]:
+    """`forked(target, [args, ...], timeout=120) -> exit codes`: one child per args tuple, forked
+    from a fork server that imports torch and megatron-core once for the whole session (not from
+    pytest itself, whose gloo and OpenMP threads a child could inherit with their locks held).
+    Children report failures themselves (a file) and exit with os._exit."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["megatron_pipette.profile", "megatron.core.parallel_state"])
+
+    def run(target: Callable, args_per_child: list[tuple], timeout: float = 120.0) -> list[int]:
+        children = [ctx.Process(target=target, args=args) for args in args_per_child]
+        for child in children:
+            child.start()
+        deadline = time.monotonic() + timeout
+        for child in children:
+            child.join(max(0.0, deadline - time.monotonic()))
+        if any(child.is_alive() for child in children):
+            for child in children:
+                child.kill()
+            pytest.fail(f"a forked child ran over {timeout} s")
+        return [child.exitcode for child in children]
+
+    return run
