@@ -1,10 +1,11 @@
-# Quick start: `make demo` runs the main job, `make test` runs the whole suite.
-# Both create .venv (Python 3.12, pinned requirements) on a fresh machine first.
+# Quick start: `make demo` runs the main job, `make test` runs the whole suite, `make test-fast`
+# the planner's torch-free tiers (under a minute). All create .venv (Python 3.12, pinned
+# requirements) on a fresh machine first.
 PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-fast test-random test-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -24,8 +25,22 @@ demo: venv
 	$(VENV)/bin/pipette plan --top 5
 	PYTHON=$(PY) bash examples/auto_parallel_cpu.sh
 
+# Tiers (markers in pytest.ini): test-fast is the planner (spec, cost, plan, cli, golden outputs,
+# the probe's pure parts) with importing torch made an error; test-random is the same with
+# hypothesis drawing new examples; test-gpu runs the tests that need CUDA (they skip without it).
+FAST := -m "not torchrun and not slow and not gpu" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe
+
 test: venv
 	$(PY) -m pytest -q
+
+test-fast: venv
+	PIPETTE_TEST_NO_TORCH=1 $(PY) -m pytest -q $(FAST)
+
+test-random: venv
+	PIPETTE_TEST_NO_TORCH=1 HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q $(FAST)
+
+test-gpu: venv
+	$(PY) -m pytest -q -m gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

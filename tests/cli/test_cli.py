@@ -1,6 +1,5 @@
 import json
-import subprocess
-import sys
+from importlib.metadata import entry_points
 
 import pytest
 
@@ -138,9 +137,13 @@ def test_plan_and_show_read_a_cluster_file(capsys, tmp_path):
     assert code == 0 and png.stat().st_size > 1000
 
 
-def test_console_script_help():
-    out = subprocess.run([sys.executable, "-m", "megatron_pipette.cli.main", "plan", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+def test_console_script_help(capsys):
+    """The installed `pipette` script's entry point, run in this process."""
+    (script,) = entry_points(group="console_scripts", name="pipette")
+    with pytest.raises(SystemExit) as stop:
+        script.load()(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
     assert "--tensor-model-parallel-size" in out and "--num-query-groups" in out and "--cluster" in out
 
 

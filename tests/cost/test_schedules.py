@@ -57,10 +57,15 @@ comm = st.floats(0.0, 5.0, allow_nan=False)
 
 
 @st.composite
-def pipelines(draw, interleaved=False):
+def pipelines(draw, interleaved=False, fewer_microbatches_than_stages=False):
+    """1F1B: m >= p (the lattice and the closed form), or m < p, where pipeline_time is the
+    simulator itself and only an independent answer is evidence."""
     p = draw(st.integers(2, 8 if not interleaved else 6))
     v = draw(st.integers(2, 4)) if interleaved else 1
-    m = p * draw(st.integers(1, 4)) if interleaved else draw(st.integers(1, 4 * p))
+    if interleaved:
+        m = p * draw(st.integers(1, 4))
+    else:
+        m = draw(st.integers(1, p - 1) if fewer_microbatches_than_stages else st.integers(p, 4 * p))
     shape = (2, p, v)
     f = np.array(draw(st.lists(durations, min_size=2 * p * v, max_size=2 * p * v))).reshape(shape)
     b = np.array(draw(st.lists(durations, min_size=2 * p * v, max_size=2 * p * v))).reshape(shape)
@@ -82,6 +87,99 @@ def test_1f1b_closed_form_is_the_simulator_with_slower_exchanges(case, slowdown)
     np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
 
 
+def rendezvous_times(program: tuple, t: StageTimes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(total, finish, p2p) of one replica from the program's definition, independently of
+    simulator.simulate: every op's end is the latest of what it waits for, found by sweeping the
+    ranks until nothing changes. A compute op ends its duration after the previous op; a post
+    ends when it is made; a transfer ends its duration after both sides posted it (the two-way
+    rate when both posted it with the reverse message); a wait ends with the transfers it names.
+    p2p: each rank's blocking calls, each as long as its slowest message."""
+    f, b = t.forward_s[0], t.backward_s[0]
+    (fx, bx), alone = t.exchange_s, (t.fwd_comm_s[0], t.bwd_comm_s[0])
+    posts = {}                                        # key -> [(rank, op index, paired)] of both sides
+    for r, ops in enumerate(program):
+        for i, op in enumerate(ops):
+            if op[0] == simulator.POST:
+                for key, _, paired in op[1]:
+                    posts.setdefault(key, []).append((r, i, paired))
+
+    def duration(key):
+        src, dst, direction, _ = key
+        both = all(paired for _, _, paired in posts[key])
+        rate = (fx[0], bx[0]) if both else alone
+        return rate[direction][src if direction == simulator.FORWARD else dst]
+
+    end = [[None] * len(ops) for ops in program]
+    changed = True
+    while changed:
+        changed = False
+        for r, ops in enumerate(program):
+            for i, op in enumerate(ops):
+                start = end[r][i - 1] if i else 0.0
+                if end[r][i] is not None or start is None:
+                    continue
+                if op[0] == simulator.COMPUTE:
+                    end[r][i] = start + (f if op[1] == simulator.FORWARD else b)[r, op[2]]
+                elif op[0] == simulator.POST:
+                    end[r][i] = start
+                else:
+                    sides = [[end[q][j] for q, j, _ in posts[key]] for key in op[1]]
+                    if any(None in s for s in sides):
+                        continue
+                    end[r][i] = max([start] + [max(s) + duration(key) for s, key in zip(sides, op[1])])
+                changed = True
+    assert all(None not in e for e in end), "the program deadlocks"
+    finish = np.array([max(end[r][i] for i, op in enumerate(ops) if op[:2] == (simulator.COMPUTE, simulator.BACKWARD))
+                       for r, ops in enumerate(program)])
+    p2p = np.array([sum(max(duration(key) for key in op[1]) for op in ops if op[0] == simulator.WAIT)
+                    for ops in program])
+    return max(e[-1] for e in end), finish, p2p
+
+
+@settings(max_examples=100, deadline=None)
+@given(pipelines(fewer_microbatches_than_stages=True), st.lists(st.floats(1.0, 3.0), min_size=2, max_size=2))
+def test_1f1b_with_fewer_microbatches_than_stages_is_the_programs_longest_path(case, slowdown):
+    """m < p: pipeline_time is simulator.simulate, so the evidence is an answer computed without it."""
+    t, m = case
+    t = StageTimes(forward_s=t.forward_s[:1], backward_s=t.backward_s[:1], fwd_comm_s=t.fwd_comm_s[:1],
+                   bwd_comm_s=t.bwd_comm_s[:1], fwd_xchg_s=t.fwd_comm_s[:1] * slowdown[0],
+                   bwd_xchg_s=t.bwd_comm_s[:1] * slowdown[1])
+    total, finish, _ = rendezvous_times(simulator.program_1f1b(t.shape[1], m), t)
+    got = pipeline_time("1f1b", t, m)
+    assert got.total_s[0] == pytest.approx(total, rel=1e-12)
+    np.testing.assert_allclose(got.finish_s[0], finish, rtol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pipelines(fewer_microbatches_than_stages=True))
+def test_1f1b_one_microbatch_goes_down_and_back(case):
+    """m = 1, by hand: every forward and its message down, every backward and its message back;
+    stage s finishes when the backward has come back through it."""
+    t, _ = case
+    f, b = t.forward_s[0, :, 0], t.backward_s[0, :, 0]
+    phi, beta = t.fwd_comm_s[0, :-1], t.bwd_comm_s[0, :-1]
+    got = pipeline_time("1f1b", t, 1)
+    down = f.sum() + phi.sum()
+    back = np.cumsum((b + np.append(beta, 0.0))[::-1])[::-1]     # stage s: b_s..b_p-1 and hops s..p-2
+    np.testing.assert_allclose(got.finish_s[0], down + back, rtol=1e-12)
+    assert got.total_s[0] == pytest.approx(down + back[0], rel=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pipelines() | pipelines(fewer_microbatches_than_stages=True), st.floats(1.0, 3.0))
+def test_1f1b_p2p_time_counts_the_programs_blocking_calls(case, slowdown):
+    """p2p_s (the breakdown's pp_comm_s) is a count of calls per message kind; the program's own
+    calls, each as long as its slowest message (exchanges at the two-way rate), give the same."""
+    t, m = case
+    t = StageTimes(forward_s=t.forward_s[:1], backward_s=t.backward_s[:1], fwd_comm_s=t.fwd_comm_s[:1],
+                   bwd_comm_s=t.bwd_comm_s[:1], fwd_xchg_s=t.fwd_comm_s[:1] * slowdown, bwd_xchg_s=None)
+    _, _, p2p = rendezvous_times(simulator.program_1f1b(t.shape[1], m), t)
+    got = pipeline_time("1f1b", t, m)
+    np.testing.assert_allclose(got.p2p_s[0], p2p, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.busy_s[0] - got.p2p_s[0],
+                               m * (t.forward_s[0, :, 0] + t.backward_s[0, :, 0]), rtol=1e-12)
+
+
 def test_exchanges_cost_more_than_single_messages_on_half_duplex_links():
     p, m = 4, 8
     alone = times(np.ones((p, 1)), np.full((p, 1), 2.0), np.full(p, 0.5), np.full(p, 0.5))
@@ -97,7 +195,8 @@ def test_exchanges_cost_more_than_single_messages_on_half_duplex_links():
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipelines())
 def test_1f1b_closed_form_is_the_simulator(case):
-    """Exact: unequal stages, asymmetric per-hop p2p, every regime of m."""
+    """Exact: unequal stages, asymmetric per-hop p2p, the lattice (p <= m < 2p-1) and the closed
+    form (m >= 2p-1)."""
     t, m = case
     closed, sim = pipeline_time("1f1b", t, m), simulate_pipeline("1f1b", t, m)
     np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)

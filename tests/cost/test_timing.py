@@ -1,5 +1,6 @@
 """Iteration time: invariants, placement, links, devices, and the simulator cross-check."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 from megatron_pipette.cost.timing import estimate_time, group_links
 from megatron_pipette.errors import Infeasible
-from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.hardware import Cluster, preset_cluster, uniform_level
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -32,11 +34,10 @@ LAYOUTS = [layout(8, 4, 1), layout(1, 1, 32), layout(2, 4, 4, sequence_parallel=
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: l.describe())
-def test_breakdown_sums_to_the_iteration_and_respects_the_grid(lay):
+def test_breakdown_respects_the_grid(lay):
     validate_layout(GPT, lay, 32)
     est = estimate_time(GPT, lay, random_cluster(1))
     parts = est.breakdown.as_dict()
-    assert sum(parts.values()) == pytest.approx(est.iteration_time_s, rel=1e-12)
     assert all(v >= 0 for v in parts.values())
     assert (parts["tp_comm_s"] == 0) == (lay.tp == 1)
     if lay.pp == 1:
@@ -49,6 +50,66 @@ def test_breakdown_sums_to_the_iteration_and_respects_the_grid(lay):
         assert parts["recompute_s"] > 0
     assert len(est.stage_times) == lay.pp
     assert est.tflops_per_gpu == pytest.approx(GPT.model_flops_per_iteration() / est.iteration_time_s / 32 / 1e12)
+
+
+F, B, RECOMPUTED = 1.0, 2.0, 1.0     # seconds per layer and micro-batch; full recomputation redoes F
+
+
+def profiled_layers(rate: float, output_s: tuple[float, float] = (0.0, 0.0)) -> LayerProfile:
+    """GPT layers measured at F forward, B backward (B + RECOMPUTED with full recomputation); the
+    embedding free, the output layer `output_s` (forward, backward): by default free too, so that
+    every pipeline stage does the same work."""
+    def entry(**kw):
+        return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, activation_bytes=1, **kw)
+    return LayerProfile(device_name="H100", rank=0, gemm_flops=rate, embedding=(entry(forward_s=0.0, backward_s=0.0),),
+                        output_layer=(entry(forward_s=output_s[0], backward_s=output_s[1]),), model={},
+                        layers=(entry(forward_s=F, backward_s=B),
+                                entry(forward_s=F, backward_s=B + RECOMPUTED, recompute_granularity="full")))
+
+
+def free_links(cluster: Cluster) -> Cluster:
+    """Links and memory so fast that messages, collectives and the optimizer step take ~1e-20 s."""
+    return dataclasses.replace(cluster, intra_node=(uniform_level(cluster.gpus_per_node, 1e30, 0.0),),
+                               node_class=np.zeros(cluster.num_nodes, dtype=np.int64),
+                               inter_node=uniform_level(cluster.num_nodes, 1e30, 0.0), memory_bandwidth_Bps=1e30)
+
+
+@pytest.mark.parametrize("lay, slots, bubble_slots", [
+    (layout(1, 4, 8), 8 + 3, 3),                                                # 1F1B: m + p - 1 slots
+    (layout(1, 4, 8, num_layers_per_virtual_pipeline_stage=3), 8 + 3 / 2, 3 / 2),  # interleaved: bubble / v
+    (layout(1, 4, 8, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), 8 + 3, 3),
+    (layout(1, 1, 32), 2, 0),                                                   # no pipeline: m back to back
+], ids=["1f1b", "interleaved", "1f1b-full-recompute", "no-pipelining"])
+def test_breakdown_is_the_textbook_pipeline_on_equal_stages_and_free_links(lay, slots, bubble_slots):
+    """Narayanan et al. 2021: equal stages, no communication cost; a slot is one micro-batch's
+    forward and backward on one stage, the bubble (p-1) slots (1F1B) or (p-1)/v (interleaved)."""
+    c = preset_cluster("dgx-h100", num_nodes=4)
+    est = estimate_time(GPT, lay, free_links(c), profile=profiled_layers(float(c.gemm_flops[0])))
+    layers, m = GPT.num_layers // lay.pp, lay.num_microbatches(GPT)
+    recomputed = RECOMPUTED if lay.recompute_granularity else 0.0
+    slot = layers * (F + B + recomputed)
+    parts = est.breakdown
+    assert parts.compute_s == pytest.approx(m * layers * (F + B), rel=1e-9)
+    assert parts.recompute_s == pytest.approx(m * layers * recomputed, rel=1e-9)
+    assert parts.pipeline_bubble_s == pytest.approx(bubble_slots * slot, rel=1e-9, abs=1e-9)
+    assert est.iteration_time_s == pytest.approx(slots * slot, rel=1e-9)
+    for small in (parts.tp_comm_s, parts.pp_comm_s, parts.dp_comm_exposed_s, parts.embedding_allreduce_s,
+                  parts.optimizer_s):
+        assert small < 1e-9
+
+
+def test_breakdown_charges_the_busiest_stage():
+    """The output layer makes the last stage the bottleneck: 1F1B then takes every stage's slot
+    once and the last stage's m-1 more times (docs/time-model.md), and the breakdown's compute
+    is the last stage's."""
+    c = preset_cluster("dgx-h100", num_nodes=4)
+    lay = layout(1, 4, 8)
+    est = estimate_time(GPT, lay, free_links(c), profile=profiled_layers(float(c.gemm_flops[0]), output_s=(3.0, 6.0)))
+    layers, m = GPT.num_layers // lay.pp, lay.num_microbatches(GPT)
+    slot, last = layers * (F + B), layers * (F + B) + 9.0
+    assert est.breakdown.compute_s == pytest.approx(m * last, rel=1e-9)
+    assert est.iteration_time_s == pytest.approx(3 * slot + m * last, rel=1e-9)
+    assert est.breakdown.pipeline_bubble_s == pytest.approx(3 * slot, rel=1e-9)
 
 
 def test_whole_node_placements_cost_the_same_on_a_uniform_fabric():
@@ -93,13 +154,19 @@ def test_a_slower_device_slows_its_stage():
 
 
 def test_gpt3_175b_on_1024_a100s_is_in_the_papers_range():
-    """Narayanan et al. 2021 measured ~140-160 TFLOP/s per A100 for GPT-3 175B; we print ours."""
+    """Narayanan et al. 2021 measured about 140-160 TFLOP/s per A100 for GPT-3 175B. The roofline
+    is not tuned to it: it may miss by its error on the emulated cluster (about 10%, docs/
+    validation.md), not more. docs/validation.md quotes these figures; a change updates it."""
     w = workload_from_preset("gpt3-175b")
     c = preset_cluster("dgx-a100", num_nodes=128)
-    for lay in (layout(8, 8, 16), layout(8, 16, 8), layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4)):
-        est = estimate_time(w, lay, c)
-        print(f"GPT-3 175B {lay.describe()}: {est.tflops_per_gpu:.1f} TFLOP/s per GPU, {est.iteration_time_s:.2f} s")
-        assert 100 < est.tflops_per_gpu < 200
+    quoted = {layout(8, 8, 16): 158.7, layout(8, 16, 8): 156.2,
+              layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4): 163.6}
+    got = {lay: estimate_time(w, lay, c).tflops_per_gpu for lay in quoted}
+    for lay, tflops in got.items():
+        assert 0.9 * 140 < tflops < 1.1 * 160, lay.describe()
+        assert tflops == pytest.approx(quoted[lay], abs=0.05), f"{lay.describe()}: update docs/validation.md"
+    # Interleaving shrinks the bubble by the number of chunks (p-1)/v: faster at the same grid.
+    assert got[layout(8, 8, 16, num_layers_per_virtual_pipeline_stage=4)] > got[layout(8, 8, 16)]
 
 
 @st.composite

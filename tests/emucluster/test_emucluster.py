@@ -48,6 +48,7 @@ def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
     assert min(intra) > 3 * max(inter[0][1], inter[1][0]), (intra, inter)
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_teardown_on_error_and_stale_cleanup() -> None:
     cl = EmuCluster({"nodes": 2, "rate_mbit": 50}, tag="e")

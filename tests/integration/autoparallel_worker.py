@@ -6,6 +6,8 @@ members of this process's Megatron groups given as their original torchrun ranks
 With PIPETTE_TEST_FAIL_PROBE_RANK=r, rank r's probe raises before its first message.
 With PIPETTE_TEST_CRASH_FIRST_ATTEMPT=1, rank 0 crashes after reporting in torchrun's first
 attempt, so that torchrun restarts the whole worker group (an elastic restart).
+With PIPETTE_TEST_MIN_WAIT_S=s, the hook's pre-launch waits time out after s seconds at least
+(instead of MIN_WAIT_S), so a test that waits out a failed rank waits less.
 """
 
 import json
@@ -25,6 +27,11 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron_pipette.integration.install import install  # noqa: E402
 
 install()  # what the .pth does on import; explicit here so the test does not depend on site-packages
+
+if "PIPETTE_TEST_MIN_WAIT_S" in os.environ:
+    from megatron_pipette.integration import hook
+
+    hook.MIN_WAIT_S = float(os.environ["PIPETTE_TEST_MIN_WAIT_S"])
 
 if os.environ.get("PIPETTE_TEST_FAIL_PROBE_RANK") == str(physical):
     from megatron_pipette.probe import runner

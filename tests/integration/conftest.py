@@ -1,4 +1,6 @@
-"""Launch multi-process jobs from tests, bounded in time: a hung rank must not hang the suite."""
+"""Launch multi-process jobs from tests, bounded in time: a hung rank must not hang the suite.
+
+The launchers are session fixtures, so module fixtures can share one launch among tests."""
 
 import os
 import signal
@@ -47,13 +49,13 @@ def _run_torchrun(script: Path, args: list[str], nproc: int = 4, timeout: float 
     return _run_bounded(cmd, timeout, expect_failure)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_bounded() -> Callable[..., str]:
     """`run_bounded(cmd, timeout=240, expect_failure=False) -> output`."""
     return _run_bounded
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_torchrun() -> Callable[..., str]:
     """`run_torchrun(script, args, nproc=4, timeout=240, expect_failure=False) -> output`."""
     return _run_torchrun

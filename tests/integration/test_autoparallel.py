@@ -73,18 +73,41 @@ def check_groups(output: str, doc: dict) -> tuple:
     return layout, placement
 
 
+def cached_plan(cache: Path) -> Path:
+    (plan_file,) = cache.glob("*/plan.json")
+    return plan_file
+
+
+@pytest.fixture(scope="module")
+def restarted_job(run_bounded, tmp_path_factory) -> tuple[str, Path]:
+    """One launch, several tests: the first attempt probes, profiles and plans in the job and
+    Megatron builds its groups; then rank 0 crashes, torchrun restarts the worker group, and the
+    hook starts over on the same store under new prefixes. Returns (output, cache dir)."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PIPETTE_TEST_CRASH_FIRST_ATTEMPT", "1")
+        out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "--max-restarts", "1", str(WORKER), *TINY, "--auto-parallel",
+                           "--auto-parallel-cache-dir", str(cache), "--auto-parallel-budget-s", "60"], timeout=300)
+    return out, cache
+
+
 @pytest.mark.torchrun
-def test_planned_groups_follow_the_placement(run_torchrun, tmp_path: Path) -> None:
+def test_planned_groups_follow_the_placement(restarted_job) -> None:
     """Probe, profile and plan in the job; Megatron's groups are the plan's, process by process."""
-    out = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
-                                "--auto-parallel-budget-s", "60"], nproc=4, timeout=240)
+    out, cache = restarted_job
     assert "> auto-parallel: probed 4 devices" in out
     assert "> auto-parallel: chosen layout" in out
-    (plan_file,) = tmp_path.glob("*/plan.json")
-    check_groups(out, json.loads(plan_file.read_text()))
-    # The same allocation again: the cached plan is reused, probe and profile are skipped;
-    # a dry run stops before Megatron builds anything.
-    again = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
+    check_groups(out, json.loads(cached_plan(cache).read_text()))
+
+
+@pytest.mark.torchrun
+def test_a_dry_run_reuses_the_cached_plan(run_torchrun, restarted_job) -> None:
+    """The same allocation again: the cached plan is reused, probe and profile are skipped;
+    a dry run stops before Megatron builds anything."""
+    _, cache = restarted_job
+    plan_file = cached_plan(cache)
+    again = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(cache),
                                   "--auto-parallel-dry-run"], nproc=4, timeout=240)
     assert f"using the plan in {plan_file}" in again and "probed" not in again
     assert "GROUPS" not in again
@@ -113,16 +136,15 @@ def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.torchrun
-def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Path) -> None:
-    """One rank's probe fails: every rank warns and trains with the flags as given; none hangs."""
-    import os
-    os.environ["PIPETTE_TEST_FAIL_PROBE_RANK"] = "1"
-    try:
-        out = run_torchrun(WORKER, [*TINY, "--tensor-model-parallel-size", "2", "--auto-parallel",
-                                    "--auto-parallel-cache-dir", str(tmp_path), "--auto-parallel-budget-s", "10"],
-                           nproc=4, timeout=180)
-    finally:
-        del os.environ["PIPETTE_TEST_FAIL_PROBE_RANK"]
+def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Path, monkeypatch) -> None:
+    """One rank's probe fails: every rank warns and trains with the flags as given; none hangs.
+    The others wait out the probe group's timeout, max(MIN_WAIT_S, 1.5 x budget): 30 s as shipped,
+    15 s with the floor lowered to 10 s."""
+    monkeypatch.setenv("PIPETTE_TEST_FAIL_PROBE_RANK", "1")
+    monkeypatch.setenv("PIPETTE_TEST_MIN_WAIT_S", "10")
+    out = run_torchrun(WORKER, [*TINY, "--tensor-model-parallel-size", "2", "--auto-parallel",
+                                "--auto-parallel-cache-dir", str(tmp_path), "--auto-parallel-budget-s", "10"],
+                       nproc=4, timeout=180)
     assert re.search(r"WARNING: planning failed \(.*rank 1: RuntimeError: injected probe failure on rank 1", out), \
         out[-3000:]
     got = groups_of(out)
@@ -148,18 +170,14 @@ def test_a_flag_the_planner_cannot_price_falls_back_or_stops(run_torchrun, tmp_p
 
 
 @pytest.mark.torchrun
-def test_elastic_restart_plans_again_under_fresh_prefixes(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """torchrun restarts the worker group after a crash: the hook starts over on the same store under
-    new prefixes, finds the plan cached for this allocation, and every process gets its groups again."""
-    monkeypatch.setenv("PIPETTE_TEST_CRASH_FIRST_ATTEMPT", "1")
-    out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                       "--max-restarts", "1", str(WORKER), *TINY, "--auto-parallel",
-                       "--auto-parallel-cache-dir", str(tmp_path)], timeout=300)
+def test_elastic_restart_plans_again_under_fresh_prefixes(restarted_job) -> None:
+    """After torchrun's restart the hook finds the plan cached for this allocation, and every
+    process gets its groups again."""
+    out, cache = restarted_job
     assert out.count("> auto-parallel: probed 4 devices") == 1
     assert "using the plan in" in out
     assert len(re.findall(r"GROUPS \{", out)) == 8  # 4 processes, twice
-    (plan_file,) = tmp_path.glob("*/plan.json")
-    check_groups(out, json.loads(plan_file.read_text()))
+    check_groups(out, json.loads(cached_plan(cache).read_text()))
 
 
 AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"

@@ -16,6 +16,7 @@ def installed_megatron_version() -> str:
     return version("megatron-core")
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("patch", sorted(PATCHES.glob("megatron-lm-core_r*.patch")), ids=lambda p: p.stem)
 def test_patch_applies_to_pinned_megatron(patch: Path, tmp_path: Path) -> None:
     import megatron.training

@@ -5,6 +5,7 @@ import sys
 from itertools import combinations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -76,6 +77,7 @@ def test_a_prefix_of_the_inter_node_rounds_spreads_partners():
     assert np.median(np.abs(partners - np.arange(64))) > 8
 
 
+@pytest.mark.torchrun
 def test_pure_parts_import_without_torch():
     code = ("import sys, megatron_pipette.probe.schedule, megatron_pipette.probe.budget, "
             "megatron_pipette.probe.engine, megatron_pipette.probe.fit, megatron_pipette.probe.document, "

@@ -1,16 +1,12 @@
 """Profiling inside a running Megatron job: rank 0 of a TP-2 job (two gloo processes).
 
-The ranks come from a fork server that imports torch and megatron-core once, so
-the test pays one interpreter start-up, not two. (Forking the test process itself
-is unsafe: earlier tests leave gloo and OpenMP threads whose locks a child can
-inherit held.)
+The ranks are children of the session's fork server (tests/conftest.py, `forked`),
+which imports torch and megatron-core once: no interpreter start-up per rank.
 """
 
 import json
-import multiprocessing
 import os
 import socket
-import time
 import traceback
 from datetime import timedelta
 
@@ -60,22 +56,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rank_zero_of_a_tp2_job_profiles_with_its_own_groups(tmp_path):
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_pipette.profile", "megatron.core.parallel_state"])
+@pytest.mark.torchrun
+def test_rank_zero_of_a_tp2_job_profiles_with_its_own_groups(forked, tmp_path):
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a rank ran over 120 s")
+    exit_codes = forked(_rank, [(r, port, str(tmp_path)) for r in range(2)])
     errors = [e.read_text() for e in tmp_path.glob("rank*.err")]
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors)[-3000:]
+    assert not errors and exit_codes == [0, 0], "\n".join(errors)[-3000:]
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["tp_after"] == 2 and result["all_reduce"] == 2.0
     profile = profile_from_json(result["doc"])
