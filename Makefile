@@ -28,7 +28,8 @@ demo: venv
 # Tiers (markers in pytest.ini): test-fast is the planner (spec, cost, plan, cli, golden outputs,
 # the probe's pure parts) with importing torch made an error; test-random is the same with
 # hypothesis drawing new examples; test-gpu runs the tests that need CUDA (they skip without it).
-FAST := -m "not torchrun and not slow and not gpu" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe
+FAST := -m "not torchrun and not slow and not gpu" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe \
+        tests/twin
 
 test: venv
 	$(PY) -m pytest -q

@@ -54,7 +54,7 @@ def test_estimate_text_reports_stages(capsys):
     (["estimate", "--model", "gpt3-1.3b", "--num-attention-heads", "15"], "--num-attention-heads 15"),
     (["plan", "--num-layers", "24", "--hidden-size", "1024"], "missing --num-attention-heads"),
     (["plan", "--model", "gpt3-1.3b", "--num-layers", "-2"], "--num-layers must be a positive integer"),
-    (["plan", "--gpu", "B300"], "--gpu 'B300'"),
+    (["plan", "--gpu", "R100"], "--gpu 'R100'"),
     (["plan", "--cluster", "/nonexistent.json"], "--cluster '/nonexistent.json'"),
     (["plan", "--micro-batch-size", "0"], "--micro-batch-size must be a positive integer"),
     (["plan", "--top", "0"], "--top must be a positive integer"),

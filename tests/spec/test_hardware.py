@@ -23,8 +23,8 @@ def test_catalog_has_required_gpus_with_reference_figures():
 
 
 def test_unknown_gpu_is_a_clear_error():
-    with pytest.raises(PipetteError, match="--gpu 'B300'"):
-        lookup_gpu("B300")
+    with pytest.raises(PipetteError, match="--gpu 'R100'"):
+        lookup_gpu("R100")
     with pytest.raises(PipetteError, match="--gpu V100-32GB has no bf16"):
         lookup_gpu("V100-32GB").peak("bf16")
 
@@ -35,8 +35,8 @@ def test_preset_links_are_intra_fast_inter_slow():
     lat, bw = c.link(np.array([0, 0]), np.array([7, 8]))
     assert bw.tolist() == [370e9, 47.5e9]
     assert lat[1] > lat[0]
-    with pytest.raises(PipetteError, match="--cluster 'dgx-b200'"):
-        preset_cluster("dgx-b200")
+    with pytest.raises(PipetteError, match="--cluster 'dgx-r100'"):
+        preset_cluster("dgx-r100")
     with pytest.raises(PipetteError, match="--num-nodes"):
         preset_cluster("dgx-a100", num_nodes=0)
 
@@ -156,3 +156,14 @@ def test_bad_cluster_files_are_clear_errors(mutate, message):
     mutate(doc)
     with pytest.raises(PipetteError, match=message):
         cluster_from_json(doc, where="--cluster f.json")
+
+
+def test_blackwell_entries_and_the_nvl72_domain():
+    assert lookup_gpu("B200").peak("fp8") == 4500e12 and lookup_gpu("GB200").peak("bf16") == 2500e12
+    assert lookup_gpu("B300").memory_bytes == 288e9
+    c = preset_cluster("gb200-nvl72", num_nodes=36)
+    assert (c.gpus_per_node, c.gpus_per_domain) == (4, 72)
+    lat, bw = c.link(np.array([0, 0]), np.array([71 * 1, 72]))     # same domain, next domain
+    assert bw.tolist() == [740e9, 47.5e9]
+    with pytest.raises(PipetteError, match="--num-nodes 16386: .*at most 16384 nodes"):
+        preset_cluster("gb200-nvl72", num_nodes=16386)
