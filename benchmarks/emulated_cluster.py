@@ -156,8 +156,10 @@ def predict(cache_dir: Path, fields: dict, order: list[int]) -> float:
     (cluster.json) and CPU layer profile (layer_profile.json): the path the hook plans with."""
     from megatron_pipette.cli.args import workload_from_args
     from megatron_pipette.cli.main import build_parser
+    from megatron_pipette.cost.model import CostModel
     from megatron_pipette.plan.placement import Placement
     from megatron_pipette.plan.planner import evaluate
+    from megatron_pipette.spec.job import resolve_job
     from megatron_pipette.spec.cluster_file import cluster_from_json
     from megatron_pipette.spec.layer_profile import profile_from_json
     from megatron_pipette.spec.layout import Layout
@@ -165,8 +167,8 @@ def predict(cache_dir: Path, fields: dict, order: list[int]) -> float:
     workload = workload_from_args(build_parser().parse_args(PRED_FLAGS), None)
     cluster = cluster_from_json(json.loads((cache_dir / "cluster.json").read_text()))
     profile = profile_from_json(json.loads((cache_dir / "layer_profile.json").read_text()))
-    time, _ = evaluate(workload, Layout(**fields), cluster, profile=profile,
-                       placement=Placement(tuple(order), cluster.gpus_per_node))
+    time, _ = evaluate(CostModel(cluster, profile=profile), resolve_job(workload, Layout(**fields)),
+                       Placement(tuple(order), cluster.gpus_per_node))
     return time.iteration_time_s
 
 

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.planner import plan
 from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 from megatron_pipette.spec.workload import workload_from_preset
@@ -45,7 +46,7 @@ def one(gpus: int, kind: str) -> dict:
     t0 = time.perf_counter()
     c = cluster(gpus, kind)
     t1 = time.perf_counter()
-    result = plan(workload, c)
+    result = plan(workload, CostModel(c))
     t2 = time.perf_counter()
     best = result.best
     summary = "nothing fits"

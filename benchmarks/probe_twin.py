@@ -17,11 +17,13 @@ import time
 
 import numpy as np
 
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.planner import evaluate, plan
 from megatron_pipette.probe.schedule import node_pairs_met
 from megatron_pipette.probe.twin import compare_to_truth, run_twin
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.workload import workload_from_preset
 
 SLOW_NODE, SLOW_PAIR = 3, (5, 9)
@@ -70,9 +72,9 @@ def main() -> None:
         priced = {}
         for name, cluster in (("probed", probed), ("truth", truth)):
             t0 = time.perf_counter()
-            best = plan(workload, cluster, top_k=3).best
+            best = plan(workload, CostModel(cluster), top_k=3).best
             planned = time.perf_counter() - t0
-            on_truth, _ = evaluate(workload, best.layout, truth, placement=best.placement)
+            on_truth, _ = evaluate(CostModel(truth), resolve_job(workload, best.layout), best.placement)
             priced[name] = on_truth.iteration_time_s
             print(f"  planned on the {name:>6} cluster in {planned:5.1f} s: {best.layout.describe()}, "
                   f"{on_truth.iteration_time_s:.4f} s/iteration on the truth")

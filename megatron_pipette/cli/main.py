@@ -21,11 +21,13 @@ from megatron_pipette.cli import render
 from megatron_pipette.cli.args import (DEFAULT_MODEL, add_cluster_flags, add_layout_flags, add_workload_flags,
                                        check_megatron_flags, cluster_from_args, layout_constraints,
                                        profile_from_args, read_json, split_megatron_flags, workload_from_args)
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.files import write_cluster_file
 from megatron_pipette.plan.document import chosen_from_json, estimate_json, plan_json
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
-from megatron_pipette.spec.layout import Layout, check_user_layout, validate_layout
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout, check_user_layout
 from megatron_pipette.spec.workload import Workload, megatron_flag, workload_fields
 
 EXIT_USAGE = 2
@@ -83,7 +85,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
-    result = plan(workload, cluster, profile=profile, constraints=constraints, top_k=ns.top,
+    result = plan(workload, CostModel(cluster, profile=profile), constraints=constraints, top_k=ns.top,
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
     if ns.json:
         print(json.dumps(plan_json(result), indent=1))
@@ -113,10 +115,10 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
                            f"divide the {cluster.world_size} GPUs")
     layout = Layout(**fields, data_parallel_size=cluster.world_size // (tp * pp))
     try:
-        validate_layout(workload, layout, cluster.world_size)
+        job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
-    time, memory = evaluate(workload, layout, cluster, profile=profile)
+    time, memory = evaluate(CostModel(cluster, profile=profile), job)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
@@ -141,7 +143,11 @@ def estimate_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--plan {ns.plan} places {len(placement.node_order)} nodes of "
                            f"{placement.gpus_per_node}; --cluster has {cluster.num_nodes} of {cluster.gpus_per_node}")
     profile = profile_from_args(ns, workload, cluster)
-    time, memory = evaluate(workload, layout, cluster, profile=profile, placement=placement)
+    try:
+        job = resolve_job(workload, layout, cluster.world_size)
+    except Infeasible as e:
+        raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
+    time, memory = evaluate(CostModel(cluster, profile=profile), job, placement)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
                           "placement": {"node_order": list(placement.node_order)}}, indent=1))

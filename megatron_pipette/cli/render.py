@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_pipette.cost.memory import MemoryEstimate
+from megatron_pipette.cost.memory import MemoryEstimate, misfit_reason
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
@@ -75,11 +75,13 @@ def plan_report(result: Plan) -> str:
 
 
 def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:
-    verdict = "fits" if memory.fits else "DOES NOT FIT"
-    return "\n".join([f"{layout_desc}: {time.iteration_time_s:.3f} s/iteration, "
-                      f"{time.tflops_per_gpu:.3g} TFLOP/s per GPU, peak {_gib(memory.peak_bytes)} GiB "
-                      f"of {_gib(memory.capacity_bytes)} GiB ({verdict})", "",
-                      breakdown(time), "", stage_memory(memory)])
+    misfit = misfit_reason(memory)
+    verdict = "fits" if misfit is None else "DOES NOT FIT"
+    lines = [f"{layout_desc}: {time.iteration_time_s:.3f} s/iteration, {time.tflops_per_gpu:.3g} TFLOP/s per GPU, "
+             f"peak {_gib(memory.peak_bytes)} GiB of {_gib(memory.capacity_bytes)} GiB ({verdict})"]
+    if misfit:
+        lines.append(f"  {misfit}")
+    return "\n".join([*lines, "", breakdown(time), "", stage_memory(memory)])
 
 
 def twin_report(doc: dict, simulated_s: float, wall_s: float, errors: dict[str, float]) -> str:

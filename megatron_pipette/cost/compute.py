@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
-from megatron_pipette.spec.layout import Layout, stage_layers
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.layout import Layout
 
 GEMM_HALF_DIM = 32
 """A GEMM dimension n runs at n / (n + 32) of the large-GEMM rate; the product over
@@ -79,16 +79,17 @@ class PartWork:
     """Extra forward work redone in the backward, when this part is recomputed."""
 
 
-def _shape(workload: Workload, layout: Layout) -> dict:
-    w, t = workload, layout.tp
+def _shape(job: Job) -> dict:
+    w, layout = job.workload, job.layout
+    t = layout.tp
     return dict(n=layout.micro_batch_size * w.seq_length, b=layout.micro_batch_size, s=w.seq_length,
                 h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, d=w.head_dim,
                 f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
 
 
-def roofline_layer(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+def roofline_layer(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     """One transformer layer on one TP rank."""
-    w, x = workload, _shape(workload, layout)
+    w, layout, x = job.workload, job.layout, _shape(job)
     n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
     core = _gemm(s, s, d, b * a) + _gemm(s, d, s, b * a)
     gemm = (_gemm(n, (a + 2 * g) * d, h) + core + _gemm(n, h, a * d)
@@ -112,11 +113,11 @@ def roofline_layer(workload: Workload, layout: Layout, memory_bandwidth_Bps: flo
     return PartWork(forward=forward, backward=backward, recompute=recompute)
 
 
-def roofline_embedding(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     """Word (+ learned position) embedding on the first stage: a memory-bound gather.
 
     The backward writes a dense (vocab/t x h) gradient and adds it into the fp32 main grad."""
-    w, x = workload, _shape(workload, layout)
+    w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     fwd = 2 * e * n * h + (3 * e * n * h if w.position_embedding_type == "learned_absolute" else 0)
     fwd += (2 * e + 1) * n * h / sp if w.hidden_dropout > 0 else 0
@@ -124,9 +125,9 @@ def roofline_embedding(workload: Workload, layout: Layout, memory_bandwidth_Bps:
     return PartWork(forward=Work(mem_s=fwd / memory_bandwidth_Bps), backward=Work(mem_s=bwd / memory_bandwidth_Bps))
 
 
-def roofline_output(workload: Workload, layout: Layout, memory_bandwidth_Bps: float) -> PartWork:
+def roofline_output(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
-    w, x = workload, _shape(workload, layout)
+    w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     gemm = _gemm(n, vocab, h)
@@ -145,9 +146,10 @@ def profiled_rate(profile: LayerProfile, cluster: Cluster) -> float:
     return profile.gemm_flops if profile.gemm_flops is not None else float(cluster.gemm_flops[profile.rank])
 
 
-def profile_layer(profile: LayerProfile, workload: Workload, layout: Layout, cluster: Cluster) -> PartWork | None:
+def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork | None:
     """The measured layer (None when this TP size was not profiled). Entries with
     recomputation include the recomputed forward in backward_s; split it out."""
+    layout = job.layout
     tp, mbs, sp, rc = layout.tp, layout.micro_batch_size, layout.sequence_parallel, layout.recompute_granularity
     base = profile.layer(tp, mbs, sp, None)
     with_rc = profile.layer(tp, mbs, sp, rc) if rc else None
@@ -160,7 +162,7 @@ def profile_layer(profile: LayerProfile, workload: Workload, layout: Layout, clu
     if base is not None and with_rc is not None:
         extra = max(with_rc.backward_s - base.backward_s, 0.0)
     else:
-        model = roofline_layer(workload, layout, cluster.memory_bandwidth_Bps)
+        model = roofline_layer(job, cluster.memory_bandwidth_Bps)
         share = (model.recompute.flops / rate + model.recompute.mem_s) / (model.forward.flops / rate + model.forward.mem_s)
         extra = fwd * share
     backward = base.backward_s if base is not None else with_rc.backward_s - extra
@@ -193,19 +195,19 @@ def _as_array(work: Work) -> np.ndarray:
     return np.array([work.flops, work.mem_s])
 
 
-def stage_work(workload: Workload, layout: Layout, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
+def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
-    v = layout.virtual_stages(workload)
+    layout, v = job.layout, job.virtual_stages
     bw = cluster.memory_bandwidth_Bps
-    layer = profile_layer(profile, workload, layout, cluster) if profile else None
+    layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
-    layer = layer or roofline_layer(workload, layout, bw)
+    layer = layer or roofline_layer(job, bw)
     rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
-        or roofline_embedding(workload, layout, bw)
+        or roofline_embedding(job, bw)
     out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \
-        or roofline_output(workload, layout, bw)
-    layers = np.array(stage_layers(workload, layout), dtype=float)[:, None] / v * np.ones(v)
+        or roofline_output(job, bw)
+    layers = np.array(job.stage_layers, dtype=float)[:, None] / v * np.ones(v)
     recomputed = _recomputed_layers(layout, layers)
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     fwd = _as_array(layer.forward)[:, None, None] * layers

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import cache
 
 from megatron_pipette.cost import simulator
-from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
-from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
 from megatron_pipette.spec.workload import Workload
 
 GiB = 1 << 30
@@ -125,20 +125,22 @@ def _fc1_width(workload: Workload) -> int:
     return 2 * workload.ffn if workload.swiglu else workload.ffn
 
 
-def _score_elements(workload: Workload, layout: Layout) -> int:
+def _score_elements(job: Job) -> int:
     """Elements of one layer's a*s*s attention scores on one device; flash/fused attention has none."""
+    workload, layout = job.workload, job.layout
     if workload.attention_backend not in UNFUSED_ATTENTION:
         return 0
     return workload.num_attention_heads * workload.seq_length ** 2 * layout.micro_batch_size // layout.tp
 
 
-def _score_bytes(workload: Workload, layout: Layout) -> int:
+def _score_bytes(job: Job) -> int:
     """One layer's stored s*s terms: softmax output, and with attention dropout its mask and output."""
-    e, dropout = workload.bytes_per_element, workload.attention_dropout > 0
-    return _score_elements(workload, layout) * (e + dropout * (1 + e))
+    e, dropout = job.workload.bytes_per_element, job.workload.attention_dropout > 0
+    return _score_elements(job) * (e + dropout * (1 + e))
 
 
-def _formula_layer_bytes(workload: Workload, layout: Layout, granularity: str | None) -> int:
+def _formula_layer_bytes(job: Job, granularity: str | None) -> int:
+    workload, layout = job.workload, job.layout
     s, b, h, e = workload.seq_length, layout.micro_batch_size, workload.hidden_size, workload.bytes_per_element
     tokens, t = s * b, layout.tp
     sp = t if layout.sequence_parallel else 1
@@ -150,23 +152,23 @@ def _formula_layer_bytes(workload: Workload, layout: Layout, granularity: str | 
     query, kv = _attention_widths(workload)
     # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP.
     tp_side = e * tokens * (2 * query + 2 * kv + _fc1_width(workload) + workload.ffn) // t
-    scores = 0 if granularity == "selective" else _score_bytes(workload, layout)
+    scores = 0 if granularity == "selective" else _score_bytes(job)
     return norm_side + tp_side + scores
 
 
-def activation_bytes_per_layer(workload: Workload, layout: Layout) -> int:
+def activation_bytes_per_layer(job: Job) -> int:
     """Bytes one transformer layer keeps for its backward, one micro-batch, one device, under the
     layout's recompute granularity ("full": the layer's checkpointed input). Korthikanti et al.
     2022 generalised; docs/memory-model.md derives it."""
-    return _formula_layer_bytes(workload, layout, layout.recompute_granularity)
+    return _formula_layer_bytes(job, job.layout.recompute_granularity)
 
 
-def _layer_bytes(workload: Workload, layout: Layout, granularity: str | None,
-                 profile: LayerProfile | None) -> int:
+def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None) -> int:
     """Measured bytes when the profile has this shape, else the formula."""
+    layout = job.layout
     entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel,
                           granularity) if profile is not None else None
-    return entry.activation_bytes if entry is not None else _formula_layer_bytes(workload, layout, granularity)
+    return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity)
 
 
 # In-flight micro-batches, as megatron-core 0.19's schedules run them.
@@ -189,10 +191,10 @@ def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int =
     return min(_warmup_microbatches(pp, rank, num_microbatches, vpp) + 1, total)
 
 
-def in_flight_microbatches(workload: Workload, layout: Layout) -> tuple[int, ...]:
-    """microbatches_in_flight of every pipeline rank of this layout."""
-    m, vpp = layout.num_microbatches(workload), layout.virtual_stages(workload)
-    return tuple(microbatches_in_flight(layout.pp, r, m, vpp) for r in range(layout.pp))
+def in_flight_microbatches(job: Job) -> tuple[int, ...]:
+    """microbatches_in_flight of every pipeline rank of this job."""
+    pp = job.layout.pp
+    return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
 
 
 @cache
@@ -231,7 +233,8 @@ def _layer_parameters_per_device(workload: Workload, tp: int) -> int:
     return sharded // tp + replicated
 
 
-def _stage_parameters(workload: Workload, layout: Layout, stage: int, layers: int) -> int:
+def _stage_parameters(job: Job, stage: int, layers: int) -> int:
+    workload, layout = job.workload, job.layout
     tp, pp, h = layout.tp, layout.pp, workload.hidden_size
     words = workload.padded_vocab_size(tp) * h // tp
     params = layers * _layer_parameters_per_device(workload, tp)
@@ -245,26 +248,26 @@ def _stage_parameters(workload: Workload, layout: Layout, stage: int, layers: in
     return params
 
 
-def communicators(workload: Workload, layout: Layout, stage: int) -> int:
+def communicators(job: Job, stage: int) -> int:
     """NCCL communicators a device of this stage uses: TP, PP, DP, the model-parallel group
     (gradient-norm all-reduce) and, for a tied embedding split over PP, the embedding group."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp = job.layout.tp, job.layout.pp, job.layout.dp
     groups = (tp > 1) + (pp > 1) + (dp > 1) + (tp * pp > 1)
-    tied_split = pp > 1 and not workload.untie_embeddings_and_output_weights
+    tied_split = pp > 1 and not job.workload.untie_embeddings_and_output_weights
     return groups + (tied_split and stage in (0, pp - 1))
 
 
 # The estimate.
 
-def _chunk_activations(workload: Workload, layout: Layout, chunk_layers: int,
-                       profile: LayerProfile | None) -> tuple[int, int]:
+def _chunk_activations(job: Job, chunk_layers: int, profile: LayerProfile | None) -> tuple[int, int]:
     """(bytes one micro-batch stores in one model chunk, bytes recomputed at once in its backward)."""
+    layout = job.layout
     granularity = layout.recompute_granularity
-    stored = _layer_bytes(workload, layout, granularity, profile)
+    stored = _layer_bytes(job, granularity, profile)
     if granularity != "full":
-        recomputed = _score_bytes(workload, layout) if granularity == "selective" else 0
+        recomputed = _score_bytes(job) if granularity == "selective" else 0
         return chunk_layers * stored, recomputed
-    full = _layer_bytes(workload, layout, None, profile)
+    full = _layer_bytes(job, None, profile)
     n = layout.recompute_num_layers
     if layout.recompute_method == "uniform":  # inputs of groups of n layers; one group live in backward
         return -(-chunk_layers // n) * stored, min(n, chunk_layers) * full
@@ -272,23 +275,24 @@ def _chunk_activations(workload: Workload, layout: Layout, chunk_layers: int,
     return checkpointed * stored + (chunk_layers - checkpointed) * full, full
 
 
-def _stage_memory(workload: Workload, layout: Layout, stage: int, layers: int, profile: LayerProfile | None,
+def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | None,
                   overheads: RuntimeOverheads) -> StageMemory:
+    workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
     tokens = workload.seq_length * layout.micro_batch_size
     sp = t if layout.sequence_parallel else 1
     vocab = workload.padded_vocab_size(t)
     first, last = stage == 0, stage == layout.pp - 1
-    vpp = layout.virtual_stages(workload)
-    chunk, recomputed = _chunk_activations(workload, layout, layers // vpp, profile)
+    vpp = job.virtual_stages
+    chunk, recomputed = _chunk_activations(job, layers // vpp, profile)
     # Stage 0, chunk 0: the embedding's dropout mask. Last stage, last chunk: the final norm's and
     # output layer's inputs, and the fp32 softmax the vocab-parallel cross entropy saves.
     embedding = tokens * h // sp if first and workload.hidden_dropout > 0 else 0
     output = 2 * e * tokens * h // sp + 4 * tokens * vocab // t if last else 0
-    states = _in_flight_states(layout.pp, stage, layout.num_microbatches(workload), vpp)
+    states = _in_flight_states(layout.pp, stage, job.num_microbatches, vpp)
     activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
 
-    scores = _score_elements(workload, layout)
+    scores = _score_elements(job)
     # Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input.
     buffer = max(e * scores, e * tokens * h if layout.sequence_parallel else 0)
     # One layer's gradients in flight: the MLP's two wide ones, or the score gradients.
@@ -297,39 +301,36 @@ def _stage_memory(workload: Workload, layout: Layout, stage: int, layers: int, p
     logits = e * tokens * vocab // t if last and e != 4 else 0
     transient = buffer + max(logits, recomputed + backward)
 
-    params = _stage_parameters(workload, layout, stage, layers)
+    params = _stage_parameters(job, stage, layers)
     weight, gradient, optimizer = state_bytes_per_parameter(workload.precision)
     shards = layout.dp if layout.use_distributed_optimizer else 1
     overhead = (overheads.cuda_context_bytes
-                + communicators(workload, layout, stage) * overheads.comm_buffer_bytes_per_group
+                + communicators(job, stage) * overheads.comm_buffer_bytes_per_group
                 + round(overheads.fragmentation * (activations + transient)))
     return StageMemory(stage=stage, parameters=params, weight_bytes=weight * params,
                        gradient_bytes=gradient * params, optimizer_bytes=-(-optimizer * params // shards),
                        activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead)
 
 
-def estimate_memory(workload: Workload, layout: Layout, capacity_bytes: int, *, profile: LayerProfile | None = None,
+def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | None = None,
                     overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> MemoryEstimate:
-    """Peak memory of every pipeline stage. Raises Infeasible if Megatron would reject the layout.
+    """Peak memory of every pipeline stage of a (valid, resolved) job.
 
     `profile` replaces the per-layer activation formula where it has the (TP, micro-batch, SP,
     recompute) shape; the caller checks it belongs to this model (check_profile_matches).
     """
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
-    validate_layout(workload, layout)
-    stages = tuple(_stage_memory(workload, layout, r, n, profile, overheads)
-                   for r, n in enumerate(stage_layers(workload, layout)))
+    stages = tuple(_stage_memory(job, r, n, profile, overheads) for r, n in enumerate(job.stage_layers))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 
-def require_fit(estimate: MemoryEstimate) -> None:
-    """Raise Infeasible naming the worst stage that does not fit, with its breakdown in GiB."""
+def misfit_reason(estimate: MemoryEstimate) -> str | None:
+    """Why the estimate does not fit, naming the worst stage and its breakdown in GiB (None: it fits)."""
     if estimate.fits:
-        return
+        return None
     s = estimate.worst_stage
     parts = (("weights", s.weight_bytes), ("gradients", s.gradient_bytes), ("optimizer", s.optimizer_bytes),
              ("activations", s.activation_bytes), ("transient", s.transient_bytes), ("overheads", s.overhead_bytes))
     detail = ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in parts)
-    raise Infeasible(f"stage {s.stage} needs {s.total_bytes / GiB:.1f} GiB of {estimate.capacity_bytes / GiB:.1f} GiB "
-                     f"({detail})")
+    return f"stage {s.stage} needs {s.total_bytes / GiB:.1f} GiB of {estimate.capacity_bytes / GiB:.1f} GiB ({detail})"

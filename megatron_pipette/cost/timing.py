@@ -26,11 +26,9 @@ import numpy as np
 
 from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
-from megatron_pipette.cost.comm import group_links as _group_links
-from megatron_pipette.cost.compute import StageWork, stage_work
+from megatron_pipette.cost.compute import StageWork
 from megatron_pipette.spec.hardware import Cluster
-from megatron_pipette.spec.layer_profile import LayerProfile
-from megatron_pipette.spec.layout import Layout, stage_layers
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
 
 OPTIMIZER_BYTES_PER_PARAM = 40
@@ -91,25 +89,6 @@ class TimeEstimate:
     the simulator's answer otherwise."""
 
 
-def group_links(layout: Layout, cluster: Cluster, placement=None) -> GroupLinks:
-    """Link summary for a layout's rank grid; share it across layouts with the same grid."""
-    return _group_links(layout.tp, layout.pp, layout.dp, cluster, placement)
-
-
-_WORK_CACHE: dict = {}
-
-
-def _cached_work(workload: Workload, layout: Layout, cluster: Cluster, profile: LayerProfile | None) -> StageWork:
-    """stage_work is placement independent: the placement search re-prices one layout many times."""
-    key = (workload, layout, cluster, id(profile))
-    hit = _WORK_CACHE.get(key)
-    if hit is None or hit[0] is not profile:
-        if len(_WORK_CACHE) > 4096:
-            _WORK_CACHE.clear()
-        hit = _WORK_CACHE[key] = (profile, stage_work(workload, layout, cluster, profile))
-    return hit[1]
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Stages:
     """Per-replica stage times and their parts, (dp, pp, v)."""
@@ -120,7 +99,8 @@ class _Stages:
     tp_comm: np.ndarray
 
 
-def _stage_times(workload: Workload, layout: Layout, work: StageWork, links: GroupLinks) -> _Stages:
+def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
+    workload, layout = job.workload, job.layout
     sp, mbs = layout.sequence_parallel, layout.micro_batch_size
     act = mbs * workload.seq_length * workload.hidden_size * workload.bytes_per_element
     ring = links.tensor
@@ -164,10 +144,11 @@ def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool
                                      ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
 
 
-def _stage_parameters(workload: Workload, layout: Layout) -> np.ndarray:
+def _stage_parameters(job: Job) -> np.ndarray:
     """(pp,) parameters per TP rank of each stage (replicated norms counted as sharded)."""
+    workload, layout = job.workload, job.layout
     tp = layout.tp
-    params = np.array(stage_layers(workload, layout), dtype=float) * workload.layer_parameters() / tp
+    params = np.array(job.stage_layers, dtype=float) * workload.layer_parameters() / tp
     words = workload.padded_vocab_size(tp) * workload.hidden_size / tp
     params[0] += workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * workload.hidden_size + words
     params[-1] += workload.norm_parameters()
@@ -187,8 +168,8 @@ def _overlapped(total: float, window: float, buckets: int) -> float:
     return max(total / buckets, total - window * (1 - 1 / buckets))
 
 
-def _dp_exposed(workload: Workload, layout: Layout, links: GroupLinks, name: str, stages: _Stages,
-                crit: int, params: np.ndarray) -> tuple[np.ndarray, float]:
+def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
+                params: np.ndarray) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
     exposed parameter all-gather of the distributed optimizer.
 
@@ -197,6 +178,7 @@ def _dp_exposed(workload: Workload, layout: Layout, links: GroupLinks, name: str
     finish (one bucket each), which the max over stages hides behind the others' cooldown.
     Interleaved: each chunk's share starts PP backward steps after that chunk's last backward,
     so all but chunk 0's share hide behind the last PP chunk-0 backward steps."""
+    workload, layout = job.workload, job.layout
     p, v = layout.pp, stages.times.shape[2]
     if layout.dp == 1:
         return np.zeros(p), 0.0
@@ -225,23 +207,21 @@ def _dp_exposed(workload: Workload, layout: Layout, links: GroupLinks, name: str
     return exposed, gather
 
 
-def estimate_time(workload: Workload, layout: Layout, cluster: Cluster, placement=None, *,
-                  profile: LayerProfile | None = None, links: GroupLinks | None = None,
-                  simulate: bool = False) -> TimeEstimate:
-    """Predicted iteration time; `links` (from group_links) must match the layout's grid and
-    placement; `simulate` times the pipeline with the event-driven simulator instead."""
-    if links is None:
-        links = group_links(layout, cluster, placement)
+def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
+                   simulate: bool = False) -> TimeEstimate:
+    """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
+    its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
+    pipeline with the event-driven simulator instead of the closed forms."""
+    workload, layout = job.workload, job.layout
     assert (links.tp, links.pp, links.dp) == (layout.tp, layout.pp, layout.dp), "links are for another grid"
-    work = _cached_work(workload, layout, cluster, profile)
-    stages = _stage_times(workload, layout, work, links)
-    m, v = layout.num_microbatches(workload), layout.virtual_stages(workload)
+    stages = _stage_times(job, work, links)
+    m, v = job.num_microbatches, job.virtual_stages
     name = schedules.schedule_name(layout.pp, v)
     pipe = _run_schedule(name, stages.times, m, simulate)
     crit = int(np.argmax(pipe.total_s))
     t_pipe = float(pipe.total_s[crit])
-    params = _stage_parameters(workload, layout)
-    exposed, gather = _dp_exposed(workload, layout, links, name, stages, crit, params)
+    params = _stage_parameters(job)
+    exposed, gather = _dp_exposed(job, links, name, stages, crit, params)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
     t_sync = t_dp

@@ -40,6 +40,7 @@ from megatron_pipette.integration import megatron_args
 from megatron_pipette.integration.groups import expected_groups
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.document import chosen_from_json, plan_json
 from megatron_pipette.plan.planner import plan
 from megatron_pipette.plan.placement import Placement
@@ -178,7 +179,7 @@ def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Pat
         budget_s=budget * PROFILE_SHARE, rank=0))
     _write_json(cache / "layer_profile.json", profile_doc, "--auto-parallel-cache-dir")
     profile = profile_from_json(profile_doc, where="layer profile")
-    result = phases.run("plan", lambda: plan(workload, cluster, profile=profile, constraints=constraints,
+    result = phases.run("plan", lambda: plan(workload, CostModel(cluster, profile=profile), constraints=constraints,
                                              top_k=5))
     if not result.candidates:
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / 2**30:.1f} GiB per device "

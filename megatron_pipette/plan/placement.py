@@ -4,7 +4,7 @@ Only whole nodes are permuted, so every process keeps its local GPU
 (`rank % gpus_per_node == LOCAL_RANK`); when a tensor-parallel group spans the
 nodes of an NVLink domain (GB200 NVL72), nodes move in blocks of that many and
 start domain-aligned, so the group stays inside its domain. The objective is the same predicted iteration time that ranks
-layouts (`cost.timing.estimate_time`), never a proxy.
+layouts (`CostModel.time`), never a proxy.
 
 The search is a deterministic, bounded best-improvement local search over
 node swaps. It starts from Megatron's default order and accepts only strict
@@ -26,11 +26,11 @@ from functools import cached_property
 
 import numpy as np
 
-from megatron_pipette.cost.timing import TimeEstimate, estimate_time
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.spec.hardware import Cluster
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload
 
 WEAK_NODES_PER_ROUND = 3
 """How many of the weakest-linked nodes a round tries to move."""
@@ -115,15 +115,15 @@ def domain_aligned(cluster: Cluster, unit: int) -> Placement:
     return Placement(tuple(np.argsort(cluster.domains, kind="stable").tolist()), cluster.gpus_per_node)
 
 
-def optimize_placement(workload: Workload, layout: Layout, cluster: Cluster, *,
-                       profile: LayerProfile | None = None) -> tuple[Placement, TimeEstimate]:
+def optimize_placement(model: CostModel, job: Job) -> tuple[Placement, TimeEstimate]:
     """The best node permutation found, and its predicted time (same model as the ranking).
 
     Nodes move in blocks of `unit` = TP / GPUs per node (1 when TP fits in a node), so a
     tensor-parallel group that spans the nodes of an NVLink domain stays inside it."""
+    cluster, layout = model.cluster, job.layout
     unit = max(1, layout.tp // cluster.gpus_per_node)
     current = default_placement(cluster) if unit == 1 else domain_aligned(cluster, unit)
-    best = estimate_time(workload, layout, cluster, current.logical_to_physical, profile=profile)
+    best = model.time(job, current.logical_to_physical)
     blocks = cluster.num_nodes // unit
     if blocks == 1:
         return current, best
@@ -142,7 +142,7 @@ def optimize_placement(workload: Workload, layout: Layout, cluster: Cluster, *,
         found = None
         for a, b in pairs:
             trial = current.swapped(a, b, unit)
-            estimate = estimate_time(workload, layout, cluster, trial.logical_to_physical, profile=profile)
+            estimate = model.time(job, trial.logical_to_physical)
             if estimate.iteration_time_s < best.iteration_time_s * (1 - RELATIVE_IMPROVEMENT):
                 found, best = trial, estimate
         if found is None:

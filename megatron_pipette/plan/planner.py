@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
-from megatron_pipette.cost.timing import TimeEstimate, estimate_time, group_links
+from megatron_pipette.cost.memory import MemoryEstimate
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import Cluster
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 
@@ -52,6 +54,8 @@ class Plan:
     """Layouts enumerated."""
     out_of_memory: int
     """Layouts dropped because a stage does not fit."""
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Layouts Megatron would reject, counted by reason (numbers generalised)."""
     closest_misfit: tuple[Layout, MemoryEstimate] | None = None
     """When nothing fits: the layout that came closest, to explain what would."""
 
@@ -60,62 +64,55 @@ class Plan:
         return self.candidates[0] if self.candidates else None
 
 
-def plan(workload: Workload, cluster: Cluster, *, profile: LayerProfile | None = None,
-         constraints: Mapping[str, Any] | None = None, top_k: int = 10, placement_top: int = 3,
-         allow_tp_across_nodes: bool = False, overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> Plan:
-    """Search every valid layout for this cluster and return the best ones, placed."""
+def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any] | None = None, top_k: int = 10,
+         placement_top: int = 3, allow_tp_across_nodes: bool = False) -> Plan:
+    """Search every valid layout for the model's cluster and return the best ones, placed."""
+    cluster = model.cluster
     considered = oom = 0
+    rejected: Counter = Counter()
     closest: tuple[float, Layout, MemoryEstimate] | None = None
-    links_cache: dict[tuple[int, int, int], object] = {}
-    identity = default_placement(cluster)
-    heap: list[tuple[float, int, Layout, TimeEstimate, MemoryEstimate]] = []
+    heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
     keep = max(top_k, placement_top)
-    for layout in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
-                                    allow_tp_across_nodes=allow_tp_across_nodes,
-                                    gpus_per_domain=cluster.gpus_per_domain):
+    for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
+                                 allow_tp_across_nodes=allow_tp_across_nodes,
+                                 gpus_per_domain=cluster.gpus_per_domain, rejected=rejected):
         considered += 1
-        memory = estimate_memory(workload, layout, cluster.memory_bytes, profile=profile, overheads=overheads)
+        memory = model.memory(job)
         if not memory.fits:
             oom += 1
             ratio = memory.peak_bytes / memory.capacity_bytes
             if closest is None or ratio < closest[0]:
-                closest = (ratio, layout, memory)
+                closest = (ratio, job.layout, memory)
             continue
-        grid = (layout.tp, layout.pp, layout.dp)
-        if grid not in links_cache:
-            links_cache[grid] = group_links(layout, cluster, identity.logical_to_physical)
-        time = estimate_time(workload, layout, cluster, identity.logical_to_physical, profile=profile,
-                             links=links_cache[grid])
-        entry = (-time.iteration_time_s, considered, layout, time, memory)
+        time = model.time(job)
+        entry = (-time.iteration_time_s, considered, job, time, memory)
         if len(heap) < keep:
             heapq.heappush(heap, entry)
         elif entry > heap[0]:
             heapq.heapreplace(heap, entry)
     ranked = sorted(heap, key=lambda e: (-e[0], e[1]))
+    identity = default_placement(cluster)
     candidates = []
-    for i, (_, _, layout, time, memory) in enumerate(ranked):
+    for i, (_, _, job, time, memory) in enumerate(ranked):
         placement, placed_time = identity, time
         if i < placement_top:
-            placement, placed_time = optimize_placement(workload, layout, cluster, profile=profile)
-        candidates.append(Candidate(layout=layout, placement=placement, time=placed_time,
-                                    default_order_time_s=time.iteration_time_s, memory=memory))
-    candidates.sort(key=lambda c: c.time.iteration_time_s)
-    candidates = [replace(c, simulated_time_s=estimate_time(
-        workload, c.layout, cluster, c.placement.logical_to_physical, profile=profile,
-        simulate=True).iteration_time_s) if i < placement_top and not c.time.exact_schedule else c
-        for i, c in enumerate(candidates[:top_k])]
+            placement, placed_time = optimize_placement(model, job)
+        candidates.append((job, Candidate(layout=job.layout, placement=placement, time=placed_time,
+                                          default_order_time_s=time.iteration_time_s, memory=memory)))
+    candidates.sort(key=lambda jc: jc[1].time.iteration_time_s)
+    chosen = [replace(c, simulated_time_s=model.time(job, c.placement.logical_to_physical,
+                                                     simulate=True).iteration_time_s)
+              if i < placement_top and not c.time.exact_schedule else c
+              for i, (job, c) in enumerate(candidates[:top_k])]
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
-                candidates=tuple(candidates), considered=considered, out_of_memory=oom,
+                candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected),
                 closest_misfit=None if closest is None else (closest[1], closest[2]))
 
 
-def evaluate(workload: Workload, layout: Layout, cluster: Cluster, *, profile: LayerProfile | None = None,
-             placement: Placement | None = None,
-             overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> tuple[TimeEstimate, MemoryEstimate]:
-    """Predict one given layout (any layout Megatron accepts, TP across nodes included)."""
-    placement = placement or default_placement(cluster)
-    time = estimate_time(workload, layout, cluster, placement.logical_to_physical, profile=profile)
-    return time, estimate_memory(workload, layout, cluster.memory_bytes, profile=profile, overheads=overheads)
+def evaluate(model: CostModel, job: Job, placement: Placement | None = None) -> tuple[TimeEstimate, MemoryEstimate]:
+    """Predict one given job (any layout Megatron accepts, TP across nodes included)."""
+    placement = placement or default_placement(model.cluster)
+    return model.time(job, placement.logical_to_physical), model.memory(job)
 
 
 def misfit_advice(workload: Workload, cluster: Cluster, result: Plan) -> list[str]:

@@ -14,13 +14,16 @@ per group); block recomputation is available as a constraint.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import fields, replace
 from itertools import product
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
-from megatron_pipette.spec.layout import Layout, validate_layout
+from megatron_pipette.spec.job import Job, resolve_job
+from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 
 LAYOUT_FIELDS = {f.name for f in fields(Layout)}
@@ -61,10 +64,17 @@ def fits_fast_domain(tp: int, gpus_per_node: int, gpus_per_domain: int) -> bool:
     return gpus_per_node % tp == 0 or (tp % gpus_per_node == 0 and gpus_per_domain % tp == 0)
 
 
+def rejection_kind(reason: Infeasible) -> str:
+    """A rejection's reason with its numbers generalised, so that like rejections count together:
+    "--num-attention-heads N is not divisible by --tensor-model-parallel-size N"."""
+    return re.sub(r"\d+", "N", str(reason))
+
+
 def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                       constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
-                      gpus_per_domain: int | None = None) -> Iterator[Layout]:
-    """Yield every valid layout (validate_layout passes) that honours the constraints."""
+                      gpus_per_domain: int | None = None, rejected: Counter | None = None) -> Iterator[Job]:
+    """Yield the job of every valid layout that honours the constraints; count each layout Megatron
+    would reject in `rejected`, by rejection_kind."""
     constraints = dict(constraints or {})
     _check_constraints(constraints)
     domain = gpus_per_domain or gpus_per_node
@@ -82,10 +92,10 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
             dp = world_size // (tp * pp)
             if "data_parallel_size" in constraints and constraints["data_parallel_size"] != dp:
                 continue
-            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices)
+            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected)
 
 
-def _layouts_for_grid(workload, tp, pp, dp, constraints, choices) -> Iterator[Layout]:
+def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected) -> Iterator[Job]:
     if workload.global_batch_size % dp:
         return
     per_replica = workload.global_batch_size // dp
@@ -111,12 +121,11 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices) -> Iterator[La
                       overlap_grad_reduce=(overlap := constraints.get("overlap_grad_reduce", dp > 1)),
                       overlap_param_gather=constraints.get("overlap_param_gather", dopt and overlap))
         for lpv in _virtual_options(workload, base, constraints):
-            layout = replace(base, num_layers_per_virtual_pipeline_stage=lpv)
             try:
-                validate_layout(workload, layout)
-            except Infeasible:
-                continue
-            yield layout
+                yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv))
+            except Infeasible as e:
+                if rejected is not None:
+                    rejected[rejection_kind(e)] += 1
 
 
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:

@@ -25,6 +25,7 @@ from megatron_pipette.cost.compute import roofline_layer
 from megatron_pipette.cost.memory import activation_bytes_per_layer
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU, gpu_catalog, lookup_gpu
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
@@ -60,13 +61,14 @@ def compare(doc: dict, gpu: GPU | None) -> list[dict]:
                         sequence_parallel=e.sequence_parallel, recompute_granularity=rc,
                         recompute_method="uniform" if rc == "full" else None,
                         recompute_num_layers=1 if rc == "full" else None)
+        job = resolve_job(dataclasses.replace(workload, global_batch_size=e.micro_batch_size), layout)
         row = {"tp": e.tensor_model_parallel_size, "mbs": e.micro_batch_size, "sp": e.sequence_parallel,
                "recompute": rc, "measured": e.measured, "activation_bytes": e.activation_bytes,
-               "model_activation_bytes": activation_bytes_per_layer(workload, layout)}
+               "model_activation_bytes": activation_bytes_per_layer(job)}
         row["activation_ratio"] = row["activation_bytes"] / row["model_activation_bytes"]
         if gpu is not None:
             rate = gpu.peak(workload.precision) * DEFAULT_GEMM_EFFICIENCY
-            work = roofline_layer(workload, layout, gpu.memory_bandwidth_Bps)
+            work = roofline_layer(job, gpu.memory_bandwidth_Bps)
             fwd = work.forward.flops / rate + work.forward.mem_s
             bwd = (work.backward.flops + work.recompute.flops) / rate + work.backward.mem_s + work.recompute.mem_s
             row.update(forward_s=e.forward_s, model_forward_s=fwd, forward_ratio=e.forward_s / fwd,

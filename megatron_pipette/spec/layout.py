@@ -68,15 +68,6 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    def virtual_stages(self, workload: Workload) -> int:
-        """Model chunks per pipeline rank (1 without interleaving)."""
-        if self.num_layers_per_virtual_pipeline_stage is None:
-            return 1
-        return stage_layers(workload, self)[0] // self.num_layers_per_virtual_pipeline_stage
-
-    def num_microbatches(self, workload: Workload) -> int:
-        return workload.global_batch_size // (self.micro_batch_size * self.dp)
-
     def describe(self) -> str:
         """A short label: tp2 pp4 dp8 mbs1 vpp2 sp dopt rc=full."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
@@ -192,7 +183,7 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         if len(set(layers)) != 1 or layers[0] % lpv or layers[0] == lpv:
             raise Infeasible(f"--num-layers-per-virtual-pipeline-stage {lpv} must divide the {layers[0]} layers "
                              f"of every pipeline stage into two or more chunks")
-        m = layout.num_microbatches(workload)
+        m = workload.global_batch_size // (mbs * dp)
         if m % pp:
             raise Infeasible(f"the interleaved schedule needs the number of micro-batches ({m}) to be a "
                              f"multiple of --pipeline-model-parallel-size {pp}")

@@ -1,10 +1,10 @@
 """The workload: model and training settings, in Megatron-LM's argument names.
 
 Fields are named exactly as Megatron's `args` (`--hidden-size` -> `hidden_size`)
-so a user can paste the model part of a launch line. `Workload.resolve()` fills
-the values Megatron derives (ffn size, kv channels, query groups) by
-Megatron's own rules; the padded vocabulary depends on the tensor-parallel
-size and is a function, not a field.
+so a user can paste the model part of a launch line. Properties fill the values
+Megatron derives (ffn size, kv channels, query groups) by Megatron's own rules;
+the padded vocabulary depends on the tensor-parallel size and is a function,
+not a field. What a layout derives from the workload is in `spec.job`.
 """
 
 from __future__ import annotations

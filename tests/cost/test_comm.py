@@ -1,7 +1,6 @@
 """Alpha-beta collectives and p2p on each group's actual links."""
 
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -93,12 +92,3 @@ def test_slowest_device_sets_the_tensor_group_pace():
     c.gemm_flops[5] = 50e12
     links = group_links(4, 2, 1, c)
     assert links.gemm_flops[1, 0] == 50e12 and links.gemm_flops[0, 0] == 200e12
-
-
-def test_links_for_1024_gpus_take_milliseconds():
-    c = preset_cluster("dgx-a100", num_nodes=128)
-    group_links(8, 8, 16, c)
-    start = time.perf_counter()
-    for _ in range(5):
-        group_links(8, 8, 16, c)
-    assert (time.perf_counter() - start) / 5 < 0.05   # measured ~0.2 ms

@@ -9,6 +9,7 @@ from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
+from megatron_pipette.spec.job import resolve_job
 
 A100 = preset_cluster("dgx-a100", num_nodes=1)
 
@@ -26,44 +27,44 @@ def test_raw_gemm_flops_are_megatrons_model_flops(monkeypatch):
     for name in ("gpt3-1.3b", "llama3-8b"):
         w = workload_from_preset(name)
         layout = Layout(pipeline_model_parallel_size=2, data_parallel_size=4, micro_batch_size=2)
-        work = stage_work(w, layout, preset_cluster("dgx-a100", num_nodes=1))
-        total = (work.forward[0].sum() + work.backward[0].sum()) * layout.num_microbatches(w) * layout.dp
+        work = stage_work(resolve_job(w, layout), preset_cluster("dgx-a100", num_nodes=1))
+        total = (work.forward[0].sum() + work.backward[0].sum()) * resolve_job(w, layout).num_microbatches * layout.dp
         assert total == pytest.approx(w.model_flops_per_iteration(), rel=1e-12)
 
 
 def test_backward_is_twice_forward_and_recompute_adds_forward_work():
     w = workload_from_preset("gpt3-6.7b")
-    plain = roofline_layer(w, Layout(tensor_model_parallel_size=2), 2e12)
+    plain = roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=2)), 2e12)
     assert plain.backward.flops == pytest.approx(2 * plain.forward.flops)
     assert plain.recompute.flops == 0
-    full = roofline_layer(w, Layout(tensor_model_parallel_size=2, recompute_granularity="full",
-                                    recompute_method="uniform", recompute_num_layers=1), 2e12)
+    full = roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=2, recompute_granularity="full",
+                                    recompute_method="uniform", recompute_num_layers=1)), 2e12)
     assert full.recompute == full.forward
-    sel = roofline_layer(w, Layout(tensor_model_parallel_size=2, recompute_granularity="selective"), 2e12)
+    sel = roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=2, recompute_granularity="selective")), 2e12)
     assert 0 < sel.recompute.flops < 0.3 * sel.forward.flops
 
 
 def test_tensor_parallelism_shards_the_layer():
     w = workload_from_preset("gpt3-13b")
-    one, eight = (roofline_layer(w, Layout(tensor_model_parallel_size=t), 2e12) for t in (1, 8))
+    one, eight = (roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=t)), 2e12) for t in (1, 8))
     assert 8 / 1.15 < one.forward.flops / eight.forward.flops < 8   # smaller GEMMs run less efficiently
 
 
 def test_sequence_parallel_shards_the_memory_bound_ops():
     w = workload_from_preset("gpt3-13b")
-    tp, sp = (roofline_layer(w, Layout(tensor_model_parallel_size=4, sequence_parallel=s), 2e12) for s in (False, True))
+    tp, sp = (roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=4, sequence_parallel=s)), 2e12) for s in (False, True))
     assert sp.forward.mem_s < tp.forward.mem_s and sp.forward.flops == tp.forward.flops
 
 
 def test_unfused_attention_pays_for_the_score_matrix():
-    flash = roofline_layer(workload_from_preset("gpt3-1.3b"), Layout(), 2e12)
-    local = roofline_layer(workload_from_preset("gpt3-1.3b", attention_backend="local"), Layout(), 2e12)
+    flash = roofline_layer(resolve_job(workload_from_preset("gpt3-1.3b"), Layout()), 2e12)
+    local = roofline_layer(resolve_job(workload_from_preset("gpt3-1.3b", attention_backend="local"), Layout()), 2e12)
     assert local.forward.mem_s > 2 * flash.forward.mem_s
 
 
 def test_first_and_last_stages_carry_embedding_and_output_layer():
     w = workload_from_preset("gpt3-1.3b")
-    work = stage_work(w, Layout(pipeline_model_parallel_size=4, data_parallel_size=2), A100)
+    work = stage_work(resolve_job(w, Layout(pipeline_model_parallel_size=4, data_parallel_size=2)), A100)
     fwd = work.forward[0] + work.forward[1] * 1e15
     assert fwd[0, 0] > fwd[1, 0] and fwd[3, 0] > fwd[1, 0] and fwd[1, 0] == fwd[2, 0]
     assert work.forward[0, 3, 0] - work.forward[0, 1, 0] == pytest.approx(2 * 2048 * 2048 * 50304 / gemm_efficiency(2048, 50304, 2048))
@@ -71,8 +72,8 @@ def test_first_and_last_stages_carry_embedding_and_output_layer():
 
 def test_interleaving_splits_stages_into_chunks_with_the_ends_on_their_chunks():
     w = workload_from_preset("gpt3-1.3b")
-    work = stage_work(w, Layout(pipeline_model_parallel_size=2, data_parallel_size=4,
-                                num_layers_per_virtual_pipeline_stage=3), A100)
+    work = stage_work(resolve_job(w, Layout(pipeline_model_parallel_size=2, data_parallel_size=4,
+                                num_layers_per_virtual_pipeline_stage=3)), A100)
     assert work.layers.shape == (2, 4) and np.all(work.layers == 3)
     assert work.forward[0, 1, 3] > work.forward[0, 1, 0]        # output layer on the last chunk
     assert work.backward[1, 0, 0] > work.backward[1, 0, 1]      # embedding on the first chunk
@@ -82,9 +83,9 @@ def test_block_recompute_counts_n_layers_per_chunk():
     w = workload_from_preset("gpt3-1.3b")
     layout = Layout(pipeline_model_parallel_size=2, data_parallel_size=4, recompute_granularity="full",
                     recompute_method="block", recompute_num_layers=5)
-    work = stage_work(w, layout, A100)
+    work = stage_work(resolve_job(w, layout), A100)
     assert np.all(work.recomputed_layers == 5)
-    per_layer = roofline_layer(w, layout, A100.memory_bandwidth_Bps).forward.flops
+    per_layer = roofline_layer(resolve_job(w, layout), A100.memory_bandwidth_Bps).forward.flops
     assert work.recompute[0, 0, 0] == pytest.approx(5 * per_layer)
 
 
@@ -103,9 +104,9 @@ def test_profile_replaces_the_roofline_and_scales_with_device_speed():
     c = preset_cluster("dgx-a100", num_nodes=1)
     c.gemm_flops[3] = c.gemm_flops[0] / 2                        # the profiled device is twice slower
     layout = Layout(data_parallel_size=8)
-    work = stage_work(w, layout, c, _profile(rank=3))
+    work = stage_work(resolve_job(w, layout), c, _profile(rank=3))
     assert work.profiled
-    output = compute.roofline_output(w, layout, c.memory_bandwidth_Bps).forward.flops   # not profiled here
+    output = compute.roofline_output(resolve_job(w, layout), c.memory_bandwidth_Bps).forward.flops   # not profiled here
     layers_s_on_fast_device = (work.forward[0, 0, 0] - output) / c.gemm_flops[0]
     assert layers_s_on_fast_device == pytest.approx(w.num_layers * 0.01 / 2)
 
@@ -115,23 +116,23 @@ def test_devices_sharing_cores_run_the_profile_slower():
     (four processes on two cores): the plan runs the profiled layer at half speed."""
     w = workload_from_preset("gpt3-1.3b")
     c = preset_cluster("dgx-a100", num_nodes=1)
-    alone = stage_work(w, Layout(data_parallel_size=8), c, _profile())
-    shared = stage_work(w, Layout(data_parallel_size=8), c, _profile(gemm_flops=2 * c.gemm_flops[0]))
-    output = compute.roofline_output(w, Layout(data_parallel_size=8), c.memory_bandwidth_Bps).forward.flops
+    alone = stage_work(resolve_job(w, Layout(data_parallel_size=8)), c, _profile())
+    shared = stage_work(resolve_job(w, Layout(data_parallel_size=8)), c, _profile(gemm_flops=2 * c.gemm_flops[0]))
+    output = compute.roofline_output(resolve_job(w, Layout(data_parallel_size=8)), c.memory_bandwidth_Bps).forward.flops
     assert (shared.forward[0, 0, 0] - output) == pytest.approx(2 * (alone.forward[0, 0, 0] - output))
 
 
 def test_profiled_recompute_is_split_out_of_backward():
     w = workload_from_preset("gpt3-1.3b")
     layout = Layout(data_parallel_size=8, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    part = compute.profile_layer(_profile(rc_bwd=0.031), w, layout, A100)
+    part = compute.profile_layer(_profile(rc_bwd=0.031), resolve_job(w, layout), A100)
     rate = A100.gemm_flops[0]
     assert part.backward.flops / rate == pytest.approx(0.02)
     assert part.recompute.flops / rate == pytest.approx(0.011)
-    missing = compute.profile_layer(_profile(), w, layout, A100)   # no recompute entry: add one forward
+    missing = compute.profile_layer(_profile(), resolve_job(w, layout), A100)   # no recompute entry: add one forward
     assert missing.recompute.flops / rate == pytest.approx(0.01)
 
 
 def test_unprofiled_tensor_parallel_size_falls_back_to_the_roofline():
     w = workload_from_preset("gpt3-1.3b")
-    assert not stage_work(w, Layout(tensor_model_parallel_size=2, data_parallel_size=4), A100, _profile()).profiled
+    assert not stage_work(resolve_job(w, Layout(tensor_model_parallel_size=2, data_parallel_size=4)), A100, _profile()).profiled

@@ -9,12 +9,13 @@ from megatron_pipette.cost import simulator
 from megatron_pipette.cost.memory import (
     DEFAULT_OVERHEADS, GiB, MemoryEstimate, RuntimeOverheads, StageMemory, _in_flight_states,
     activation_bytes_per_layer, communicators, estimate_memory, in_flight_microbatches, microbatches_in_flight,
-    require_fit, state_bytes_per_parameter)
+    misfit_reason, state_bytes_per_parameter)
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.hardware import lookup_gpu
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
+from megatron_pipette.spec.job import resolve_job
 
 H100 = lookup_gpu("H100").memory_bytes  # 81559 MiB, as nvidia-smi reports it
 GPT3 = workload_from_preset("gpt3-175b")  # 96 layers, h 12288, 96 heads, s 2048, dropout 0.1
@@ -35,7 +36,7 @@ def test_bytes_per_parameter_match_megatron_table(precision, replicated, sharded
     assert sum(state_bytes_per_parameter(precision)) == replicated + sharded  # 18, 20, 16
     w = dataclasses.replace(workload_from_preset("gpt3-1.3b"), precision=precision)
     for dist, expected in ((False, replicated + sharded), (True, replicated + sharded / dp)):
-        est = estimate_memory(w, L(data_parallel_size=dp, use_distributed_optimizer=dist), H100)
+        est = estimate_memory(resolve_job(w, L(data_parallel_size=dp, use_distributed_optimizer=dist)), H100)
         (stage,) = est.stages
         per_param = (stage.weight_bytes + stage.gradient_bytes + stage.optimizer_bytes) / stage.parameters
         assert per_param == pytest.approx(expected, rel=1e-9)
@@ -45,7 +46,7 @@ def test_bytes_per_parameter_match_megatron_table(precision, replicated, sharded
 @pytest.mark.parametrize("pp", [1, 4])
 def test_stage_parameters_add_up_to_the_model(preset, pp):
     w = workload_from_preset(preset)
-    stages = estimate_memory(w, L(pipeline_model_parallel_size=pp), H100).stages
+    stages = estimate_memory(resolve_job(w, L(pipeline_model_parallel_size=pp)), H100).stages
     tied_copy = w.padded_vocab_size(1) * w.hidden_size if pp > 1 and not w.untie_embeddings_and_output_weights else 0
     assert sum(s.parameters for s in stages) == w.total_parameters(1) + tied_copy
     if pp > 1:  # embedding on the first stage, output layer and final norm on the last
@@ -58,7 +59,7 @@ def test_stage_parameters_add_up_to_the_model(preset, pp):
 def test_tensor_parallel_shards_all_but_norms_and_row_biases():
     h = GPT3.hidden_size  # GPT-3 layer: 12h^2 + 13h; 2 LayerNorms (4h) and 2 row-parallel biases (2h) stay whole
     assert GPT3.layer_parameters() == 12 * h * h + 13 * h
-    middle = estimate_memory(GPT3, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8), H100).stages[3]
+    middle = estimate_memory(resolve_job(GPT3, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)), H100).stages[3]
     assert middle.parameters == 12 * ((12 * h * h + 7 * h) // 8 + 6 * h)
 
 
@@ -79,21 +80,21 @@ def test_tensor_parallel_shards_all_but_norms_and_row_biases():
 def test_korthikanti_reduction_for_gpt3_175b(mbs, kw, expected):
     s, b, h, a = GPT3.seq_length, mbs, GPT3.hidden_size, GPT3.num_attention_heads
     sbh, a5 = s * b * h, 5 * a * s * s * b  # sbh * 5as/h = 5as^2b
-    assert activation_bytes_per_layer(GPT3_PAPER, L(micro_batch_size=mbs, **kw)) == expected(sbh, a5)
+    assert activation_bytes_per_layer(resolve_job(GPT3_PAPER, L(micro_batch_size=mbs, **kw))) == expected(sbh, a5)
 
 
 def test_generalised_terms():
     s, h = GPT3.seq_length, GPT3.hidden_size
     sbh, a_ss = s * h, GPT3.num_attention_heads * s * s
-    base = activation_bytes_per_layer(GPT3_PAPER, L())
+    base = activation_bytes_per_layer(resolve_job(GPT3_PAPER, L()))
     # Flash/fused attention (auto is the default) keeps no s*s scores: 34sbh exactly.
-    assert activation_bytes_per_layer(GPT3, L()) == 34 * sbh
+    assert activation_bytes_per_layer(resolve_job(GPT3, L())) == 34 * sbh
     # No dropout: no hidden masks (2 x sbh bytes), no score mask (as^2b) or dropout output (2as^2b).
     quiet = dataclasses.replace(GPT3_PAPER, attention_dropout=0.0, hidden_dropout=0.0)
-    assert activation_bytes_per_layer(quiet, L()) == base - 2 * sbh - 3 * a_ss
+    assert activation_bytes_per_layer(resolve_job(quiet, L())) == base - 2 * sbh - 3 * a_ss
     # fp32: every stored tensor but the 1-byte masks doubles.
     fp32 = dataclasses.replace(GPT3_PAPER, precision="fp32")
-    assert activation_bytes_per_layer(fp32, L()) == 2 * base - 2 * sbh - a_ss
+    assert activation_bytes_per_layer(resolve_job(fp32, L())) == 2 * base - 2 * sbh - a_ss
 
 
 def test_gqa_swiglu_layer_by_hand():
@@ -103,11 +104,11 @@ def test_gqa_swiglu_layer_by_hand():
     sb = s * 2
     norm_side = 2 * sb * h * 4 // t                          # 2 norm inputs, QKV and fc1 inputs, /t by SP
     tp_side = 2 * sb * (2 * h + 2 * g * d + 2 * f + f) // t  # Q, proj input; K, V; fc1 out (2f); fc2 in
-    assert activation_bytes_per_layer(w, layout) == norm_side + tp_side
+    assert activation_bytes_per_layer(resolve_job(w, layout)) == norm_side + tp_side
     # Unfused attention repeats K and V to every head before storing them, and keeps the scores.
     local = dataclasses.replace(w, attention_backend="local")
     scores = 2 * w.num_attention_heads * s * s * 2 // t
-    assert activation_bytes_per_layer(local, layout) == norm_side + tp_side + 2 * sb * 2 * (h - g * d) // t + scores
+    assert activation_bytes_per_layer(resolve_job(local, layout)) == norm_side + tp_side + 2 * sb * 2 * (h - g * d) // t + scores
 
 
 # In-flight micro-batches: transcriptions of megatron-core 0.19 (pipeline_parallel/schedules.py).
@@ -177,7 +178,7 @@ def test_in_flight_examples():
     assert [microbatches_in_flight(4, r, 8, 2) for r in range(4)] == [11, 9, 7, 5]
     assert microbatches_in_flight(1, 0, 64) == 1
     layout = L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, micro_batch_size=1)
-    assert in_flight_microbatches(GPT3, layout) == (8, 7, 6, 5, 4, 3, 2, 1)
+    assert in_flight_microbatches(resolve_job(GPT3, layout)) == (8, 7, 6, 5, 4, 3, 2, 1)
 
 
 def test_interleaved_first_stage_embedding_count():
@@ -186,17 +187,17 @@ def test_interleaved_first_stage_embedding_count():
     and forward 5 chunk 0 holds 4 (every micro-batch's embedding) and chunk 1 one: 5 chunks, 4 masks."""
     w = dataclasses.replace(GPT3, global_batch_size=4)
     base = dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=2)
-    first = estimate_memory(w, L(num_layers_per_virtual_pipeline_stage=24, **base), H100).stages[0]
+    first = estimate_memory(resolve_job(w, L(num_layers_per_virtual_pipeline_stage=24, **base)), H100).stages[0]
     mask = w.seq_length * w.hidden_size
-    assert first.activation_bytes == 5 * 24 * activation_bytes_per_layer(w, L(**base)) + 4 * mask
+    assert first.activation_bytes == 5 * 24 * activation_bytes_per_layer(resolve_job(w, L(**base))) + 4 * mask
 
 
 def test_interleaved_last_stage_keeps_one_output_layer():
     """The last chunk of the last rank runs its backward right after its forward: one fp32 softmax."""
     w = dataclasses.replace(GPT3, global_batch_size=16)
     base = dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, sequence_parallel=True)
-    inter = estimate_memory(w, L(num_layers_per_virtual_pipeline_stage=12, **base), H100).stages[-1]
-    chunk = 12 * activation_bytes_per_layer(w, L(**base))
+    inter = estimate_memory(resolve_job(w, L(num_layers_per_virtual_pipeline_stage=12, **base)), H100).stages[-1]
+    chunk = 12 * activation_bytes_per_layer(resolve_job(w, L(**base)))
     output = 2 * 2 * w.seq_length * w.hidden_size // 8 + 4 * w.seq_length * w.padded_vocab_size(8) // 8
     assert inter.activation_bytes == 5 * chunk + output  # 5 chunks in flight, of them one last chunk
 
@@ -205,11 +206,11 @@ def test_interleaved_last_stage_keeps_one_output_layer():
 
 def test_full_recompute_uniform_and_block():
     base = dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)  # 12 layers per stage
-    none = activation_bytes_per_layer(GPT3, L(**base))
+    none = activation_bytes_per_layer(resolve_job(GPT3, L(**base)))
     full = dict(recompute_granularity="full", recompute_num_layers=4)
-    inp = activation_bytes_per_layer(GPT3, L(recompute_method="uniform", **full, **base))
-    uniform = estimate_memory(GPT3, L(recompute_method="uniform", **full, **base), H100).stages[3]
-    block = estimate_memory(GPT3, L(recompute_method="block", **full, **base), H100).stages[3]
+    inp = activation_bytes_per_layer(resolve_job(GPT3, L(recompute_method="uniform", **full, **base)))
+    uniform = estimate_memory(resolve_job(GPT3, L(recompute_method="uniform", **full, **base)), H100).stages[3]
+    block = estimate_memory(resolve_job(GPT3, L(recompute_method="block", **full, **base)), H100).stages[3]
     assert uniform.activation_bytes == 5 * 3 * inp  # rank 3 holds 5 micro-batches, 3 groups of 4
     assert block.activation_bytes == 5 * (4 * inp + 8 * none)
     assert uniform.transient_bytes > block.transient_bytes  # 4 layers recomputed at once, not 1
@@ -237,7 +238,7 @@ def cases(draw):
 
 
 def peak(w, **kw) -> int:
-    return estimate_memory(w, L(**kw), H100, overheads=NO_COMM).peak_bytes
+    return estimate_memory(resolve_job(w, L(**kw)), H100, overheads=NO_COMM).peak_bytes
 
 
 # A new parallel dimension adds a communicator (a constant); NO_COMM leaves it out.
@@ -263,8 +264,8 @@ def test_doubling_tp_never_grows_memory(case):
 @settings(max_examples=40, deadline=None)
 def test_distributed_optimizer_never_grows_memory(case, dp):
     w, kw = case
-    plain = estimate_memory(w, L(data_parallel_size=dp, **kw), H100).stages
-    dist = estimate_memory(w, L(data_parallel_size=dp, use_distributed_optimizer=True, **kw), H100).stages
+    plain = estimate_memory(resolve_job(w, L(data_parallel_size=dp, **kw)), H100).stages
+    dist = estimate_memory(resolve_job(w, L(data_parallel_size=dp, use_distributed_optimizer=True, **kw)), H100).stages
     assert all(d.total_bytes <= p.total_bytes for d, p in zip(dist, plain))
     assert all(d.optimizer_bytes < p.optimizer_bytes for d, p in zip(dist, plain)) or dp == 1
 
@@ -274,9 +275,9 @@ def test_distributed_optimizer_never_grows_memory(case, dp):
 def test_recompute_never_grows_activations(case):
     w, kw = case
     kw = {k: v for k, v in kw.items() if not k.startswith("recompute")}
-    none = estimate_memory(w, L(**kw), H100).stages
+    none = estimate_memory(resolve_job(w, L(**kw)), H100).stages
     for recompute in RECOMPUTE[1:]:
-        stages = estimate_memory(w, L(**kw, **recompute), H100).stages
+        stages = estimate_memory(resolve_job(w, L(**kw, **recompute)), H100).stages
         assert all(r.activation_bytes <= n.activation_bytes for r, n in zip(stages, none))
 
 
@@ -284,8 +285,8 @@ def test_recompute_never_grows_activations(case):
 @settings(max_examples=30, deadline=None)
 def test_stage_zero_holds_most_layer_activations_under_1f1b(case):
     w, kw = case
-    est = estimate_memory(w, L(**kw), H100)
-    counts = in_flight_microbatches(w, L(**kw))
+    est = estimate_memory(resolve_job(w, L(**kw)), H100)
+    counts = in_flight_microbatches(resolve_job(w, L(**kw)))
     assert counts[0] == max(counts)
     assert all(est.stages[0].activation_bytes >= s.activation_bytes for s in est.stages[1:-1])
 
@@ -297,42 +298,40 @@ def test_gpt3_175b_fits_with_sequence_parallel_and_selective_recompute():
     parallelism and selective recomputation (no distributed optimizer: DP 1)."""
     layout = L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, micro_batch_size=1,
                sequence_parallel=True, recompute_granularity="selective")
-    est = estimate_memory(GPT3_PAPER, layout, H100)
+    est = estimate_memory(resolve_job(GPT3_PAPER, layout), H100)
     assert est.fits, est.worst_stage
-    require_fit(est)
+    assert misfit_reason(est) is None
     assert est.worst_stage.stage == 0
     # Without either technique the activations no longer fit: the paper's reason for both.
-    bare = estimate_memory(GPT3_PAPER, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8), H100)
+    bare = estimate_memory(resolve_job(GPT3_PAPER, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)), H100)
     assert not bare.fits
 
 
 def test_llama2_70b_does_not_fit_one_gpu():
-    est = estimate_memory(workload_from_preset("llama2-70b"), L(), H100)
+    est = estimate_memory(resolve_job(workload_from_preset("llama2-70b"), L()), H100)
     assert not est.fits
     assert est.stages[0].weight_bytes + est.stages[0].gradient_bytes + est.stages[0].optimizer_bytes > 1000 * GiB
-    with pytest.raises(Infeasible, match=r"^stage 0 needs \d+\.\d GiB of 79\.6 GiB \(weights \d+\.\d GiB, "
-                                         r"gradients .*optimizer .*activations \d+\.\d GiB.*overheads"):
-        require_fit(est)
+    assert re.match(r"^stage 0 needs \d+\.\d GiB of 79\.6 GiB \(weights \d+\.\d GiB, "
+                    r"gradients .*optimizer .*activations \d+\.\d GiB.*overheads", misfit_reason(est))
 
 
-def test_require_fit_names_the_worst_stage():
+def test_misfit_reason_names_the_worst_stage():
     def stage(i, act):
         return StageMemory(stage=i, parameters=1, weight_bytes=GiB, gradient_bytes=0, optimizer_bytes=0,
                            activation_bytes=act, transient_bytes=0, overhead_bytes=0)
     est = MemoryEstimate(stages=(stage(0, 2 * GiB), stage(1, 50 * GiB), stage(2, 90 * GiB)), capacity_bytes=80 * GiB)
     assert est.peak_bytes == 91 * GiB and est.worst_stage.stage == 2 and not est.fits
-    with pytest.raises(Infeasible, match=re.escape("stage 2 needs 91.0 GiB of 80.0 GiB (weights 1.0 GiB")):
-        require_fit(est)
+    assert misfit_reason(est).startswith("stage 2 needs 91.0 GiB of 80.0 GiB (weights 1.0 GiB")
 
 
 def test_overheads_are_counted():
     layout = L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, data_parallel_size=2)
-    assert [communicators(GPT3, layout, r) for r in (0, 3, 7)] == [5, 4, 5]  # + embedding group at the ends
+    assert [communicators(resolve_job(GPT3, layout), r) for r in (0, 3, 7)] == [5, 4, 5]  # + embedding group at the ends
     untied = dataclasses.replace(GPT3, untie_embeddings_and_output_weights=True)
-    assert communicators(untied, layout, 0) == 4 and communicators(GPT3, L(), 0) == 0
-    default = estimate_memory(GPT3, layout, H100).stages[3]
+    assert communicators(resolve_job(untied, layout), 0) == 4 and communicators(resolve_job(GPT3, L()), 0) == 0
+    default = estimate_memory(resolve_job(GPT3, layout), H100).stages[3]
     none = RuntimeOverheads(cuda_context_bytes=0, comm_buffer_bytes_per_group=0, fragmentation=0.0)
-    bare = estimate_memory(GPT3, layout, H100, overheads=none).stages[3]
+    bare = estimate_memory(resolve_job(GPT3, layout), H100, overheads=none).stages[3]
     assert bare.overhead_bytes == 0
     assert default.overhead_bytes == (DEFAULT_OVERHEADS.cuda_context_bytes
                                       + 4 * DEFAULT_OVERHEADS.comm_buffer_bytes_per_group
@@ -346,13 +345,13 @@ def test_profile_replaces_the_formula():
     entry = ProfileEntry(tensor_model_parallel_size=8, micro_batch_size=1, forward_s=1.0, backward_s=2.0,
                          activation_bytes=measured, sequence_parallel=True, recompute_granularity="selective")
     profile = LayerProfile(device_name="H100", rank=0, layers=(entry,), embedding=(), output_layer=(), model={})
-    with_profile = estimate_memory(GPT3, layout, H100, profile=profile).stages[3]
-    formula = estimate_memory(GPT3, layout, H100).stages[3]
+    with_profile = estimate_memory(resolve_job(GPT3, layout), H100, profile=profile).stages[3]
+    formula = estimate_memory(resolve_job(GPT3, layout), H100).stages[3]
     layers_in_flight = 5 * 12  # rank 3 of 8 holds 5 micro-batches of 12 layers
     assert with_profile.activation_bytes - formula.activation_bytes == layers_in_flight * (
-        measured - activation_bytes_per_layer(GPT3, layout))
+        measured - activation_bytes_per_layer(resolve_job(GPT3, layout)))
     unprofiled = dataclasses.replace(layout, sequence_parallel=False)  # no such entry: the formula
-    assert estimate_memory(GPT3, unprofiled, H100, profile=profile) == estimate_memory(GPT3, unprofiled, H100)
+    assert estimate_memory(resolve_job(GPT3, unprofiled), H100, profile=profile) == estimate_memory(resolve_job(GPT3, unprofiled), H100)
 
 
 # Bad inputs.
@@ -360,7 +359,7 @@ def test_profile_replaces_the_formula():
 @pytest.mark.parametrize("capacity", [0, -1, 1.5, True, None])
 def test_bad_capacity(capacity):
     with pytest.raises(PipetteError, match="capacity"):
-        estimate_memory(GPT3, L(), capacity)
+        estimate_memory(resolve_job(GPT3, L()), capacity)
 
 
 @pytest.mark.parametrize("kw", [dict(fragmentation=1.0), dict(fragmentation=-0.1), dict(cuda_context_bytes=-1),
@@ -372,6 +371,6 @@ def test_bad_overheads(kw):
 
 def test_layout_megatron_rejects_is_infeasible():
     with pytest.raises(Infeasible, match="--num-attention-heads"):
-        estimate_memory(GPT3, L(tensor_model_parallel_size=5), H100)
+        estimate_memory(resolve_job(GPT3, L(tensor_model_parallel_size=5)), H100)
     with pytest.raises(Infeasible, match="--recompute-method"):
-        estimate_memory(GPT3, L(recompute_granularity="full"), H100)
+        estimate_memory(resolve_job(GPT3, L(recompute_granularity="full")), H100)

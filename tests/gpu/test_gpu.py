@@ -16,6 +16,7 @@ from megatron_pipette.spec.hardware import GPU, cluster_presets, gpu_catalog, lo
 from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.job import resolve_job
 
 pytestmark = pytest.mark.gpu
 
@@ -86,8 +87,7 @@ def test_a_cuda_layer_keeps_what_the_memory_model_charges(cuda_profile, tp):
     keeps (on CPU they are floats, tests/profile); the local spec's unfused attention stores its
     scores. Besides, each LayerNorm keeps its fp32 mean and rstd (2 x s x b x 4 bytes)."""
     measured = profile_from_json(cuda_profile).layer(tp, 1, False, None).activation_bytes
-    formula = activation_bytes_per_layer(dataclasses.replace(WORKLOAD, attention_backend="unfused"),
-                                         Layout(tensor_model_parallel_size=tp))
+    formula = activation_bytes_per_layer(resolve_job(dataclasses.replace(WORKLOAD, attention_backend="unfused"), Layout(tensor_model_parallel_size=tp)))
     norm_statistics = 2 * 2 * S * 4
     print(f"tp{tp}: measured {measured} B, formula {formula} B, ratio {measured / formula:.4f}")
     assert measured == formula + norm_statistics

@@ -117,11 +117,12 @@ def test_a_dry_run_reuses_the_cached_plan(run_torchrun, restarted_job) -> None:
 def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     """A plan that puts logical node 0 on physical node 1 renumbers every process accordingly."""
     from megatron_pipette.plan.document import plan_json
+    from megatron_pipette.cost.model import CostModel
     from megatron_pipette.plan.planner import plan
     from megatron_pipette.spec.hardware import preset_cluster
     from megatron_pipette.spec.workload import workload_from_preset
 
-    result = plan(workload_from_preset("tiny-gpt"), preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2),
+    result = plan(workload_from_preset("tiny-gpt"), CostModel(preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2)),
                   constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
     doc = plan_json(result)
     doc["candidates"][0]["placement"]["node_order"] = [1, 0]

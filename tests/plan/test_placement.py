@@ -3,11 +3,12 @@ import dataclasses
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from megatron_pipette.cost.timing import estimate_time
 from megatron_pipette.plan.placement import Placement, default_placement, domain_aligned, optimize_placement
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.spec.job import resolve_job
 
 from helpers.clusters import dense
 
@@ -17,7 +18,7 @@ PIPELINE = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, 
 
 
 def default_time(layout, cluster):
-    return estimate_time(W, layout, cluster, default_placement(cluster).logical_to_physical).iteration_time_s
+    return CostModel(cluster).time(resolve_job(W, layout), default_placement(cluster).logical_to_physical).iteration_time_s
 
 
 def test_placement_keeps_local_ranks_and_is_a_permutation():
@@ -30,26 +31,26 @@ def test_placement_keeps_local_ranks_and_is_a_permutation():
 
 def test_uniform_cluster_returns_the_default_order():
     cluster = preset_cluster("dgx-a100", num_nodes=4)
-    placement, time = optimize_placement(W, PIPELINE, cluster)
+    placement, time = optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))
     assert placement.is_default
     assert time.iteration_time_s == default_time(PIPELINE, cluster)
 
 
 def test_slow_node_moves_to_the_end_of_the_pipeline_and_strictly_improves(slow_node_cluster):
     cluster = slow_node_cluster(slow_node=1, factor=10)
-    placement, time = optimize_placement(W, PIPELINE, cluster)
+    placement, time = optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))
     before = default_time(PIPELINE, cluster)
     assert time.iteration_time_s < before * 0.999, (time.iteration_time_s, before)
     # The slow node now hosts the first or last stage: one slow hop instead of two.
     assert placement.node_order.index(1) in (0, 3)
     # And the reported time is exactly the model's time for that placement (same objective).
-    again = estimate_time(W, PIPELINE, cluster, placement.logical_to_physical).iteration_time_s
+    again = CostModel(cluster).time(resolve_job(W, PIPELINE), placement.logical_to_physical).iteration_time_s
     assert again == time.iteration_time_s
 
 
 def test_placement_is_deterministic(slow_node_cluster):
     cluster = slow_node_cluster(slow_node=2)
-    assert optimize_placement(W, PIPELINE, cluster)[0] == optimize_placement(W, PIPELINE, cluster)[0]
+    assert optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))[0] == optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))[0]
 
 
 @settings(max_examples=15, deadline=None)
@@ -63,7 +64,7 @@ def test_never_worse_than_default_on_random_links(seed, pp, dp_nodes):
     cluster = dataclasses.replace(base, inter_node=inter)
     layout = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=pp, data_parallel_size=dp_nodes,
                     micro_batch_size=1)
-    placement, time = optimize_placement(W, layout, cluster)
+    placement, time = optimize_placement(CostModel(cluster), resolve_job(W, layout))
     assert time.iteration_time_s <= default_time(layout, cluster)
 
 
@@ -77,10 +78,10 @@ def test_tensor_parallel_groups_wider_than_a_node_stay_inside_their_nvlink_domai
     inter.bandwidth_Bps[6, :] /= 4                                   # a slow tray, for placement to act on
     cluster = dataclasses.replace(base, inter_node=inter, domain_of_node=domains)
     layout = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, data_parallel_size=1)
-    placement, time = optimize_placement(W, layout, cluster)
+    placement, time = optimize_placement(CostModel(cluster), resolve_job(W, layout))
     order = np.asarray(placement.node_order)
     assert all(domains[order[2 * k]] == domains[order[2 * k + 1]] for k in range(4))
-    aligned = estimate_time(W, layout, cluster, domain_aligned(cluster, 2).logical_to_physical).iteration_time_s
+    aligned = CostModel(cluster).time(resolve_job(W, layout), domain_aligned(cluster, 2).logical_to_physical).iteration_time_s
     assert time.iteration_time_s <= aligned < default_time(layout, cluster)
 
 
@@ -89,7 +90,7 @@ def test_the_search_offers_tensor_parallel_across_the_nodes_of_a_domain_only():
 
     w = workload_from_preset("llama3-70b", global_batch_size=64)
     cluster = preset_cluster("gb200-nvl72", num_nodes=36)
-    tps = {lay.tp for lay in enumerate_layouts(w, cluster.world_size, cluster.gpus_per_node,
+    tps = {job.layout.tp for job in enumerate_layouts(w, cluster.world_size, cluster.gpus_per_node,
                                                 gpus_per_domain=cluster.gpus_per_domain)}
     assert tps == {1, 2, 4, 8}          # 8 spans two trays of a domain; wider ones fail the 8 query groups
     assert not [t for t in tps if t > 4 and 72 % t]

@@ -1,6 +1,5 @@
 import pytest
 
-from megatron_pipette.cost.timing import estimate_time
 from megatron_pipette.plan.document import chosen_from_json, plan_json
 from megatron_pipette.plan.planner import misfit_advice, plan
 from megatron_pipette.plan.placement import default_placement
@@ -8,31 +7,31 @@ from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.workload import workload_from_preset
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.spec.job import resolve_job
 
 
 def test_best_candidate_is_the_fastest_fitting_layout():
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
     cluster = preset_cluster("dgx-a100", num_nodes=1)
-    result = plan(w, cluster, top_k=5)
+    result = plan(w, CostModel(cluster), top_k=5)
     times = [c.time.iteration_time_s for c in result.candidates]
     assert times == sorted(times) and len(times) == 5
     assert all(c.memory.fits for c in result.candidates)
     identity = default_placement(cluster).logical_to_physical
-    brute = min(estimate_time(w, l, cluster, identity).iteration_time_s
-                for l in enumerate_layouts(w, 8, 8)
-                if estimate_memory(w, l, cluster.memory_bytes).fits)
+    brute = min(CostModel(cluster).time(job, identity).iteration_time_s
+                for job in enumerate_layouts(w, 8, 8) if estimate_memory(job, cluster.memory_bytes).fits)
     assert times[0] <= brute * (1 + 1e-12)
     # The best ones are exact (the simulator's answer), so the planner does not re-simulate them.
     best = result.candidates[0]
     assert best.time.exact_schedule and best.simulated_time_s is None
-    again = estimate_time(w, best.layout, cluster, best.placement.logical_to_physical, simulate=True)
+    again = CostModel(cluster).time(resolve_job(w, best.layout), best.placement.logical_to_physical, simulate=True)
     assert again.iteration_time_s == pytest.approx(best.time.iteration_time_s, rel=1e-9)
 
 
 def test_constraints_are_respected():
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
-    result = plan(w, preset_cluster("dgx-a100", num_nodes=2),
-                  constraints={"tensor_model_parallel_size": 2, "use_distributed_optimizer": False})
+    result = plan(w, CostModel(preset_cluster("dgx-a100", num_nodes=2)), constraints={"tensor_model_parallel_size": 2, "use_distributed_optimizer": False})
     assert result.candidates
     assert all(c.layout.tp == 2 and not c.layout.use_distributed_optimizer for c in result.candidates)
 
@@ -43,7 +42,7 @@ def test_slow_node_plan_places_ranks(slow_node_cluster):
     # 1F1B is a chain, so the slow node's position matters. (Interleaved stages form a ring, where
     # every position has two neighbours and whole-node placement cannot help.) Without sequence
     # parallelism every TP rank sends the whole activation, so the slow hops dominate.
-    result = plan(w, cluster, constraints={"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 8,
+    result = plan(w, CostModel(cluster), constraints={"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 8,
                                            "num_layers_per_virtual_pipeline_stage": None,
                                            "sequence_parallel": False})
     best = result.candidates[0]
@@ -54,7 +53,7 @@ def test_slow_node_plan_places_ranks(slow_node_cluster):
 def test_nothing_fits_explains_what_would():
     w = workload_from_preset("gpt3-175b")
     cluster = preset_cluster("dgx-a100", num_nodes=1)
-    result = plan(w, cluster)
+    result = plan(w, CostModel(cluster))
     assert result.candidates == () and result.out_of_memory == result.considered > 0
     advice = " ".join(misfit_advice(w, cluster, result))
     assert "more GPUs" in advice and "closest" in advice
@@ -62,7 +61,7 @@ def test_nothing_fits_explains_what_would():
 
 def test_plan_document_round_trips_the_choice(slow_node_cluster):
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
-    result = plan(w, slow_node_cluster(num_nodes=4), constraints={"pipeline_model_parallel_size": 4})
+    result = plan(w, CostModel(slow_node_cluster(num_nodes=4)), constraints={"pipeline_model_parallel_size": 4})
     doc = plan_json(result)
     layout, placement = chosen_from_json(doc, "plan")
     assert layout == result.candidates[0].layout and placement == result.candidates[0].placement

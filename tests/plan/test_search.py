@@ -9,8 +9,13 @@ from megatron_pipette.spec.workload import Workload, workload_from_preset
 GPT3 = workload_from_preset("gpt3-175b")
 
 
+def layouts_of(*args, **kwargs) -> list:
+    """The layouts of the jobs the search yields."""
+    return [job.layout for job in enumerate_layouts(*args, **kwargs)]
+
+
 def test_megatron_paper_layout_is_among_the_candidates():
-    layouts = set(enumerate_layouts(GPT3, 1024, 8))
+    layouts = set(layouts_of(GPT3, 1024, 8))
     paper = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=16, data_parallel_size=8,
                    micro_batch_size=1, num_layers_per_virtual_pipeline_stage=3, sequence_parallel=True,
                    use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
@@ -25,7 +30,7 @@ def test_every_layout_is_valid_and_uses_every_gpu(layers, heads, nodes, gpn, gbs
                  global_batch_size=gbs)
     world = nodes * gpn
     seen = set()
-    for layout in enumerate_layouts(w, world, gpn):
+    for layout in layouts_of(w, world, gpn):
         validate_layout(w, layout, world)
         assert gpn % layout.tp == 0, "tensor parallel must stay inside a node by default"
         assert layout not in seen
@@ -33,7 +38,7 @@ def test_every_layout_is_valid_and_uses_every_gpu(layers, heads, nodes, gpn, gbs
 
 
 def test_constraints_fix_fields():
-    layouts = list(enumerate_layouts(GPT3, 64, 8, {"tensor_model_parallel_size": 4, "sequence_parallel": True,
+    layouts = list(layouts_of(GPT3, 64, 8, {"tensor_model_parallel_size": 4, "sequence_parallel": True,
                                                     "recompute_granularity": "full"}))
     assert layouts
     assert all(l.tp == 4 and l.sequence_parallel and l.recompute_granularity == "full"
@@ -44,7 +49,7 @@ def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
     """--use-distributed-optimizer asked for at DP 1: no grad-reduce overlap, so no param-gather
     overlap either (Megatron asserts the pair)."""
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
-    layouts = list(enumerate_layouts(w, 8, 8, {"use_distributed_optimizer": True,
+    layouts = list(layouts_of(w, 8, 8, {"use_distributed_optimizer": True,
                                                "tensor_model_parallel_size": 8}))
     assert layouts and all(l.dp == 1 and not l.overlap_grad_reduce and not l.overlap_param_gather
                            for l in layouts)
@@ -52,16 +57,16 @@ def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
 
 def test_tensor_parallel_across_nodes_only_when_allowed():
     w = workload_from_preset("gpt3-1.3b")
-    assert max(l.tp for l in enumerate_layouts(w, 16, 8)) == 8
-    assert max(l.tp for l in enumerate_layouts(w, 16, 8, allow_tp_across_nodes=True)) == 16
+    assert max(l.tp for l in layouts_of(w, 16, 8)) == 8
+    assert max(l.tp for l in layouts_of(w, 16, 8, allow_tp_across_nodes=True)) == 16
     # An explicit user constraint is honoured even across nodes (Megatron accepts it).
-    assert all(l.tp == 16 for l in enumerate_layouts(w, 16, 8, {"tensor_model_parallel_size": 16}))
+    assert all(l.tp == 16 for l in layouts_of(w, 16, 8, {"tensor_model_parallel_size": 16}))
 
 
 def test_uneven_pipeline_splits_use_megatron_flags():
     w = workload_from_preset("gpt3-175b", num_layers=30)
     splits = {stage_layers(w, l) and (l.decoder_first_pipeline_num_layers, l.decoder_last_pipeline_num_layers)
-              for l in enumerate_layouts(w, 32, 8, {"pipeline_model_parallel_size": 4})}
+              for l in layouts_of(w, 32, 8, {"pipeline_model_parallel_size": 4})}
     assert (None, None) not in splits  # 30 is not divisible by 4
     assert splits and all(sum(stage_layers(w, Layout(pipeline_model_parallel_size=4,
                                                      decoder_first_pipeline_num_layers=f,
@@ -72,4 +77,4 @@ def test_uneven_pipeline_splits_use_megatron_flags():
 
 def test_unknown_constraint_is_a_user_error():
     with pytest.raises(PipetteError, match="tensor_parallel"):
-        list(enumerate_layouts(GPT3, 64, 8, {"tensor_parallel": 2}))
+        list(layouts_of(GPT3, 64, 8, {"tensor_parallel": 2}))

@@ -3,6 +3,7 @@ import pytest
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
+from megatron_pipette.spec.job import resolve_job
 
 W = workload_from_preset("gpt3-175b")  # 96 layers, 96 heads, gbs 1536
 
@@ -25,8 +26,8 @@ def test_megatron_layout():
     layout = L(tensor_model_parallel_size=8, pipeline_model_parallel_size=16, data_parallel_size=8,
                micro_batch_size=1, num_layers_per_virtual_pipeline_stage=3, sequence_parallel=True)
     validate_layout(W, layout, 1024)
-    assert layout.virtual_stages(W) == 2
-    assert layout.num_microbatches(W) == 192
+    assert resolve_job(W, layout).virtual_stages == 2
+    assert resolve_job(W, layout).num_microbatches == 192
     assert "--num-layers-per-virtual-pipeline-stage 3" in layout.megatron_args()
     assert "--sequence-parallel" in layout.megatron_args()
 

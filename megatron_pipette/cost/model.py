@@ -1,0 +1,64 @@
+"""The cost model of one cluster: what a job takes in time and memory there.
+
+Why one object: every estimate of a planning run shares the cluster, the layer profile and the
+runtime overheads, and the search prices thousands of jobs that share work (a job's compute does
+not depend on its placement) and links (layouts of one rank grid share them). The caches live
+here, for the life of the model, keyed by hashable jobs and grids; nothing is cached at module
+level. The estimates themselves are the pure functions of cost.timing and cost.memory.
+
+    model = CostModel(cluster, profile=profile)
+    job = resolve_job(workload, layout)
+    model.time(job).iteration_time_s, model.memory(job).fits
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_pipette.cost.comm import GroupLinks, group_links
+from megatron_pipette.cost.compute import StageWork, stage_work
+from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
+from megatron_pipette.cost.timing import TimeEstimate, iteration_time
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.job import Job
+from megatron_pipette.spec.layer_profile import LayerProfile
+
+MAX_CACHED_WORK = 4096
+"""Jobs whose work is kept; the placement search re-prices the same few jobs many times."""
+
+
+class CostModel:
+    """Time and memory of jobs on `cluster`, measured layers from `profile` where it has them."""
+
+    def __init__(self, cluster: Cluster, *, profile: LayerProfile | None = None,
+                 overheads: RuntimeOverheads = DEFAULT_OVERHEADS):
+        self.cluster, self.profile, self.overheads = cluster, profile, overheads
+        self._work: dict[Job, StageWork] = {}
+        self._default_links: dict[tuple[int, int, int], GroupLinks] = {}
+
+    def work(self, job: Job) -> StageWork:
+        """Compute of one micro-batch per stage and chunk (placement independent)."""
+        hit = self._work.get(job)
+        if hit is None:
+            if len(self._work) >= MAX_CACHED_WORK:
+                self._work.clear()
+            hit = self._work[job] = stage_work(job, self.cluster, self.profile)
+        return hit
+
+    def links(self, job: Job, devices: np.ndarray | None = None) -> GroupLinks:
+        """The links of the job's groups when logical rank r runs on device devices[r] (None:
+        Megatron's default order, cached per rank grid)."""
+        grid = (job.layout.tp, job.layout.pp, job.layout.dp)
+        if devices is not None:
+            return group_links(*grid, self.cluster, devices)
+        if grid not in self._default_links:
+            self._default_links[grid] = group_links(*grid, self.cluster)
+        return self._default_links[grid]
+
+    def time(self, job: Job, devices: np.ndarray | None = None, *, simulate: bool = False) -> TimeEstimate:
+        """Predicted iteration time under the placement `devices` (None: the default order)."""
+        return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate)
+
+    def memory(self, job: Job) -> MemoryEstimate:
+        """Peak memory of every pipeline stage against the cluster's per-device capacity."""
+        return estimate_memory(job, self.cluster.memory_bytes, profile=self.profile, overheads=self.overheads)

@@ -1,0 +1,47 @@
+"""A job: one layout resolved for one workload, with every value Megatron derives from the pair.
+
+Why: the cost model needs the layers of each pipeline stage, the model chunks per rank, the
+micro-batches per iteration and the parameters each device holds; derived once here (and the
+layout validated once, by Megatron's rules), every estimate reads them instead of deriving
+them again.
+
+    job = resolve_job(workload_from_preset("gpt3-1.3b"), Layout(pipeline_model_parallel_size=4,
+                                                               data_parallel_size=8))
+    job.stage_layers == (6, 6, 6, 6); job.num_microbatches == 64; job.virtual_stages == 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What Megatron would run: a workload under a layout. Hashable, so estimates cache on it."""
+
+    workload: Workload
+    layout: Layout
+    stage_layers: tuple[int, ...]
+    """Transformer layers on each pipeline stage (uneven first/last stages included)."""
+    virtual_stages: int
+    """Model chunks per pipeline rank (1 without interleaving)."""
+    num_microbatches: int
+    """Micro-batches per iteration and data-parallel replica: global batch / (micro-batch x DP)."""
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.layout.micro_batch_size * self.workload.seq_length
+
+
+def resolve_job(workload: Workload, layout: Layout, world_size: int | None = None) -> Job:
+    """The job of `layout` for `workload`; raises Infeasible (naming the flags) where Megatron
+    would reject the layout, and when `world_size` is given and the layout does not fill it."""
+    validate_layout(workload, layout, world_size)
+    layers = tuple(stage_layers(workload, layout))
+    lpv = layout.num_layers_per_virtual_pipeline_stage
+    return Job(workload=workload, layout=layout, stage_layers=layers,
+               virtual_stages=1 if lpv is None else layers[0] // lpv,
+               num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))
