@@ -92,7 +92,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if not result.candidates:
         print(f"pipette: nothing fits: none of the {result.considered} valid layouts of {workload.name} fits "
               f"in {cluster.memory_bytes / 2**30:.1f} GiB per GPU on {cluster.world_size} GPUs.", file=sys.stderr)
-        for line in misfit_advice(workload, cluster, result):
+        for line in [*misfit_advice(workload, cluster, result), *render.rejections(result)]:
             print(f"  {line}", file=sys.stderr)
         return EXIT_NOTHING_FITS
     if not ns.json:

@@ -68,10 +68,23 @@ def winner(c: Candidate) -> str:
     return "\n".join(lines)
 
 
+def rejections(result: Plan, limit: int = 5) -> list[str]:
+    """The layouts Megatron would reject, most common reasons first."""
+    total = sum(result.rejected.values())
+    if not total:
+        return []
+    common = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines = [f"{total} layouts Megatron would reject were left out:"]
+    lines += [f"  {count:>6}  {reason}" for reason, count in common[:limit]]
+    if len(common) > limit:
+        lines.append(f"  {sum(c for _, c in common[limit:]):>6}  for {len(common) - limit} other reasons")
+    return lines
+
+
 def plan_report(result: Plan) -> str:
     head = (f"Planned {result.workload.name} on {result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
-    return "\n".join([head, "", candidates_table(result), winner(result.candidates[0])])
+    return "\n".join([head, *rejections(result), "", candidates_table(result), winner(result.candidates[0])])
 
 
 def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:

@@ -182,9 +182,11 @@ def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Pat
     result = phases.run("plan", lambda: plan(workload, CostModel(cluster, profile=profile), constraints=constraints,
                                              top_k=5))
     if not result.candidates:
+        rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
+                                                                              key=lambda kv: -kv[1])[:3])
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / 2**30:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
-                           f"layouts are out of memory)")
+                           f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
     print(plan_report(result), flush=True)
     doc = {**plan_json(result), "phases_s": phases.seconds}
     _write_json(cache / "plan.json", doc, "--auto-parallel-cache-dir")

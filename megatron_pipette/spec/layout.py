@@ -69,12 +69,14 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def describe(self) -> str:
-        """A short label: tp2 pp4 dp8 mbs1 vpp2 sp dopt rc=full."""
+        """A short label: tp2 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt rc=full/uniform1."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
         if self.num_layers_per_virtual_pipeline_stage:
             parts.append(f"lpv{self.num_layers_per_virtual_pipeline_stage}")
-        if self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None:
-            parts.append(f"first{self.decoder_first_pipeline_num_layers}/last{self.decoder_last_pipeline_num_layers}")
+        if self.decoder_first_pipeline_num_layers is not None:
+            parts.append(f"first{self.decoder_first_pipeline_num_layers}")
+        if self.decoder_last_pipeline_num_layers is not None:
+            parts.append(f"last{self.decoder_last_pipeline_num_layers}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.use_distributed_optimizer:
