@@ -101,11 +101,11 @@ EOF
                 continue
             fi
             say "layer profile $model (budget ${budget} s)"
-            step $((budget + PROFILE_SETUP_S + 60)) "$PYTHON" -m megatron_pipette.profile --model "$model" $flags \
+            step $((budget + PROFILE_SETUP_S + 60)) "$PYTHON" -m megatron_pipette profile --model "$model" $flags \
                 --device "$DEVICE" --budget-s "$budget" --out "$OUT/profile_$model.json"
             [[ -f $OUT/profile_$model.json ]] || continue
-            "$PYTHON" -m megatron_pipette.profile.compare "$OUT/profile_$model.json" --gpu H100-80GB
-            "$PYTHON" -m megatron_pipette.profile.compare "$OUT/profile_$model.json" --gpu H100-80GB --json \
+            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu H100-80GB
+            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu H100-80GB --json \
                 >"$cmp/$model.json"
         done
         "$PYTHON" - "$cmp" "$OUT/compare.json" <<'EOF'

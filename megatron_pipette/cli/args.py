@@ -94,7 +94,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-nodes", type=int, help="nodes, overriding the preset's")
     group.add_argument("--gpus-per-node", type=int, help="GPUs per node, overriding the preset's")
     group.add_argument("--layer-profile", metavar="FILE",
-                       help="measured layer profile JSON (python -m megatron_pipette.profile) instead of the roofline")
+                       help="measured layer profile JSON (pipette profile) instead of the roofline")
 
 
 def workload_from_args(ns: argparse.Namespace, default_model: str | None,

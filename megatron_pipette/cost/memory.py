@@ -19,9 +19,8 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.workload import Workload
+from megatron_pipette.units import GiB, MiB
 
-GiB = 1 << 30
-MiB = 1 << 20
 UNFUSED_ATTENTION = ("unfused", "local")
 """--attention-backend values that materialise the s*s attention scores."""
 

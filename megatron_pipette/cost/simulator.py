@@ -47,8 +47,6 @@ class SimResult:
     """(p,) when each rank finished its last backward (its DP reduction may start then); (B, p)."""
     end_s: np.ndarray
     """(p,) when each rank finished its last op (sends included); (B, p)."""
-    trace: tuple | None = None
-    """(rank, kind, chunk, microbatch, start, end) per compute op, when asked for."""
 
 
 class _Builder:
@@ -280,7 +278,7 @@ class _InterleavedRank:
 
 def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
              bwd_comm_s: np.ndarray, *, fwd_xchg_s: np.ndarray | None = None,
-             bwd_xchg_s: np.ndarray | None = None, trace: bool = False) -> SimResult:
+             bwd_xchg_s: np.ndarray | None = None) -> SimResult:
     """Time a program.
 
     forward_s, backward_s: (p, v) compute time of one micro-batch of each model chunk on each rank.
@@ -291,7 +289,6 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
     """
     p = len(program)
     batch = np.ndim(forward_s) == 3
-    assert not (batch and trace), "traces are for one replica"
     if batch:
         mx, zero = np.maximum, np.zeros(np.shape(forward_s)[0])
         cols = [np.ascontiguousarray(np.moveaxis(np.asarray(a, dtype=float), 0, -1))
@@ -310,7 +307,6 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
     posted: dict = {}      # key -> (post time, paired) of the first side to post
     done: dict = {}        # key -> end time, once both sides posted
     waiting: dict = {}     # key -> ranks blocked on it
-    events = [] if trace else None
     runnable = list(range(p))
     while runnable:
         r = runnable.pop()
@@ -320,8 +316,6 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
             if op[0] == COMPUTE:
                 kind, c = op[1], op[2]
                 d = fwd[r][c] if kind == FORWARD else bwd[r][c]
-                if events is not None:
-                    events.append((r, kind, c, op[3], t, t + d))
                 t = t + d
                 if kind == BACKWARD:
                     last_bwd[r] = t
@@ -346,4 +340,4 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
     stuck = [r for r in range(p) if pc[r] < len(program[r])]
     assert not stuck, f"pipeline schedule deadlocks: ranks {stuck} blocked at ops {[pc[r] for r in stuck]}"
     end, finish = np.stack(clock, axis=-1), np.stack(last_bwd, axis=-1)
-    return SimResult(total_s=end.max(axis=-1), finish_s=finish, end_s=end, trace=tuple(events) if trace else None)
+    return SimResult(total_s=end.max(axis=-1), finish_s=finish, end_s=end)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pipette import __version__
-from megatron_pipette.cli.render import plan_report
+from megatron_pipette.report.plans import plan_report
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import atomic_path
 from megatron_pipette.integration import megatron_args
@@ -41,7 +41,7 @@ from megatron_pipette.integration.groups import expected_groups
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.cost.model import CostModel
-from megatron_pipette.plan.document import chosen_from_json, plan_json
+from megatron_pipette.report.plan_document import chosen_from_json, plan_json
 from megatron_pipette.plan.planner import plan
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.probe.identity import node_name
@@ -49,6 +49,7 @@ from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
+from megatron_pipette.units import GiB, MiB
 
 PROBE_SHARE = 0.4
 """Share of the budget the link probe may use; the layer profile gets PROFILE_SHARE."""
@@ -133,7 +134,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
     cluster_doc = phases.run("probe", lambda: run_probe(
         budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
-        small_bytes=4096, large_bytes=(64 << 20) if on_gpu else (1 << 20), repeats=3,
+        small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
         out=cache / "cluster.json", timeout_s=timeout.total_seconds()))   # the document: rank 0 only
     from megatron.core import parallel_state
 
@@ -184,7 +185,7 @@ def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Pat
     if not result.candidates:
         rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
                                                                               key=lambda kv: -kv[1])[:3])
-        raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / 2**30:.1f} GiB per device "
+        raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
                            f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
     print(plan_report(result), flush=True)
@@ -251,7 +252,7 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = doc["candidates"][0]
         log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
-            f"{best['memory']['peak_bytes'] / 2**30:.2f} GiB of {best['memory']['capacity_bytes'] / 2**30:.2f} "
+            f"{best['memory']['peak_bytes'] / GiB:.2f} GiB of {best['memory']['capacity_bytes'] / GiB:.2f} "
             f"GiB per device", args.rank)
     megatron_args.make_resumable_across_layouts(args)
     log("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items())

@@ -11,11 +11,6 @@ DEFAULT_BUDGET_S = 120.0
 DEFAULT_CACHE_DIR = Path(os.environ.get("PIPETTE_CACHE_DIR", Path.home() / ".cache" / "megatron-pipette"))
 
 
-def requested(argv: list[str]) -> bool:
-    """Whether this launch asks for auto-parallel (flag or environment)."""
-    return "--auto-parallel" in argv or os.environ.get(ENV_VAR) == "1"
-
-
 def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's `extra_args_provider` shape: take the parser, add a group, return it."""
     group = parser.add_argument_group("megatron-pipette auto-parallel")

@@ -21,12 +21,14 @@ from typing import Any
 
 import torch
 
+from megatron_pipette.units import GiB
+
 ENV_VAR = "PIPETTE_CPU_REHEARSAL"
 
 _CPU = torch.device("cpu")
 # What the rehearsal reports as "the GPU": Megatron's argument checks for Hopper apply.
 _PRETEND_GPU = SimpleNamespace(
-    name="CPU rehearsal (as sm_90)", major=9, minor=0, total_memory=80 * 2**30,
+    name="CPU rehearsal (as sm_90)", major=9, minor=0, total_memory=80 * GiB,
     multi_processor_count=132,
 )
 # Stands in for the CUDA default generator: nothing draws from it on CPU, but Megatron saves

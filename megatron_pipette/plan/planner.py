@@ -25,6 +25,7 @@ from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
+from megatron_pipette.units import GiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +122,8 @@ def misfit_advice(workload: Workload, cluster: Cluster, result: Plan) -> list[st
         return ["no layout is valid for this model and GPU count; check the divisibility messages above"]
     layout, memory = result.closest_misfit
     worst = memory.worst_stage
-    advice = [f"closest: {layout.describe()} needs {worst.total_bytes / 2**30:.1f} GiB on pipeline stage "
-              f"{worst.stage} of {memory.capacity_bytes / 2**30:.1f} GiB"]
+    advice = [f"closest: {layout.describe()} needs {worst.total_bytes / GiB:.1f} GiB on pipeline stage "
+              f"{worst.stage} of {memory.capacity_bytes / GiB:.1f} GiB"]
     static = worst.weight_bytes + worst.gradient_bytes + worst.optimizer_bytes
     if layout.recompute_granularity != "full":
         advice.append("try --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
@@ -132,5 +133,5 @@ def misfit_advice(workload: Workload, cluster: Cluster, result: Plan) -> list[st
     if static > memory.capacity_bytes * 0.5 or factor > 1:
         more = cluster.world_size * max(2, int(factor + 1))
         advice.append(f"or more GPUs: parameters, gradients and optimizer state alone take "
-                      f"{static / 2**30:.1f} GiB per GPU here; about {more} GPUs would leave room")
+                      f"{static / GiB:.1f} GiB per GPU here; about {more} GPUs would leave room")
     return advice

@@ -7,11 +7,13 @@ same checks when called in-job.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.units import GiB, KiB, MiB
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
@@ -43,3 +45,13 @@ def out_problem(out: str | os.PathLike | None) -> str | None:
     if Path(out).is_dir():
         return f"--out {out}: is a directory"
     return None
+
+
+def parse_size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 2): "4K", "64M"."""
+    units = {"k": KiB, "m": MiB, "g": GiB}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import UTC, datetime, timedelta
 
+import torch
 import torch.distributed as dist
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import write_cluster_file
-from megatron_pipette.probe import compute
+from megatron_pipette.measure import compute
 from megatron_pipette.probe.budget import plan_budget
 from megatron_pipette.probe.comm import device_of
 from megatron_pipette.probe.document import build_document, gpus_per_node
@@ -117,3 +119,31 @@ def _log_outcome(doc: dict, out: str | os.PathLike | None, note: str | None) -> 
     if p["skipped"]:
         log.warning("probe: skipped to fit the budget or the node layout: %s",
                     "; ".join(s["reason"] for s in p["skipped"]))
+
+
+def run_standalone(*, backend: str | None, budget_s: float, precision: str, small_bytes: int,
+                   large_bytes: int | None, cpu_large_bytes: int, cuda_large_bytes: int, repeats: int,
+                   out: str | os.PathLike, timeout_s: float) -> None:
+    """`pipette probe`: join the job from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; without them a world of one), probe, write `out` on rank 0, leave."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise PipetteError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
+    large = large_bytes or (cuda_large_bytes if backend == "nccl" else cpu_large_bytes)
+    check_args(budget_s, precision, small_bytes, large, repeats)
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:   # a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=timeout)
+    elif backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    run_probe(budget_s=budget_s, precision=precision, small_bytes=small_bytes, large_bytes=large,
+              repeats=repeats, out=out, timeout_s=timeout_s)
+    dist.destroy_process_group()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_pipette.probe import compute
+from megatron_pipette.measure import compute
 from megatron_pipette.probe.comm import Clock, exchange, one_way
 from megatron_pipette.probe.fit import medium_bytes
 from megatron_pipette.probe.transport import PairTimes

@@ -6,7 +6,7 @@ per-rank shapes of each tensor-parallel size, on one GPU or CPU, and measures
 forward and backward time and the bytes each micro-batch keeps for backward. It
 returns the layer-profile document (`megatron_pipette.spec.layer_profile`) the
 planner uses in place of its roofline estimate. Standalone:
-`python -m megatron_pipette.profile --model gpt3-1.3b --tp 1 2 4 --mbs 1 2 4 --out layer_profile.json`.
+`pipette profile --model gpt3-1.3b --tp 1 2 4 --mbs 1 2 4 --out layer_profile.json`.
 """
 
 from megatron_pipette.profile.profiler import profile_layers

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.probe.compute import gemm_precision, gemm_rate, prepare_gemm
+from megatron_pipette.measure.compute import gemm_precision, gemm_rate, prepare_gemm
 from megatron_pipette.profile import build, measure
 from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes

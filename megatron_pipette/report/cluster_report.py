@@ -16,6 +16,7 @@ import numpy as np
 from megatron_pipette.files import atomic_path
 from megatron_pipette.plan.placement import node_link_weakness
 from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.units import GiB
 
 STRAGGLER_FRACTION = 0.8
 """A device is a straggler when its GEMM rate is below this fraction of the median."""
@@ -72,7 +73,7 @@ def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
     shown = ", ".join(f"{_who(cluster, i)} {flops[i] / median:.0%}" for i in stragglers[:SLOWEST_LINKS])
     more = f" and {len(stragglers) - SLOWEST_LINKS} more" if len(stragglers) > SLOWEST_LINKS else ""
     lines.append(f"  stragglers (below {STRAGGLER_FRACTION:.0%} of the median): {shown or 'none'}{more}")
-    lines.append(f"  memory: {cluster.memory_bytes / 2**30:.1f} GiB per device (smallest), bandwidth "
+    lines.append(f"  memory: {cluster.memory_bytes / GiB:.1f} GiB per device (smallest), bandwidth "
                  f"{_rate(cluster.memory_bandwidth_Bps, 'B/s')} (lowest)")
 
     lines += ["", "Inside the nodes (one-way bandwidth under load):"]

@@ -27,6 +27,7 @@ Entries with `"measured": false` were interpolated by the profiler.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,6 @@ from megatron_pipette.spec.workload import Workload
 
 SCHEMA = "megatron-pipette/layer-profile"
 VERSION = 1
-MODEL_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "seq_length",
-              "swiglu", "precision")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,3 +156,22 @@ def check_profile_matches(profile: LayerProfile, workload: Workload, where: str 
     if wrong:
         details = ", ".join(f"{k}={got!r} (model has {want!r})" for k, (got, want) in wrong.items())
         raise PipetteError(f"{where}: profiled for another model: {details}")
+
+
+def workload_from_profile(doc: dict) -> Workload:
+    """The profiled model as a Workload (one layer; the batch does not matter here)."""
+    m = doc.get("model", {})
+    try:
+        gqa = m["num_query_groups"] != m["num_attention_heads"]
+        fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                                    "swiglu", "precision")}
+        optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
+                                      "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
+    except KeyError as e:
+        raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
+    workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
+                        num_query_groups=m["num_query_groups"] if gqa else None,
+                        kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
+    if doc.get("measurement", {}).get("layer_spec") == "local":
+        workload = dataclasses.replace(workload, attention_backend="unfused")
+    return workload

@@ -10,7 +10,7 @@ import torch
 
 from megatron_pipette.cli.main import main
 from megatron_pipette.cost.memory import activation_bytes_per_layer
-from megatron_pipette.probe.compute import copy_bandwidth, gemm_rate, prepare_copy, prepare_gemm
+from megatron_pipette.measure.compute import copy_bandwidth, gemm_rate, prepare_copy, prepare_gemm
 from megatron_pipette.profile import profile_layers
 from megatron_pipette.spec.hardware import GPU, cluster_presets, gpu_catalog, lookup_gpu
 from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json

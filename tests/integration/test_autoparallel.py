@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pipette.integration.groups import expected_groups
-from megatron_pipette.plan.document import chosen_from_json
+from megatron_pipette.report.plan_document import chosen_from_json
 
 WORKER = Path(__file__).with_name("autoparallel_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_a_dry_run_reuses_the_cached_plan(run_torchrun, restarted_job) -> None:
 @pytest.mark.torchrun
 def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     """A plan that puts logical node 0 on physical node 1 renumbers every process accordingly."""
-    from megatron_pipette.plan.document import plan_json
+    from megatron_pipette.report.plan_document import plan_json
     from megatron_pipette.cost.model import CostModel
     from megatron_pipette.plan.planner import plan
     from megatron_pipette.spec.hardware import preset_cluster

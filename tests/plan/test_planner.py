@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_pipette.plan.document import chosen_from_json, plan_json
+from megatron_pipette.report.plan_document import chosen_from_json, plan_json
 from megatron_pipette.plan.planner import misfit_advice, plan
 from megatron_pipette.plan.placement import default_placement
 from megatron_pipette.plan.search import enumerate_layouts

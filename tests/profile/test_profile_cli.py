@@ -1,17 +1,18 @@
-"""`python -m megatron_pipette.profile`: flags, output file, user errors."""
+"""`pipette profile`: flags, output file, user errors."""
 
 import json
 
 import pytest
 
-from megatron_pipette.profile.__main__ import main, workload_from_namespace, build_parser
+from megatron_pipette.cli.main import build_parser, main
+from megatron_pipette.cli.measuring import profile_workload
 from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json
 from megatron_pipette.spec.workload import workload_from_preset
 
 
 def test_cli_writes_a_profile_the_planner_accepts(tmp_path, capsys):
     out = tmp_path / "layer_profile.json"
-    rc = main(["--model", "tiny-gpt", "--seq-length", "32", "--tp", "1", "2", "--mbs", "2", "--recompute", "none",
+    rc = main(["profile", "--model", "tiny-gpt", "--seq-length", "32", "--tp", "1", "2", "--mbs", "2", "--recompute", "none",
                "--device", "cpu", "--warmup", "0", "--iters", "1", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -22,13 +23,13 @@ def test_cli_writes_a_profile_the_planner_accepts(tmp_path, capsys):
 
 
 def test_megatron_flags_override_the_preset():
-    ns = build_parser().parse_args(["--model", "llama2-7b", "--num-layers", "2", "--hidden-size", "256",
+    ns = build_parser().parse_args(["profile", "--model", "llama2-7b", "--num-layers", "2", "--hidden-size", "256",
                                     "--num-attention-heads", "8", "--ffn-hidden-size", "512", "--fp32",
                                     "--group-query-attention", "--num-query-groups", "2"])
-    w = workload_from_namespace(ns)
+    w = profile_workload(ns)
     assert (w.hidden_size, w.num_attention_heads, w.query_groups, w.ffn, w.swiglu, w.precision) == (
         256, 8, 2, 512, True, "fp32")
-    w = workload_from_namespace(build_parser().parse_args(["--model", "gpt3-125m", "--disable-bias-linear"]))
+    w = profile_workload(build_parser().parse_args(["profile", "--model", "gpt3-125m", "--disable-bias-linear"]))
     assert not w.add_bias_linear
 
 
@@ -39,6 +40,6 @@ def test_megatron_flags_override_the_preset():
     (["--model", "tiny-gpt", "--normalization", "BatchNorm"], "--normalization must be one of"),
 ])
 def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
-    assert main(argv) == 2
+    assert main(["profile", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert err.startswith(f"pipette profile: error: {message}") and err.count("\n") == 1

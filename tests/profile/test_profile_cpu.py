@@ -205,7 +205,8 @@ def test_cuda_without_a_gpu_is_a_user_error():
 
 def test_compare_with_the_planner_formula(doc, tmp_path, capsys):
     """The planner's activation formula (1-byte masks) vs the CPU measurement (float masks)."""
-    from megatron_pipette.profile.compare import compare, main
+    from megatron_pipette.cli.main import main
+    from megatron_pipette.report.profile_compare import compare
     from megatron_pipette.spec.hardware import lookup_gpu
 
     rows = compare(doc, None)
@@ -219,8 +220,9 @@ def test_compare_with_the_planner_formula(doc, tmp_path, capsys):
     assert all(r["model_forward_s"] > 0 and r["backward_ratio"] > 0 for r in timed)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
-    assert main([str(path)]) == 0 and "not a catalog GPU" in capsys.readouterr().out
-    assert main([str(tmp_path / "missing.json")]) == 2 and capsys.readouterr().err.startswith("error: ")
+    assert main(["compare", str(path)]) == 0 and "not a catalog GPU" in capsys.readouterr().out
+    assert main(["compare", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.startswith("pipette compare: error: compare ")
 
 
 def test_llama_style_layer_gqa_swiglu_rmsnorm_rope():

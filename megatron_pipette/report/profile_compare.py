@@ -1,6 +1,6 @@
 """Measured layer profile vs the planner's roofline: how far off is the model?
 
-    python -m megatron_pipette.profile.compare layer_profile.json [--gpu H100-80GB]
+    pipette compare layer_profile.json [--gpu H100-80GB]
 
 For every layer entry: measured and modelled forward and backward time and
 activation bytes, and their ratio (measured / model). Times use the planner's
@@ -15,39 +15,15 @@ activations are compared.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
 from megatron_pipette.cost.compute import roofline_layer
 from megatron_pipette.cost.memory import activation_bytes_per_layer
-from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU, gpu_catalog, lookup_gpu
+from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layer_profile import profile_from_json, workload_from_profile
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload
-
-
-def workload_from_profile(doc: dict) -> Workload:
-    """The profiled model as a Workload (one layer; the batch does not matter here)."""
-    m = doc.get("model", {})
-    try:
-        gqa = m["num_query_groups"] != m["num_attention_heads"]
-        fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                                    "swiglu", "precision")}
-        optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
-                                      "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
-    except KeyError as e:
-        raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
-    workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
-                        num_query_groups=m["num_query_groups"] if gqa else None,
-                        kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
-    if doc.get("measurement", {}).get("layer_spec") == "local":
-        workload = dataclasses.replace(workload, attention_backend="unfused")
-    return workload
+from megatron_pipette.units import MiB
 
 
 def compare(doc: dict, gpu: GPU | None) -> list[dict]:
@@ -85,38 +61,10 @@ def render(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         line = (f"{r['tp']:>3} {r['mbs']:>4} {'y' if r['sp'] else '-':>3} {r['recompute'] or '-':>9} "
-                f"{'y' if r['measured'] else '-':>4}  {r['activation_bytes'] / 2**20:>9.3f} "
-                f"{r['model_activation_bytes'] / 2**20:>9.3f} {r['activation_ratio']:>6.3f}")
+                f"{'y' if r['measured'] else '-':>4}  {r['activation_bytes'] / MiB:>9.3f} "
+                f"{r['model_activation_bytes'] / MiB:>9.3f} {r['activation_ratio']:>6.3f}")
         if timed:
             line += (f"  {r['forward_s'] * 1e3:>8.3f} {r['model_forward_s'] * 1e3:>8.3f} {r['forward_ratio']:>6.2f}"
                      f"  {r['backward_s'] * 1e3:>8.3f} {r['model_backward_s'] * 1e3:>8.3f} {r['backward_ratio']:>6.2f}")
         lines.append(line)
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_pipette.profile.compare",
-                                     description="Compare a measured layer profile with the planner's roofline.")
-    parser.add_argument("profile", help="layer-profile JSON (python -m megatron_pipette.profile)")
-    parser.add_argument("--gpu", help="catalog GPU for the roofline times (default: the profiled device's name)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    ns = parser.parse_args(argv)
-    try:
-        try:
-            doc = json.loads(Path(ns.profile).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PipetteError(f"{ns.profile}: cannot read a JSON layer profile ({e})") from None
-        name = ns.gpu or doc.get("device", {}).get("device_name", "")
-        gpu = lookup_gpu(ns.gpu) if ns.gpu else gpu_catalog().get(name.lower())
-        rows = compare(doc, gpu)
-    except PipetteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rows, indent=1) if ns.json else render(rows))
-    if gpu is None:
-        print(f"(device {name!r} is not a catalog GPU: times not compared; pass --gpu to force)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

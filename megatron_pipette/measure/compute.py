@@ -14,13 +14,15 @@ import time
 
 import torch
 
+from megatron_pipette.units import MiB
+
 # GEMM edge per device kind and dtype: big enough to reach the device's
 # steady-state rate, small enough for a short window (an 8192^3 bf16 GEMM is
 # ~1.4 ms on an H100; a 512^3 fp32 GEMM is a few ms on one CPU core).
 GEMM_N_CUDA = {torch.bfloat16: 8192, torch.float16: 8192, torch.float32: 4096}
 GEMM_N_CPU = 512
-COPY_BYTES_CUDA = 512 * 2**20
-COPY_BYTES_CPU = 32 * 2**20
+COPY_BYTES_CUDA = 512 * MiB
+COPY_BYTES_CPU = 32 * MiB
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

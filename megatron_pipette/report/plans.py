@@ -6,8 +6,8 @@ from megatron_pipette.cost.memory import MemoryEstimate, misfit_reason
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
+from megatron_pipette.units import GiB
 
-GiB = 2**30
 
 
 def _gib(n: float) -> str:

@@ -1,0 +1,125 @@
+"""`pipette plan` and `pipette estimate`: the planner on a preset or a measured cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_pipette.cli.args import (DEFAULT_MODEL, add_cluster_flags, add_layout_flags, add_workload_flags,
+                                       cluster_from_args, layout_constraints, profile_from_args, read_json,
+                                       workload_from_args)
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
+from megatron_pipette.report import plans
+from megatron_pipette.report.plan_document import chosen_from_json, estimate_json, plan_json
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout, check_user_layout
+from megatron_pipette.spec.workload import Workload, megatron_flag, workload_fields
+from megatron_pipette.units import GiB
+
+EXIT_NOTHING_FITS = 3
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search every layout and rank placement; print the best")
+    add_workload_flags(p)
+    add_cluster_flags(p)
+    add_layout_flags(p, "layout constraints (a flag given here is fixed; the rest is searched)")
+    p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
+    p.add_argument("--allow-tp-across-nodes", action="store_true", help="let tensor parallel span nodes")
+    p.add_argument("--json", action="store_true", help="print the plan document (candidates best first)")
+    p.set_defaults(run=cmd_plan)
+
+
+def add_estimate_parser(sub) -> None:
+    e = sub.add_parser("estimate", help="predict time and per-stage memory of one layout")
+    add_workload_flags(e)
+    add_cluster_flags(e)
+    add_layout_flags(e, "layout (Megatron flags; data-parallel size = GPUs / (TP * PP))")
+    e.add_argument("--plan", metavar="PLAN_JSON",
+                   help="price this plan's model, layout and placement (from `plan --json` or a job's "
+                        "pipette_plan.json) on --cluster instead of the flags")
+    e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    e.set_defaults(run=cmd_estimate)
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    workload = workload_from_args(ns, DEFAULT_MODEL)
+    cluster = cluster_from_args(ns, workload.precision)
+    profile = profile_from_args(ns, workload, cluster)
+    if ns.top <= 0:
+        raise PipetteError(f"--top must be a positive integer, got {ns.top}")
+    constraints = layout_constraints(ns)
+    check_user_layout(Layout(**constraints))
+    result = plan(workload, CostModel(cluster, profile=profile), constraints=constraints, top_k=ns.top,
+                  allow_tp_across_nodes=ns.allow_tp_across_nodes)
+    if ns.json:
+        print(json.dumps(plan_json(result), indent=1))
+    if not result.candidates:
+        print(f"pipette: nothing fits: none of the {result.considered} valid layouts of {workload.name} fits "
+              f"in {cluster.memory_bytes / GiB:.1f} GiB per GPU on {cluster.world_size} GPUs.", file=sys.stderr)
+        for line in [*misfit_advice(workload, cluster, result), *plans.rejections(result)]:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_NOTHING_FITS
+    if not ns.json:
+        print(plans.plan_report(result))
+    return 0
+
+
+def cmd_estimate(ns: argparse.Namespace) -> int:
+    if ns.plan is not None:
+        return estimate_plan(ns)
+    workload = workload_from_args(ns, DEFAULT_MODEL)
+    cluster = cluster_from_args(ns, workload.precision)
+    profile = profile_from_args(ns, workload, cluster)
+    fields = layout_constraints(ns)
+    tp = fields.get("tensor_model_parallel_size", 1)
+    pp = fields.get("pipeline_model_parallel_size", 1)
+    check_user_layout(Layout(**fields))
+    if cluster.world_size % (tp * pp):
+        raise PipetteError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
+                           f"divide the {cluster.world_size} GPUs")
+    layout = Layout(**fields, data_parallel_size=cluster.world_size // (tp * pp))
+    try:
+        job = resolve_job(workload, layout, cluster.world_size)
+    except Infeasible as e:
+        raise PipetteError(f"Megatron would reject this layout: {e}") from None
+    time, memory = evaluate(CostModel(cluster, profile=profile), job)
+    if ns.json:
+        print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
+    else:
+        print(plans.estimate_report(layout.describe(), time, memory))
+    return 0
+
+
+def estimate_plan(ns: argparse.Namespace) -> int:
+    """`estimate --plan`: a plan made on one cluster (say, a probed one), priced on another."""
+    typed = [megatron_flag(f.name) for f in workload_fields() if hasattr(ns, f.name)] + \
+        [megatron_flag(name) for name in layout_constraints(ns)] + (["--model"] if hasattr(ns, "model") else [])
+    if typed:
+        raise PipetteError(f"--plan gives the model and the layout; drop {', '.join(typed)}")
+    doc = read_json(ns.plan, "--plan")
+    layout, placement = chosen_from_json(doc, where=f"--plan {ns.plan}")
+    try:
+        workload = Workload(**doc["model"])
+    except (KeyError, TypeError) as e:
+        raise PipetteError(f"--plan {ns.plan}: malformed model ({e!r})") from None
+    cluster = cluster_from_args(ns, workload.precision)
+    if placement.logical_to_physical.size != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:
+        raise PipetteError(f"--plan {ns.plan} places {len(placement.node_order)} nodes of "
+                           f"{placement.gpus_per_node}; --cluster has {cluster.num_nodes} of {cluster.gpus_per_node}")
+    profile = profile_from_args(ns, workload, cluster)
+    try:
+        job = resolve_job(workload, layout, cluster.world_size)
+    except Infeasible as e:
+        raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
+    time, memory = evaluate(CostModel(cluster, profile=profile), job, placement)
+    if ns.json:
+        print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
+                          "placement": {"node_order": list(placement.node_order)}}, indent=1))
+    else:
+        print(plans.estimate_report(f"{layout.describe()} placed on nodes {plans.node_order(placement)}",
+                                     time, memory))
+    return 0

@@ -1,0 +1,88 @@
+"""The import direction docs/architecture.md states, checked on the source: a new import that runs
+sideways or upwards (the hook importing the CLI, the cost model importing torch) fails here."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_pipette"
+ALLOWED = {
+    "errors": set(),
+    "units": set(),
+    "files": {"errors"},
+    "data": set(),
+    "spec": {"errors", "units", "data"},
+    "cost": {"spec", "errors", "units"},
+    "plan": {"cost", "spec", "errors", "units"},
+    "report": {"plan", "cost", "spec", "errors", "units", "files"},
+    "measure": {"errors", "units"},
+    "probe": {"spec", "measure", "errors", "units", "files"},
+    "profile": {"spec", "measure", "errors", "units"},
+    "integration": {"spec", "cost", "plan", "report", "probe", "profile", "errors", "units", "files"},
+    "cli": {"spec", "cost", "plan", "report", "probe", "profile", "errors", "units", "files"},
+}
+"""Layer -> the layers it may import (besides itself). Descriptions feed the cost model, which the
+planner uses; reports present; measurements produce inputs; the hook and the CLI sit on top."""
+TORCH_FREE = {"errors", "units", "files", "spec", "cost", "plan", "report"}
+TORCH_FREE_MODULES = {"probe.schedule", "probe.budget", "probe.transport", "probe.engine", "probe.fit",
+                      "probe.document", "probe.twin", "probe.options", "cli.main", "cli.args", "cli.planning",
+                      "cli.measuring"}
+"""Modules outside the torch-free layers whose top-level imports must stay free of torch too (the
+probe's logic runs in the twin; the CLI starts without torch and imports it only inside `probe`
+and `profile`)."""
+HEAVY = ("torch", "megatron")
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = rel.parts
+        if parts == ("__init__",) or parts[-1] == "__main__":   # entry points: `python -m` shims over the CLI
+            continue
+        layer = parts[0]
+        name = ".".join(p for p in parts if p != "__init__")
+        yield layer, name, ast.parse(path.read_text(), str(path))
+
+
+def imports(tree: ast.AST, top_level_only: bool):
+    """(module imported, line) for every import; with top_level_only, not those inside functions."""
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            yield from ((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+        elif top_level_only and isinstance(node, ast.If):   # `if TYPE_CHECKING:` blocks
+            continue
+
+
+def test_every_layer_is_known():
+    assert {layer.split(".")[0] for layer, _, _ in modules()} <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_imports_point_one_way(layer):
+    wrong = []
+    for mod_layer, name, tree in modules():
+        if mod_layer != layer:
+            continue
+        for target, line in imports(tree, top_level_only=False):
+            if not target.startswith("megatron_pipette."):
+                continue
+            other = target.split(".")[1]
+            if other != layer and other not in ALLOWED[layer]:
+                wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_planner_and_the_probe_logic_import_no_torch():
+    wrong = []
+    for layer, name, tree in modules():
+        whole_layer = layer in TORCH_FREE
+        if not whole_layer and name not in TORCH_FREE_MODULES:
+            continue
+        for target, line in imports(tree, top_level_only=not whole_layer):
+            if target.split(".")[0] in HEAVY:
+                wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
