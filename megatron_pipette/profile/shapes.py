@@ -163,8 +163,9 @@ def layer_entries(results: Iterable[Measured], *, tp_sizes: Sequence[int], micro
                           for mbs, m in measured.items()}
                 for mbs in sorted(set(micro_batch_sizes)):
                     p = _interpolate(points, mbs)
+                    # SP entries are derived from the non-SP run (its times, the SP-sharded bytes): not measured.
                     row = {"tensor_model_parallel_size": tp, "micro_batch_size": mbs, "sequence_parallel": sp,
-                           "recompute_granularity": rc, **_values(p), "measured": mbs in measured}
+                           "recompute_granularity": rc, **_values(p), "measured": mbs in measured and not sp}
                     if mbs in measured and not sp:
                         row.update(dict(measured[mbs].extra))
                     rows.append(row)

@@ -22,7 +22,8 @@ tensor-parallel communication is modelled from the link matrix.
     }
 
 `backward_s` of an entry with recomputation includes the recomputed forward.
-Entries with `"measured": false` were interpolated by the profiler.
+Entries with `"measured": false` were interpolated by the profiler, or (sequence-parallel entries)
+derived from the measured non-SP entry: its times and the activation bytes SP shards.
 """
 
 from __future__ import annotations
