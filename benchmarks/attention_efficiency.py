@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
+
 from megatron_pipette.cost.compute import gemm_efficiency
 from megatron_pipette.spec.workload import workload_from_preset
 

@@ -172,7 +172,7 @@ class Timer:
                 self.flush.zero_()
             stamps: list = []
 
-            def mark() -> None:
+            def mark(stamps: list = stamps) -> None:
                 if cuda:
                     e = torch.cuda.Event(enable_timing=True)
                     e.record()
@@ -238,7 +238,7 @@ def device_metadata(device: torch.device) -> dict:
             "peak_flops": dict(gpu.peak_flops) if gpu else {}, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
             "python": platform.python_version(), "host": platform.node(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "nvidia_smi_before": nvidia_smi() if device.type == "cuda" else None}
 
 

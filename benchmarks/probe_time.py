@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=8)

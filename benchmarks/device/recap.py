@@ -35,7 +35,7 @@ def attention_lines(doc: dict) -> list[str]:
         if "forward_s" in r:
             groups.setdefault((r["backend"], r["s"]), []).append(r)
     for (backend, s), rows in sorted(groups.items()):
-        def med(key: str) -> float:
+        def med(key: str, rows: list = rows) -> float:
             return statistics.median(r[key] for r in rows)
 
         lines.append(f"  {backend:>7} s {s:>6}: fwd/model {med('forward_ratio'):.3g} bwd/model "

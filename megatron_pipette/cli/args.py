@@ -23,12 +23,15 @@ from pathlib import Path
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_cluster
-from megatron_pipette.spec.layer_profile import (LayerProfile, check_profile_device, check_profile_matches,
-                                                  profile_from_json)
+from megatron_pipette.spec.layer_profile import (
+    LayerProfile,
+    check_profile_device,
+    check_profile_matches,
+    profile_from_json,
+)
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced, flag_table
-from megatron_pipette.spec.workload import (Workload, megatron_flag, model_presets, workload_fields,
-                                             workload_from_preset)
+from megatron_pipette.spec.workload import Workload, megatron_flag, model_presets, workload_fields, workload_from_preset
 
 DEFAULT_MODEL = "gpt3-13b"
 DEFAULT_CLUSTER = "dgx-a100"

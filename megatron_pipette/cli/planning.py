@@ -6,9 +6,17 @@ import argparse
 import json
 import sys
 
-from megatron_pipette.cli.args import (DEFAULT_MODEL, add_cluster_flags, add_layout_flags, add_workload_flags,
-                                       cluster_from_args, layout_constraints, profile_from_args, read_json,
-                                       workload_from_args)
+from megatron_pipette.cli.args import (
+    DEFAULT_MODEL,
+    add_cluster_flags,
+    add_layout_flags,
+    add_workload_flags,
+    cluster_from_args,
+    layout_constraints,
+    profile_from_args,
+    read_json,
+    workload_from_args,
+)
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan

@@ -3,8 +3,8 @@
 Only whole nodes are permuted, so every process keeps its local GPU
 (`rank % gpus_per_node == LOCAL_RANK`); when a tensor-parallel group spans the
 nodes of an NVLink domain (GB200 NVL72), nodes move in blocks of that many and
-start domain-aligned, so the group stays inside its domain. The objective is the same predicted iteration time that ranks
-layouts (`CostModel.time`), never a proxy.
+start domain-aligned, so the group stays inside its domain. The objective is the same
+predicted iteration time that ranks layouts (`CostModel.time`), never a proxy.
 
 The search is a deterministic, bounded best-improvement local search over
 node swaps. It starts from Megatron's default order and accepts only strict

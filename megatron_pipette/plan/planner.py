@@ -11,8 +11,8 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 

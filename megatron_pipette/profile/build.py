@@ -26,8 +26,9 @@ off: it accumulates into DDP's `main_grad`, which a bare module has not got.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -123,8 +124,10 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
 
 def layer_step(workload: Workload, tp: int, mbs: int, recompute: str | None, env: Any, te: bool) -> Step:
     """One transformer layer (a one-layer TransformerBlock, so full recompute is Megatron's own)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     device, dtype, s = env.device, DTYPES[workload.precision], workload.seq_length

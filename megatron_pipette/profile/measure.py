@@ -7,7 +7,8 @@ excluded) are what a micro-batch holds from its forward to its backward. This wo
 the same on CPU and GPU, does not depend on the caching allocator, and counts
 storage once however many views of it are saved (Q, K and V are views of one QKV
 output). Only what the graph still holds when forward ends counts: tensors packed
-under no_grad and dropped at once (full recompute's first forward) do not. It misses tensors a custom autograd function keeps as plain ctx
+under no_grad and dropped at once (full recompute's first forward) do not. It misses tensors a
+custom autograd function keeps as plain ctx
 attributes instead of `save_for_backward` (megatron keeps only RNG states and
 shapes that way). On a GPU the allocator's view is recorded next to it as a
 cross-check: the `memory_allocated` growth across forward with the graph alive

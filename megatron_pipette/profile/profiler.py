@@ -22,7 +22,6 @@ from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_f
 from megatron_pipette.spec.layout import RECOMPUTE_GRANULARITIES
 from megatron_pipette.spec.workload import Workload
 
-
 REFERENCE_GEMM_WINDOW_S = 0.3
 """Seconds of the reference GEMM (the probe's compute-check size)."""
 
@@ -124,7 +123,8 @@ def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmu
         torch.cuda.empty_cache()
     return Measured(shape=shape, forward_s=timing.forward_s, backward_s=timing.backward_s,
                     activation_bytes=saved.total, sequence_sharded_bytes=sharded,
-                    wall_s=time.perf_counter() - t0, run_s=(1 + warmup + iters) * (timing.forward_s + timing.backward_s),
+                    wall_s=time.perf_counter() - t0,
+                    run_s=(1 + warmup + iters) * (timing.forward_s + timing.backward_s),
                     extra=tuple(sorted(extra.items())))
 
 

@@ -9,7 +9,6 @@ from megatron_pipette.plan.planner import Candidate, Plan
 from megatron_pipette.units import GiB
 
 
-
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 

@@ -52,10 +52,9 @@ def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_teardown_on_error_and_stale_cleanup() -> None:
     cl = EmuCluster({"nodes": 2, "rate_mbit": 50}, tag="e")
-    with pytest.raises(RuntimeError):
-        with cl:
-            assert cl.hub in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), cl:
+        assert cl.hub in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        raise RuntimeError("boom")
     assert cl.base not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     subprocess.run(["ip", "netns", "add", f"{PREFIX}999999999-stale"], check=True)
     assert f"{PREFIX}999999999-stale" in cleanup_stale()

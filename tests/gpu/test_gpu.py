@@ -13,10 +13,10 @@ from megatron_pipette.cost.memory import activation_bytes_per_layer
 from megatron_pipette.measure.compute import copy_bandwidth, gemm_rate, prepare_copy, prepare_gemm
 from megatron_pipette.profile import profile_layers
 from megatron_pipette.spec.hardware import GPU, cluster_presets, gpu_catalog, lookup_gpu
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
-from megatron_pipette.spec.job import resolve_job
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +87,8 @@ def test_a_cuda_layer_keeps_what_the_memory_model_charges(cuda_profile, tp):
     keeps (on CPU they are floats, tests/profile); the local spec's unfused attention stores its
     scores. Besides, each LayerNorm keeps its fp32 mean and rstd (2 x s x b x 4 bytes)."""
     measured = profile_from_json(cuda_profile).layer(tp, 1, False, None).activation_bytes
-    formula = activation_bytes_per_layer(resolve_job(dataclasses.replace(WORKLOAD, attention_backend="unfused"), Layout(tensor_model_parallel_size=tp)))
+    unfused = dataclasses.replace(WORKLOAD, attention_backend="unfused")
+    formula = activation_bytes_per_layer(resolve_job(unfused, Layout(tensor_model_parallel_size=tp)))
     norm_statistics = 2 * 2 * S * 4
     print(f"tp{tp}: measured {measured} B, formula {formula} B, ratio {measured / formula:.4f}")
     assert measured == formula + norm_statistics

@@ -3,15 +3,14 @@ import itertools
 
 import numpy as np
 
+from helpers.clusters import dense
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible
 from megatron_pipette.plan.placement import Placement, default_placement, domain_aligned, optimize_placement
 from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
-from megatron_pipette.cost.model import CostModel
-from megatron_pipette.spec.job import resolve_job
-
-from helpers.clusters import dense
 
 W = workload_from_preset("gpt3-1.3b")
 PIPELINE = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, data_parallel_size=1,
@@ -19,7 +18,8 @@ PIPELINE = Layout(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, 
 
 
 def default_time(layout, cluster):
-    return CostModel(cluster).time(resolve_job(W, layout), default_placement(cluster).logical_to_physical).iteration_time_s
+    job = resolve_job(W, layout)
+    return CostModel(cluster).time(job, default_placement(cluster).logical_to_physical).iteration_time_s
 
 
 def test_placement_keeps_local_ranks_and_is_a_permutation():
@@ -47,7 +47,8 @@ def test_slow_node_moves_to_the_end_of_the_pipeline_and_strictly_improves(slow_n
 
 def test_placement_is_deterministic(slow_node_cluster):
     cluster = slow_node_cluster(slow_node=2)
-    assert optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))[0] == optimize_placement(CostModel(cluster), resolve_job(W, PIPELINE))[0]
+    job = resolve_job(W, PIPELINE)
+    assert optimize_placement(CostModel(cluster), job)[0] == optimize_placement(CostModel(cluster), job)[0]
 
 
 def test_placement_is_near_the_brute_force_optimum_on_small_clusters():
@@ -89,7 +90,8 @@ def test_tensor_parallel_groups_wider_than_a_node_stay_inside_their_nvlink_domai
     placement, time = optimize_placement(CostModel(cluster), resolve_job(W, layout))
     order = np.asarray(placement.node_order)
     assert all(domains[order[2 * k]] == domains[order[2 * k + 1]] for k in range(4))
-    aligned = CostModel(cluster).time(resolve_job(W, layout), domain_aligned(cluster, 2).logical_to_physical).iteration_time_s
+    job = resolve_job(W, layout)
+    aligned = CostModel(cluster).time(job, domain_aligned(cluster, 2).logical_to_physical).iteration_time_s
     assert time.iteration_time_s <= aligned < default_time(layout, cluster)
 
 

@@ -1,14 +1,14 @@
 import pytest
 
-from megatron_pipette.report.plan_document import chosen_from_json, plan_json
-from megatron_pipette.plan.planner import misfit_advice, plan
-from megatron_pipette.plan.placement import default_placement
-from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.cost.memory import estimate_memory
-from megatron_pipette.spec.hardware import preset_cluster
-from megatron_pipette.spec.workload import workload_from_preset
 from megatron_pipette.cost.model import CostModel
+from megatron_pipette.plan.placement import default_placement
+from megatron_pipette.plan.planner import misfit_advice, plan
+from megatron_pipette.plan.search import enumerate_layouts
+from megatron_pipette.report.plan_document import chosen_from_json, plan_json
+from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.workload import workload_from_preset
 
 
 def test_best_candidate_is_the_fastest_fitting_layout():
@@ -31,7 +31,8 @@ def test_best_candidate_is_the_fastest_fitting_layout():
 
 def test_constraints_are_respected():
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
-    result = plan(w, CostModel(preset_cluster("dgx-a100", num_nodes=2)), constraints={"tensor_model_parallel_size": 2, "use_distributed_optimizer": False})
+    result = plan(w, CostModel(preset_cluster("dgx-a100", num_nodes=2)),
+                  constraints={"tensor_model_parallel_size": 2, "use_distributed_optimizer": False})
     assert result.candidates
     assert all(c.layout.tp == 2 and not c.layout.use_distributed_optimizer for c in result.candidates)
 
@@ -42,9 +43,10 @@ def test_slow_node_plan_places_ranks(slow_node_cluster):
     # 1F1B is a chain, so the slow node's position matters. (Interleaved stages form a ring, where
     # every position has two neighbours and whole-node placement cannot help.) Without sequence
     # parallelism every TP rank sends the whole activation, so the slow hops dominate.
-    result = plan(w, CostModel(cluster), constraints={"pipeline_model_parallel_size": 4, "tensor_model_parallel_size": 8,
-                                           "num_layers_per_virtual_pipeline_stage": None,
-                                           "sequence_parallel": False})
+    result = plan(w, CostModel(cluster), constraints={"pipeline_model_parallel_size": 4,
+                                                      "tensor_model_parallel_size": 8,
+                                                      "num_layers_per_virtual_pipeline_stage": None,
+                                                      "sequence_parallel": False})
     best = result.candidates[0]
     assert not best.placement.is_default
     assert best.time.iteration_time_s < best.default_order_time_s

@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.search import _pipeline_splits, enumerate_layouts
@@ -41,8 +42,8 @@ def test_constraints_fix_fields():
     layouts = list(layouts_of(GPT3, 64, 8, {"tensor_model_parallel_size": 4, "sequence_parallel": True,
                                                     "recompute_granularity": "full"}))
     assert layouts
-    assert all(l.tp == 4 and l.sequence_parallel and l.recompute_granularity == "full"
-               and l.recompute_method == "uniform" for l in layouts)
+    assert all(lay.tp == 4 and lay.sequence_parallel and lay.recompute_granularity == "full"
+               and lay.recompute_method == "uniform" for lay in layouts)
 
 
 def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
@@ -51,28 +52,29 @@ def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
     layouts = list(layouts_of(w, 8, 8, {"use_distributed_optimizer": True,
                                                "tensor_model_parallel_size": 8}))
-    assert layouts and all(l.dp == 1 and not l.overlap_grad_reduce and not l.overlap_param_gather
-                           for l in layouts)
+    assert layouts and all(lay.dp == 1 and not lay.overlap_grad_reduce and not lay.overlap_param_gather
+                           for lay in layouts)
 
 
 def test_tensor_parallel_across_nodes_only_when_allowed():
     w = workload_from_preset("gpt3-1.3b")
-    assert max(l.tp for l in layouts_of(w, 16, 8)) == 8
-    assert max(l.tp for l in layouts_of(w, 16, 8, allow_tp_across_nodes=True)) == 16
+    assert max(lay.tp for lay in layouts_of(w, 16, 8)) == 8
+    assert max(lay.tp for lay in layouts_of(w, 16, 8, allow_tp_across_nodes=True)) == 16
     # An explicit user constraint is honoured even across nodes (Megatron accepts it).
-    assert all(l.tp == 16 for l in layouts_of(w, 16, 8, {"tensor_model_parallel_size": 16}))
+    assert all(lay.tp == 16 for lay in layouts_of(w, 16, 8, {"tensor_model_parallel_size": 16}))
 
 
 def test_uneven_pipeline_splits_use_megatron_flags():
     w = workload_from_preset("gpt3-175b", num_layers=30)
-    splits = {stage_layers(w, l) and (l.decoder_first_pipeline_num_layers, l.decoder_last_pipeline_num_layers)
-              for l in layouts_of(w, 32, 8, {"pipeline_model_parallel_size": 4})}
+    splits = {stage_layers(w, lay) and (lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers)
+              for lay in layouts_of(w, 32, 8, {"pipeline_model_parallel_size": 4})}
     assert (None, None) not in splits  # 30 is not divisible by 4
     assert splits and all(sum(stage_layers(w, Layout(pipeline_model_parallel_size=4,
                                                      decoder_first_pipeline_num_layers=f,
-                                                     decoder_last_pipeline_num_layers=l))) == 30
-                          for f, l in splits)
-    assert (None, 5) in _pipeline_splits(96, 8) and (6, 6) in _pipeline_splits(96, 8)  # a lighter last stage offsets the output layer
+                                                     decoder_last_pipeline_num_layers=lay))) == 30
+                          for f, lay in splits)
+    # A lighter last stage offsets the output layer.
+    assert (None, 5) in _pipeline_splits(96, 8) and (6, 6) in _pipeline_splits(96, 8)
 
 
 def test_unknown_constraint_is_a_user_error():

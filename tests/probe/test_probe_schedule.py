@@ -9,8 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_pipette.probe.schedule import (CROSS_RAIL_ROUNDS, partner_in, probe_rounds, round_partners,
-                                             rounds_in_tournament, tournament)
+from megatron_pipette.probe.schedule import (
+    CROSS_RAIL_ROUNDS,
+    partner_in,
+    probe_rounds,
+    round_partners,
+    rounds_in_tournament,
+    tournament,
+)
 
 
 @given(st.integers(min_value=0, max_value=64))

@@ -12,8 +12,8 @@ from megatron_pipette.spec.workload import workload_from_preset
 
 def test_cli_writes_a_profile_the_planner_accepts(tmp_path, capsys):
     out = tmp_path / "layer_profile.json"
-    rc = main(["profile", "--model", "tiny-gpt", "--seq-length", "32", "--tp", "1", "2", "--mbs", "2", "--recompute", "none",
-               "--device", "cpu", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    rc = main(["profile", "--model", "tiny-gpt", "--seq-length", "32", "--tp", "1", "2", "--mbs", "2",
+               "--recompute", "none", "--device", "cpu", "--warmup", "0", "--iters", "1", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     check_profile_matches(profile_from_json(doc), workload_from_preset("tiny-gpt", seq_length=32))

@@ -13,9 +13,9 @@ import torch
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.profile import profile_layers
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json
 from megatron_pipette.spec.workload import Workload
-from megatron_pipette.spec.job import resolve_job
 
 S, H, A, V = 32, 64, 4, 1000
 WORKLOAD = Workload(num_layers=2, hidden_size=H, num_attention_heads=A, seq_length=S, global_batch_size=8,
@@ -244,8 +244,9 @@ def test_llama_style_layer_gqa_swiglu_rmsnorm_rope():
     for tp in (1, 2):
         measured = profile.layer(tp, 1, False, None).activation_bytes
         # unfused attention (the local spec) stores K and V repeated to all heads, as the formula says
-        formula = activation_bytes_per_layer(resolve_job(dataclasses.replace(w, attention_backend="unfused"), Layout(tensor_model_parallel_size=tp)))
+        unfused = dataclasses.replace(w, attention_backend="unfused")
+        formula = activation_bytes_per_layer(resolve_job(unfused, Layout(tensor_model_parallel_size=tp)))
         extras = 2 * (64 * 128 + 64) * 4 + 4 * 64 * 16 * 4
-        print(f"llama-style tp{tp}: measured {measured} B, planner formula {formula} B, "
-              f"ratio {measured / formula:.4f}; formula + RMSNorm/RoPE extras ratio {measured / (formula + extras):.4f}")
+        print(f"llama-style tp{tp}: measured {measured} B, planner formula {formula} B, ratio "
+              f"{measured / formula:.4f}; formula + RMSNorm/RoPE extras ratio {measured / (formula + extras):.4f}")
         assert measured == formula + extras

@@ -1,9 +1,9 @@
 import pytest
 
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
-from megatron_pipette.spec.job import resolve_job
 
 W = workload_from_preset("gpt3-175b")  # 96 layers, 96 heads, gbs 1536
 
