@@ -51,14 +51,16 @@ def main() -> None:
     for nodes in ns.nodes:
         truth, rate = truth_cluster(nodes)
         start = time.perf_counter()
-        doc, simulated = run_twin(truth, budget_s=ns.budget_s, small_bytes=4096, large_bytes=64 << 20, repeats=3,
-                                  noise=ns.noise, seed=ns.seed)
+        run = run_twin(truth, budget_s=ns.budget_s, small_bytes=4096, large_bytes=64 << 20, repeats=3,
+                       noise=ns.noise, seed=ns.seed)
         wall = time.perf_counter() - start
+        doc = run.doc
         probed = cluster_from_json(doc)
         p = doc["probe"]
         errors = compare_to_truth(probed, truth, node_pairs_met(nodes, 8, p["inter_rounds_measured"]))
         print(f"\n{nodes * 8} GPUs ({nodes} nodes), budget {ns.budget_s:g} s, noise {ns.noise:g}")
-        print(f"  simulated probe {simulated:.2f} s, twin wall {wall:.2f} s; {p['inter_rounds_measured']} of "
+        print(f"  simulated probe {run.simulated_s:.2f} s, twin wall {wall:.2f} s (document build "
+              f"{run.document_build_s:.2f} s); {p['inter_rounds_measured']} of "
               f"{p['inter_rounds']} inter-node rounds, {p['node_pairs_measured']} of {nodes * (nodes - 1) // 2} "
               f"node pairs")
         for s in p["slow_nodes"]:

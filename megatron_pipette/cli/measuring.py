@@ -192,15 +192,16 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
                            f"--truth {ns.truth} ({truth.num_nodes} nodes x {truth.gpus_per_node} = "
                            f"{truth.world_size} GPUs)")
     started = time.perf_counter()
-    doc, simulated_s = run_twin(truth, budget_s=ns.budget_s, small_bytes=ns.small_bytes,
-                                large_bytes=ns.large_bytes, repeats=ns.repeats, noise=ns.noise, seed=ns.seed)
+    run = run_twin(truth, budget_s=ns.budget_s, small_bytes=ns.small_bytes, large_bytes=ns.large_bytes,
+                   repeats=ns.repeats, noise=ns.noise, seed=ns.seed)
+    doc = run.doc
     probed = cluster_from_json(doc, where="probe-sim")
     write_cluster_file(doc, ns.out)
     wall_s = time.perf_counter() - started
     p = doc["probe"]
     errors = compare_to_truth(probed, truth, node_pairs_met(truth.num_nodes, truth.gpus_per_node,
                                                             p["inter_rounds_measured"]))
-    print(plans.twin_report(doc, simulated_s, wall_s, errors))
+    print(plans.twin_report(doc, run.simulated_s, wall_s, run.document_build_s, errors))
     print(f"wrote {ns.out}")
     return 0
 

@@ -96,10 +96,12 @@ def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate
     return "\n".join([*lines, "", breakdown(time), "", stage_memory(memory)])
 
 
-def twin_report(doc: dict, simulated_s: float, wall_s: float, errors: dict[str, float]) -> str:
+def twin_report(doc: dict, simulated_s: float, wall_s: float, document_build_s: float,
+                errors: dict[str, float]) -> str:
     """What `pipette probe-sim` found: the probe's simulated cost, its findings, its error against the truth."""
     p = doc["probe"]
-    lines = [f"simulated probe time {simulated_s:.2f} s (budget {p['budget_s']:g} s), wall time {wall_s:.2f} s",
+    lines = [f"simulated probe time {simulated_s:.2f} s (budget {p['budget_s']:g} s), wall time {wall_s:.2f} s "
+             f"(of it {document_build_s:.2f} s building the document)",
              f"  {p['world_size']} ranks on {doc['num_nodes']} nodes x {doc['gpus_per_node']}: "
              f"{p['intra_rounds_measured']} of {p['intra_rounds']} intra-node and {p['inter_rounds_measured']} of "
              f"{p['inter_rounds']} inter-node rounds, {p['node_pairs_measured']} of "
