@@ -198,7 +198,7 @@ class InterFit:
 def inter_times(m: Measurements, kind: str) -> dict[str, np.ndarray]:
     """METRICS -> (nodes, nodes) sender-node times of the rounds of `kind` (slowest rail; NaN: not run)."""
     nodes = m.num_nodes
-    out = {k: np.full((nodes, nodes), np.nan) for k in METRICS}
+    out = {k: np.full((nodes, nodes), np.nan, dtype=np.float32) for k in METRICS}
     for rnd, times in _ran(m.inter):
         if rnd.kind != kind:
             continue
