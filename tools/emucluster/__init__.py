@@ -301,6 +301,8 @@ class EmuCluster:
                          "match", "ip", match, f"{self.addr(peer)}/32", "flowid", f"2:{minor}")
 
     def _htb_class(self, ns: str, dev: str, parent: str, classid: str, rate_mbit: float, ceil_mbit: float) -> None:
+        """One htb class, its buckets sized for its ceiling; a 64 KiB quantum lets a borrowing leaf
+        send a whole GSO packet per turn (htb's default, rate / 10, is clamped with a warning)."""
         burst = str(_burst(ceil_mbit))
         self._tc(ns, "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
                  "rate", f"{rate_mbit}mbit", "ceil", f"{ceil_mbit}mbit", "burst", burst, "cburst", burst,
