@@ -290,7 +290,7 @@ def predictions(out: Path, placed: dict, iters: int, skip: int) -> dict:
     for r in rows:
         print(f"{r['layout']:>22} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {r['error']:+8.1%}")
     within = chosen["measured_s"] <= 1.1 * best["measured_s"]
-    print(f"MAPE {mape:.1%} (bar 15%), Kendall tau {tau:.2f} (bar 0.7); predicted-best {chosen['layout']} "
+    print(f"MAPE {mape:.1%} (bar 15%), Kendall tau {tau:.3f} (bar 0.7); predicted-best {chosen['layout']} "
           f"measures {chosen['measured_s']:.3f} s, fastest measured {best['layout']} {best['measured_s']:.3f} s: "
           f"{'within' if within else 'NOT within'} 10%")
     return {"rows": rows, "mape": mape, "kendall_tau": tau, "predicted_best": chosen["layout"],
