@@ -1,25 +1,34 @@
 """Validation on an emulated multi-node cluster (tools/emucluster; root, iproute2 and tc needed).
 
-    .venv/bin/python benchmarks/emulated_cluster.py [--only probe|placement|predictions] [--out out/emulated_cluster]
+    python benchmarks/emulated_cluster.py [--only probe|placement|predictions] [--out out/emulated_cluster]
 
-1. Probe fidelity: 3 nodes x 1 process, links shaped with tbf (node 2 at a quarter of the rate);
-   the probe's inter-node bandwidth per pair against the shaped path rate min(rate_i, rate_j).
-2. Placement pays off: 4 nodes x 1 process, node 1's link 10x slower; the tiny GPT (PP=4, TP=1,
-   DP=1, non-interleaved) trains under --auto-parallel (probe, profile, plan, placement in the job),
+1. Probe fidelity: 8 nodes x 1 process (--probe-nproc 2 for two), links shaped with htb at
+   200 Mbit/s, node 3 at a quarter of that and the path between nodes 1 and 6 at a tenth; the
+   probe's rail-to-rail inter-node bandwidth per node pair against the shaped path rate
+   min(rate_i, rate_j, pair rate) divided among the node's processes (they share its one
+   shaped link), and whether its slow_nodes / slow_links name node 3 and the pair 1-6 at
+   their shaped rates (bar: within 25%).
+2. Placement pays off: 8 nodes x 1 process (--placement-nodes 4 for the earlier variant), node
+   1's link 10x slower; the tiny GPT (PP = nodes, one layer per stage, TP=1, DP=1,
+   non-interleaved) trains under --auto-parallel (probe, profile, plan, placement in the job),
    then again with the same plan document pinned but node_order = identity (Megatron's default
    rank order). Iteration times (Megatron's "elapsed time per iteration (ms)", first iterations
    skipped) and their ratio.
-3. Predictions meet measurements: 22 layouts on the placement cluster (TP across nodes, PP, DP,
-   micro-batch sizes, node orders, interleaving, full and selective recomputation), each pinned
-   through --auto-parallel-plan-file, against the planner's prediction from the placement run's
-   own probe and layer profile: error per layout, MAPE, Kendall tau, chosen vs fastest.
-Writes results.json and every node's log under --out. Every namespace is deleted at exit.
+3. Predictions meet measurements: 22 layouts on the 4-node placement cluster (TP across nodes,
+   PP, DP, micro-batch sizes, node orders, interleaving, full and selective recomputation), each
+   pinned through --auto-parallel-plan-file, against the planner's prediction from the 4-node
+   placement run's own probe and layer profile (run first when missing): error per layout,
+   MAPE, Kendall tau, chosen vs fastest.
+Writes results.json (paths in it relative to the repository) and every node's log under --out.
+Every namespace is deleted at exit. Processes run this interpreter with this checkout first on
+PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -31,50 +40,79 @@ sys.path.insert(0, str(REPO))
 
 from tools.emucluster import EmuCluster, unavailable_reason  # noqa: E402
 
-PY = str(REPO / ".venv" / "bin" / "python")
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+"""Every launched process imports this checkout (not an installed copy)."""
 ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
-def probe_fidelity(out: Path, rates: list[float]) -> dict:
-    desc = {"nodes": len(rates), "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
-    cluster_json = out / "probe" / "cluster.json"
+def probe_fidelity(out: Path, nodes: int, nproc: int, rate: float, slow_node: int, slow_pair: tuple[int, int],
+                   budget_s: float) -> dict:
+    desc = {"nodes": nodes, "rate_mbit": rate, "overrides": {str(slow_node): {"rate_mbit": rate / 4}},
+            "pair_overrides": {"-".join(map(str, slow_pair)): {"rate_mbit": rate / 10}}}
+    where = out / ("probe" if nproc == 1 else f"probe-{nproc}proc")
+    cluster_json = where / "cluster.json"
     cluster_json.parent.mkdir(parents=True, exist_ok=True)
     with EmuCluster(desc, tag="p") as cl:
         t0 = time.monotonic()
         res = cl.torchrun(["-m", "megatron_pipette.probe", "--out", str(cluster_json), "--large-bytes", "4M",
-                           "--budget-s", "60"], nproc_per_node=1, timeout=150, cwd=str(REPO), python=PY,
-                          logdir=out / "probe")
+                           "--budget-s", str(budget_s)], nproc_per_node=nproc, timeout=budget_s + 240,
+                          cwd=str(REPO), env=ENV, logdir=where)
         wall = time.monotonic() - t0
         spec = cl.spec
     if any(r.returncode != 0 for r in res):
         raise RuntimeError("probe failed:\n" + "\n".join(r.output[-2000:] for r in res))
     doc = json.loads(cluster_json.read_text())
-    rows = []
-    n = len(rates)
-    for i in range(n):
-        for j in range(n):
-            if i == j:
-                continue
-            want, _ = spec.expected_link(i, j)
-            inter = doc["inter_node"]     # one process per node: its one rail
-            got = inter["bandwidth_Bps"][i][j]
-            rows.append({"src": i, "dst": j, "shaped_Bps": want, "probed_Bps": got,
-                         "error": got / want - 1, "latency_s": inter["latency_s"][i][j],
-                         "two_way_Bps": inter["exchange_bandwidth_Bps"][i][j]})
-    print(f"\n## Probe fidelity: {n} nodes x 1 process, rates (Mbit/s) {rates}, probe wall {wall:.1f} s")
-    print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'latency ms':>11} {'two-way MB/s':>13}")
+    probe = doc["probe"]
+    inter = doc["inter_node"]
+
+    def shaped(i: int, j: int) -> float:
+        """Per rail: the node's processes share its one shaped link."""
+        return spec.expected_link(i, j)[0] / nproc
+
+    rows = [{"src": i, "dst": j, "shaped_Bps": shaped(i, j), "probed_Bps": inter["bandwidth_Bps"][i][j],
+             "error": inter["bandwidth_Bps"][i][j] / shaped(i, j) - 1, "latency_s": inter["latency_s"][i][j],
+             "two_way_Bps": inter["exchange_bandwidth_Bps"][i][j]}
+            for i in range(nodes) for j in range(nodes) if i != j]
+    errors = sorted(abs(r["error"]) for r in rows)
+    node_rate = [link.rate_mbit * 1e6 / 8 / nproc for link in spec.links]   # per rail, as `shaped`
+    slow_nodes = [{**s, "shaped_Bps": node_rate[s["node"]], "error": s["rate_Bps"] / node_rate[s["node"]] - 1}
+                  for s in probe["slow_nodes"]]
+    slow_links = [{**s, "shaped_Bps": shaped(*s["nodes"]), "error": s["bandwidth_Bps"] / shaped(*s["nodes"]) - 1}
+                  for s in probe["slow_links"]]
+    found_node = [s for s in slow_nodes if s["node"] == slow_node]
+    found_pair = [s for s in slow_links if sorted(s["nodes"]) == sorted(slow_pair)]
+    node_ok = bool(found_node) and abs(found_node[0]["error"]) <= 0.25
+    pair_ok = len(found_pair) == 2 and all(abs(s["error"]) <= 0.25 for s in found_pair)
+
+    print(f"\n## Probe fidelity: {nodes} nodes x {nproc} process(es), {rate:g} Mbit/s, node {slow_node} at "
+          f"{rate / 4:g}, pair {slow_pair[0]}-{slow_pair[1]} at {rate / 10:g}; probe {probe['duration_s']:.1f} s "
+          f"of a {budget_s:g} s budget (wall with start-up {wall:.1f} s), {probe['inter_rounds_measured']} of "
+          f"{probe['inter_rounds']} inter-node rounds, {probe['node_pairs_measured']} node pairs measured")
+    print(f"{'link':>6} {'shaped MB/s':>12} {'probed MB/s':>12} {'error':>8} {'two-way MB/s':>13}")
     for r in rows:
-        print(f"{r['src']}->{r['dst']:<3} {r['shaped_Bps'] / 1e6:12.2f} {r['probed_Bps'] / 1e6:12.2f} "
-              f"{r['error']:+8.1%} {r['latency_s'] * 1e3:11.3f} {r['two_way_Bps'] / 1e6:13.2f}")
-    worst = max(abs(r["error"]) for r in rows)
-    print(f"worst |error| {worst:.1%} (bar: 25%)")
-    return {"rates_mbit": rates, "links": rows, "worst_abs_error": worst, "probe_wall_s": wall,
-            "cluster_file": str(cluster_json)}
+        print(f"{r['src']}->{r['dst']:<3} {r['shaped_Bps'] / 1e6:12.3f} {r['probed_Bps'] / 1e6:12.3f} "
+              f"{r['error']:+8.1%} {r['two_way_Bps'] / 1e6:13.3f}")
+    print(f"|error| over {len(rows)} directed pairs: median {statistics.median(errors):.1%}, "
+          f"worst {errors[-1]:.1%}")
+    for s in slow_nodes:
+        print(f"slow node {s['node']}: {s['rate_Bps'] / 1e6:.3f} MB/s, shaped {s['shaped_Bps'] / 1e6:.3f} "
+              f"({s['error']:+.1%})")
+    for s in slow_links:
+        print(f"slow link {s['nodes'][0]}->{s['nodes'][1]}: {s['bandwidth_Bps'] / 1e6:.3f} MB/s, shaped "
+              f"{s['shaped_Bps'] / 1e6:.3f} ({s['error']:+.1%})")
+    print(f"slow node {slow_node} recovered within 25%: {'yes' if node_ok else 'NO'}; slow pair "
+          f"{slow_pair[0]}-{slow_pair[1]} recovered within 25% both ways: {'yes' if pair_ok else 'NO'}")
+    return {"spec": desc, "nproc_per_node": nproc, "budget_s": budget_s, "links": rows,
+            "median_abs_error": statistics.median(errors), "worst_abs_error": errors[-1],
+            "slow_nodes": slow_nodes, "slow_links": slow_links, "slow_node_recovered": node_ok,
+            "slow_pair_recovered": pair_ok, "probe_duration_s": probe["duration_s"], "probe_wall_s": wall,
+            "inter_rounds_measured": probe["inter_rounds_measured"], "skipped": probe["skipped"],
+            "cluster_file": os.path.relpath(cluster_json, REPO)}
 
 
-GPT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+GPT = ["--hidden-size", "256", "--num-attention-heads", "4",
        "--seq-length", "256", "--max-position-embeddings", "256", "--untie-embeddings-and-output-weights",
-       "--micro-batch-size", "4", "--global-batch-size", "16",
+       "--micro-batch-size", "4",
        "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--num-workers", "0",
        "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
@@ -82,11 +120,19 @@ GPT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4"
        "--tensor-model-parallel-size", "1"]
 
 
-def train(desc: dict, out: Path, name: str, extra: list[str], iters: int, pp: int) -> tuple[list[float], str]:
+def gpt_size(nodes: int) -> list[str]:
+    """The tiny GPT on `nodes` one-process nodes: one layer and one micro-batch of 4 per node, so
+    that PP = nodes has one layer per stage and 1F1B as many micro-batches as stages (4 nodes:
+    the 4 layers and batch 16 of the earlier runs)."""
+    return ["--num-layers", str(nodes), "--global-batch-size", str(4 * nodes)]
+
+
+def train(desc: dict, out: Path, name: str, extra: list[str], iters: int, pp: int,
+          timeout: float = 420) -> tuple[list[float], str]:
     with EmuCluster(desc, tag=name[:4]) as cl:
-        res = cl.torchrun([str(REPO / "examples" / "pretrain_gpt.py"), *GPT, "--train-iters", str(iters),
-                           "--pipeline-model-parallel-size", str(pp), *extra],
-                          nproc_per_node=1, timeout=420, cwd=str(REPO), python=PY, logdir=out / name)
+        res = cl.torchrun([str(REPO / "examples" / "pretrain_gpt.py"), *GPT, *gpt_size(desc["nodes"]),
+                           "--train-iters", str(iters), "--pipeline-model-parallel-size", str(pp), *extra],
+                          nproc_per_node=1, timeout=timeout, cwd=str(REPO), env=ENV, logdir=out / name)
     text = "\n".join(r.output for r in res)
     if any(r.returncode != 0 for r in res):
         raise RuntimeError(f"{name} failed:\n" + "\n".join(r.output[-3000:] for r in res))
@@ -95,35 +141,40 @@ def train(desc: dict, out: Path, name: str, extra: list[str], iters: int, pp: in
 
 
 def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, skip: int) -> dict:
+    """The planner's node order against Megatron's default order, PP = nodes (section 2); the
+    pre-launch budget and the time limit grow with the node count (processes share 2 cores)."""
     rates = [fast] * nodes
     rates[slow_node] = fast / 10
     desc = {"nodes": nodes, "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
-    cache = out / "placement" / "cache"
-    planned, log = train(desc, out / "placement", "planned",
-                         ["--auto-parallel", "--auto-parallel-budget-s", "120",
-                          "--auto-parallel-cache-dir", str(cache)], iters, nodes)
+    where = out / f"placement-{nodes}nodes"
+    cache = where / "cache"
+    timeout = 150 * nodes
+    planned, _ = train(desc, where, "planned",
+                         ["--auto-parallel", "--auto-parallel-budget-s", str(30 * nodes),
+                          "--auto-parallel-cache-dir", str(cache)], iters, nodes, timeout)
     (plan_file,) = cache.glob("*/plan.json")
     doc = json.loads(plan_file.read_text())
     order = doc["candidates"][0]["placement"]["node_order"]
     predicted = doc["candidates"][0]["iteration_time_s"]
     ident = json.loads(json.dumps(doc))
     ident["candidates"][0]["placement"]["node_order"] = list(range(nodes))
-    ident_file = out / "placement" / "identity_plan.json"
+    ident_file = where / "identity_plan.json"
     ident_file.write_text(json.dumps(ident))
-    default, _ = train(desc, out / "placement", "default",
+    default, _ = train(desc, where, "default",
                        ["--auto-parallel", "--auto-parallel-plan-file", str(ident_file),
-                        "--auto-parallel-cache-dir", str(out / "placement" / "cache-identity")], iters, nodes)
+                        "--auto-parallel-cache-dir", str(where / "cache-identity")], iters, nodes, timeout)
     p_med = statistics.median(planned[skip:])
     d_med = statistics.median(default[skip:])
     print(f"\n## Placement: {nodes} nodes x 1 process, PP={nodes}, rates (Mbit/s) {rates}")
     print(f"planner's node_order {order} (predicted {predicted:.3f} s/iteration)")
-    print(f"{'run':>10} {'node_order':>14} {'median ms':>10}  per-iteration ms (first {skip} skipped)")
-    print(f"{'default':>10} {str(list(range(nodes))):>14} {d_med:10.1f}  {[round(t) for t in default]}")
-    print(f"{'placed':>10} {str(order):>14} {p_med:10.1f}  {[round(t) for t in planned]}")
+    print(f"{'run':>10} {'node_order':>26} {'median ms':>10}  per-iteration ms (first {skip} skipped)")
+    print(f"{'default':>10} {str(list(range(nodes))):>26} {d_med:10.1f}  {[round(t) for t in default]}")
+    print(f"{'placed':>10} {str(order):>26} {p_med:10.1f}  {[round(t) for t in planned]}")
     print(f"default / placed = {d_med / p_med:.2f}x")
-    return {"rates_mbit": rates, "node_order": order, "predicted_s": predicted, "default_ms": default,
-            "placed_ms": planned, "skip": skip, "default_median_ms": d_med, "placed_median_ms": p_med,
-            "ratio": d_med / p_med, "plan_file": str(plan_file)}
+    return {"spec": desc, "rates_mbit": rates, "node_order": order, "predicted_s": predicted,
+            "default_ms": default, "placed_ms": planned, "skip": skip, "default_median_ms": d_med,
+            "placed_median_ms": p_med, "ratio": d_med / p_med, "plan_file": os.path.relpath(plan_file, REPO),
+            "phases_s": doc.get("phases_s")}
 
 
 PRED_FLAGS = ["estimate", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
@@ -182,13 +233,15 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (conc - disc) / max(1, conc + disc)
 
 
-def predictions(out: Path, iters: int, skip: int, nodes: int = 4) -> dict:
-    """22 layouts pinned one by one on the placement cluster (section 3 of the module docstring)."""
-    placed = json.loads((out / "results.json").read_text())["placement"]
-    rates = placed["rates_mbit"]
-    desc = {"nodes": nodes, "overrides": {str(k): {"rate_mbit": r} for k, r in enumerate(rates)}}
-    cache_dir = Path(placed["plan_file"]).parent
-    base = json.loads(Path(placed["plan_file"]).read_text())
+def predictions(out: Path, placed: dict, iters: int, skip: int) -> dict:
+    """22 layouts pinned one by one on the 4-node placement cluster `placed` (section 3 of the
+    module docstring)."""
+    rates, desc = placed["rates_mbit"], placed["spec"]
+    nodes = desc["nodes"]
+    assert nodes == 4, "the sweep's layouts and node orders are written for 4 nodes"
+    plan_file = REPO / placed["plan_file"]
+    cache_dir = plan_file.parent
+    base = json.loads(plan_file.read_text())
     planner_order = placed["node_order"]
     ident = list(range(nodes))
     layouts = []
@@ -239,7 +292,7 @@ def predictions(out: Path, iters: int, skip: int, nodes: int = 4) -> dict:
     for r in rows:
         print(f"{r['layout']:>22} {r['predicted_s']:12.3f} {r['measured_s']:11.3f} {r['error']:+8.1%}")
     within = chosen["measured_s"] <= 1.1 * best["measured_s"]
-    print(f"MAPE {mape:.1%} (bar 15%), Kendall tau {tau:.2f} (bar 0.7); predicted-best {chosen['layout']} "
+    print(f"MAPE {mape:.1%} (bar 15%), Kendall tau {tau:.3f} (bar 0.7); predicted-best {chosen['layout']} "
           f"measures {chosen['measured_s']:.3f} s, fastest measured {best['layout']} {best['measured_s']:.3f} s: "
           f"{'within' if within else 'NOT within'} 10%")
     return {"rows": rows, "mape": mape, "kendall_tau": tau, "predicted_best": chosen["layout"],
@@ -253,24 +306,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
     p.add_argument("--pred-iters", type=int, default=5)
+    p.add_argument("--probe-nproc", type=int, default=1, help="processes per node in the probe section")
+    p.add_argument("--probe-budget-s", type=float, default=120.0)
+    p.add_argument("--placement-nodes", type=int, default=8)
     args = p.parse_args(argv)
     reason = unavailable_reason()
     if reason:
         print(f"emulated cluster unavailable: {reason}", file=sys.stderr)
         return 2
+    args.out = args.out.resolve()    # processes run in the repository root
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
+
+    def save(key: str, value: dict) -> dict:
+        results[key] = value
+        results_file.write_text(json.dumps(results, indent=1))
+        return value
+
+    def placement_on(nodes: int) -> dict:
+        return save(f"placement_{nodes}nodes", placement(args.out, fast=250.0, slow_node=1, nodes=nodes,
+                                                         iters=args.iters, skip=args.skip))
+
     if args.only in (None, "probe"):
-        results["probe"] = probe_fidelity(args.out, [200.0, 200.0, 50.0])
-        results_file.write_text(json.dumps(results, indent=1))
+        save("probe" if args.probe_nproc == 1 else f"probe_{args.probe_nproc}proc",
+             probe_fidelity(args.out, nodes=8, nproc=args.probe_nproc, rate=200.0, slow_node=3, slow_pair=(1, 6),
+                            budget_s=args.probe_budget_s))
     if args.only in (None, "placement"):
-        results["placement"] = placement(args.out, fast=250.0, slow_node=1, nodes=4, iters=args.iters,
-                                         skip=args.skip)
-        results_file.write_text(json.dumps(results, indent=1))
+        placement_on(args.placement_nodes)
     if args.only in (None, "predictions"):
-        results["predictions"] = predictions(args.out, iters=args.pred_iters, skip=args.skip)
-        results_file.write_text(json.dumps(results, indent=1))
+        placed = results.get("placement_4nodes") or placement_on(4)
+        save("predictions", predictions(args.out, placed, iters=args.pred_iters, skip=args.skip))
     return 0
 
 

@@ -3,15 +3,20 @@
 Each "node" is a network namespace `pipette-emu-<pid>-<k>` whose interface `eth0` is one end of
 a veth pair; the other end (`v<k>`) sits on a bridge in a hub namespace `pipette-emu-<pid>-hub`.
 Node k has address 198.18.0.(k+1)/24 (198.18.0.0/15 is reserved for benchmarking). Each node's
-access link is shaped in both directions with netem (rate + one-way delay): node k's egress on its
-`eth0`, and the hub's egress towards node k on `v<k>`. The path i -> j therefore has bandwidth
-min(rate_i, rate_j) and one-way delay delay_i + delay_j (see `expected_link`).
+access link is shaped in both directions, on node k's egress on its `eth0` and on the hub's
+egress towards node k on `v<k>`: an htb class at the node's rate (netem above it adds a one-way
+delay, where the kernel has netem). A pair override caps the path between two nodes further,
+both directions, while each keeps its own rate to the others: a leaf under the node's class,
+selected by the peer's address (u32 on the destination on `eth0`, on the source on `v<k>`).
+The path i -> j therefore has bandwidth min(rate_i, rate_j, pair rate) and one-way delay
+delay_i + delay_j (see `expected_link`).
 
 Use it as a context manager; the namespaces (and with them every veth and qdisc) are always
 deleted: on exit, on exceptions, on SIGINT/SIGTERM (turned into exceptions while a cluster is up),
 and `cleanup_stale()` removes leftovers of dead processes by the unique prefix.
 
-    spec = {"nodes": 3, "rate_mbit": 200, "delay_ms": 0.5, "overrides": {"2": {"rate_mbit": 20}}}
+    spec = {"nodes": 8, "rate_mbit": 200, "overrides": {"3": {"rate_mbit": 50}},
+            "pair_overrides": {"1-6": {"rate_mbit": 20}}}
     with EmuCluster(spec) as cl:
         results = cl.torchrun(["-m", "megatron_pipette.probe", "--out", "c.json"], nproc_per_node=1)
 """
@@ -50,10 +55,12 @@ def unavailable_reason() -> str | None:
                            capture_output=True, text=True)
         if r.returncode != 0:
             return f"cannot create a veth pair: {r.stderr.strip()}"
-        r = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "a0", "root", "tbf",
-                            "rate", "100mbit", "burst", "32kb", "latency", "50ms"], capture_output=True, text=True)
-        if r.returncode != 0:
-            return f"cannot shape with tc tbf: {r.stderr.strip()}"
+        for what, args in (("htb", ["qdisc", "add", "dev", "a0", "root", "handle", "2:", "htb"]),
+                           ("a u32 filter", ["filter", "add", "dev", "a0", "parent", "2:", "protocol", "ip",
+                                             "u32", "match", "ip", "dst", f"{SUBNET}.1/32", "flowid", "2:1"])):
+            r = subprocess.run(["ip", "netns", "exec", name, "tc", *args], capture_output=True, text=True)
+            if r.returncode != 0:
+                return f"cannot shape with tc {what}: {r.stderr.strip()}"
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
@@ -63,7 +70,7 @@ _NETEM: bool | None = None
 
 
 def netem_available() -> bool:
-    """Whether the kernel has the netem qdisc (delay emulation); tbf (rate) is all that is required."""
+    """Whether the kernel has the netem qdisc (delay emulation); htb (rate) is all that is required."""
     global _NETEM
     if _NETEM is None:
         name = f"{PREFIX}{os.getpid()}-netem"
@@ -110,14 +117,28 @@ class Link:
     delay_ms: float
 
 
+def _pair_key(key: str, k: int) -> tuple[int, int]:
+    """"a-b" -> (min, max), two different nodes of 0..k-1, else a ValueError saying why."""
+    parts = key.split("-")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"pair_overrides key {key!r}: expected \"a-b\" with two node numbers")
+    a, b = sorted(int(p) for p in parts)
+    if a == b or b >= k:
+        raise ValueError(f"pair_overrides key {key!r}: need two different nodes of 0..{k - 1}")
+    return a, b
+
+
 @dataclass
 class Spec:
     nodes: int
     links: list[Link]
+    pairs: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(low node, high node) -> rate in Mbit/s of the path between them, both directions."""
 
     @staticmethod
     def parse(desc: dict) -> "Spec":
-        """{"nodes": K, "rate_mbit": R, "delay_ms": D, "overrides": {"k": {"rate_mbit": .., "delay_ms": ..}}}"""
+        """{"nodes": K, "rate_mbit": R, "delay_ms": D, "overrides": {"k": {"rate_mbit": .., "delay_ms": ..}},
+        "pair_overrides": {"a-b": {"rate_mbit": ..}}}"""
         k = int(desc["nodes"])
         if not 1 <= k <= 200:
             raise ValueError(f"nodes must be 1..200, got {k}")
@@ -130,11 +151,25 @@ class Spec:
             o = over.get(n, {})
             rate = o.get("rate_mbit", desc.get("rate_mbit"))
             links.append(Link(None if rate is None else float(rate), float(o.get("delay_ms", desc.get("delay_ms", 0.0)))))
-        return Spec(k, links)
+        pairs: dict[tuple[int, int], float] = {}
+        for key, value in (desc.get("pair_overrides") or {}).items():
+            pair = _pair_key(str(key), k)
+            if pair in pairs:
+                raise ValueError(f"pair_overrides key {key!r}: nodes {pair} are given twice")
+            if set(value) != {"rate_mbit"} or not float(value["rate_mbit"]) > 0:
+                raise ValueError(f"pair_overrides[{key!r}]: expected {{\"rate_mbit\": a positive number}}, "
+                                 f"got {value!r}")
+            pairs[pair] = float(value["rate_mbit"])
+        return Spec(k, links, pairs)
+
+    def peer_rates(self, k: int) -> dict[int, float]:
+        """Node k's pair overrides: peer -> Mbit/s."""
+        return {b if a == k else a: rate for (a, b), rate in self.pairs.items() if k in (a, b)}
 
     def expected_link(self, i: int, j: int) -> tuple[float | None, float]:
         """(bandwidth B/s or None when unshaped, one-way delay s) of the path node i -> node j."""
-        rates = [r for r in (self.links[i].rate_mbit, self.links[j].rate_mbit) if r is not None]
+        rates = [r for r in (self.links[i].rate_mbit, self.links[j].rate_mbit, self.peer_rates(i).get(j))
+                 if r is not None]
         bw = min(rates) * 1e6 / 8 if rates else None
         return bw, (self.links[i].delay_ms + self.links[j].delay_ms) / 1e3
 
@@ -226,24 +261,52 @@ class EmuCluster:
             self._ip("-n", ns, "link", "set", "lo", "up")
             self._ip("-n", ns, "addr", "add", f"{self.addr(k)}/24", "dev", "eth0")
             self._ip("-n", ns, "link", "set", "eth0", "up")
-            for where, dev in ((ns, "eth0"), (self.hub, f"v{k}")):
-                self._shape(where, dev, link)
+            for where, dev, match in ((ns, "eth0", "dst"), (self.hub, f"v{k}", "src")):
+                self._shape(where, dev, link, self.spec.peer_rates(k), match)
 
-    def _shape(self, ns: str, dev: str, link: Link) -> None:
-        """Egress shaping of one end of an access link: netem delay (when asked) over tbf rate."""
+    def _shape(self, ns: str, dev: str, link: Link, peers: dict[int, float], match: str) -> None:
+        """Egress shaping of one end of node k's access link: netem delay (when asked) over htb.
+
+        htb rather than tbf because a pair override needs classification. Class 2:1 is the
+        access link (the node's rate); under it a default leaf and one leaf per overridden peer,
+        capped at the pair rate and picked by the peer's address (`match`: "dst" on the node's
+        eth0, "src" on the hub's port towards it). The leaves borrow from 2:1 (their guaranteed
+        rates sum to at most its rate), so all of the node's traffic together still gets at
+        most the node's rate. An unshaped node (rate None) has only the pair leaves; htb sends
+        what no filter picks unshaped (its default class does not exist)."""
         parent = ["root"]
         if link.delay_ms > 0:
             if not netem_available():
                 raise RuntimeError("this kernel has no netem qdisc (sch_netem), so delays cannot be "
-                                   "emulated; use delay_ms 0 (rate shaping uses tbf)")
+                                   "emulated; use delay_ms 0 (rate shaping uses htb)")
             self._tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                      f"{link.delay_ms}ms", "limit", "100000")
             parent = ["parent", "1:1"]
-        if link.rate_mbit is not None:
-            rate_Bps = link.rate_mbit * 1e6 / 8
-            burst = max(16 * 1024, int(rate_Bps * 0.001))   # 1 ms of traffic, at least 16 KiB
-            self._tc(ns, "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", "rate",
-                     f"{link.rate_mbit}mbit", "burst", str(burst), "latency", "50ms")
+        if link.rate_mbit is None and not peers:
+            return
+        self._tc(ns, "qdisc", "add", "dev", dev, *parent, "handle", "2:", "htb", "default", "10")
+        node = link.rate_mbit
+        if node is not None:
+            self._htb_class(ns, dev, "2:", "2:1", node, node)
+        leaves = [] if node is None else [(10, node, None)]
+        leaves += [(11 + n, min(rate, node or rate), peer) for n, (peer, rate) in enumerate(peers.items())]
+        for minor, ceil, peer in leaves:
+            guaranteed = ceil if node is None else min(ceil, node / len(leaves))
+            self._htb_class(ns, dev, "2:" if node is None else "2:1", f"2:{minor}", guaranteed, ceil)
+            # the queue tbf had before: 50 ms at the rate plus the burst, in bytes
+            self._tc(ns, "qdisc", "add", "dev", dev, "parent", f"2:{minor}", "bfifo", "limit",
+                     str(int(ceil * 1e6 / 8 * 0.05) + _burst(ceil)))
+            if peer is not None:
+                self._tc(ns, "filter", "add", "dev", dev, "parent", "2:", "protocol", "ip", "prio", "1", "u32",
+                         "match", "ip", match, f"{self.addr(peer)}/32", "flowid", f"2:{minor}")
+
+    def _htb_class(self, ns: str, dev: str, parent: str, classid: str, rate_mbit: float, ceil_mbit: float) -> None:
+        """One htb class, its buckets sized for its ceiling; a 64 KiB quantum lets a borrowing leaf
+        send a whole GSO packet per turn (htb's default, rate / 10, is clamped with a warning)."""
+        burst = str(_burst(ceil_mbit))
+        self._tc(ns, "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb",
+                 "rate", f"{rate_mbit}mbit", "ceil", f"{ceil_mbit}mbit", "burst", burst, "cburst", burst,
+                 "quantum", "65536")
 
     def down(self) -> None:
         for p in self._procs:
@@ -320,6 +383,11 @@ class EmuCluster:
     def ping(self, i: int, j: int, count: int = 3) -> str:
         return subprocess.run(["ip", "netns", "exec", self.ns(i), "ping", "-c", str(count), "-i", "0.2",
                                self.addr(j)], capture_output=True, text=True, timeout=30).stdout
+
+
+def _burst(rate_mbit: float) -> int:
+    """Bucket size in bytes: 1 ms of traffic at the rate, at least 16 KiB."""
+    return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.001))
 
 
 def free_port() -> int:

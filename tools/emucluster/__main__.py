@@ -1,6 +1,7 @@
 """`python -m tools.emucluster`: run a command under torchrun on an emulated cluster, or clean up.
 
-    python -m tools.emucluster run --spec '{"nodes": 3, "rate_mbit": 200, "overrides": {"2": {"rate_mbit": 20}}}' \
+    python -m tools.emucluster run --spec '{"nodes": 8, "rate_mbit": 200, "overrides": {"2": {"rate_mbit": 50}},
+        "pair_overrides": {"1-6": {"rate_mbit": 20}}}' \
         --nproc-per-node 1 --timeout 300 --logdir out/emu -- -m megatron_pipette.probe --out c.json
     python -m tools.emucluster cleanup [--all]     # delete leftover pipette-emu-* namespaces
 """
@@ -20,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="torchrun a script in every emulated node")
-    r.add_argument("--spec", required=True, help="JSON text or a JSON file: nodes, rate_mbit, delay_ms, overrides")
+    r.add_argument("--spec", required=True,
+                   help="JSON text or a JSON file: nodes, rate_mbit, delay_ms, overrides, pair_overrides")
     r.add_argument("--nproc-per-node", type=int, default=1)
     r.add_argument("--timeout", type=float, default=300.0, help="seconds before every process is killed")
     r.add_argument("--logdir", type=Path, default=None, help="write node<k>.log here (default: print)")
