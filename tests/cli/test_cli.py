@@ -165,3 +165,38 @@ def test_layer_profile_must_come_from_the_clusters_device(capsys, tmp_path):
     code, out, _ = run(capsys, "plan", *SMALL, "--layer-profile", str(path), "--top", "1",
                        "--tensor-model-parallel-size", "1")
     assert code == 0, out
+
+
+def probe_sim_truth(tmp_path, mutate=None) -> str:
+    from megatron_pipette.spec.cluster_file import cluster_to_json
+    from megatron_pipette.spec.hardware import preset_cluster
+
+    doc = cluster_to_json(preset_cluster("dgx-h100", num_nodes=4))
+    if mutate:
+        mutate(doc)
+    path = tmp_path / "truth.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate, extra, message", [
+    (lambda d: d.update(version=7), [], "cluster schema version 7 is not supported"),
+    (lambda d: d.update(num_nodes=5), [], "'nodes' must list 5 nodes"),
+    (lambda d: d["devices"]["gemm_flops"].pop(), [], "devices.gemm_flops must list a positive number for each"),
+    (None, ["--world-size", "64"], "--world-size 64 --gpus-per-node 8 do not match"),
+    (None, ["--noise", "-1"], "--noise must be >= 0"),
+])
+def test_probe_sim_bad_input_is_one_line_and_exit_2(tmp_path, capsys, mutate, extra, message):
+    truth = probe_sim_truth(tmp_path, mutate)
+    argv = ["probe-sim", "--truth", truth, "--world-size", "32", "--gpus-per-node", "8", "--budget-s", "5",
+            "--out", str(tmp_path / "out.json"), *extra]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_probe_sim_on_a_malformed_file(tmp_path, capsys):
+    (tmp_path / "truth.json").write_text("{not json")
+    code, _, err = run(capsys, "probe-sim", "--truth", str(tmp_path / "truth.json"), "--world-size", "8",
+                       "--gpus-per-node", "8", "--out", str(tmp_path / "o.json"))
+    assert code == 2 and "--truth" in err and "not valid JSON" in err
