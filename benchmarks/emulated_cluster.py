@@ -210,8 +210,8 @@ def predict(cache_dir: Path, fields: dict, order: list[int]) -> float:
     from megatron_pipette.cost.model import CostModel
     from megatron_pipette.plan.placement import Placement
     from megatron_pipette.plan.planner import evaluate
-    from megatron_pipette.spec.job import resolve_job
     from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.job import resolve_job
     from megatron_pipette.spec.layer_profile import profile_from_json
     from megatron_pipette.spec.layout import Layout
 

@@ -38,6 +38,8 @@ DEFAULT_CLUSTER = "dgx-a100"
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear"}
 LAYOUT_FLAG_FIELDS = [f for f in dataclasses.fields(Layout) if f.name != "data_parallel_size"]
+PER_LAYER_FLAGS = ("cp_comm_type",)
+"""Megatron takes one value per layer (or one for all); the Layout holds the one value."""
 
 
 @cache
@@ -62,9 +64,11 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
         else:
             group.add_argument(megatron_flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
-    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-    group.add_argument(megatron_flag(field.name), type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(),
-                       help=doc)
+    options = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
+    base = str if str in options else options[0]   # `int | str` (--moe-layer-freq): the field parses the text
+    nargs = "+" if field.name in PER_LAYER_FLAGS else None
+    group.add_argument(megatron_flag(field.name), type=base, nargs=nargs, default=argparse.SUPPRESS,
+                       metavar=base.__name__.upper(), help=doc)
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +169,9 @@ def check_megatron_flags(given: dict[str, list[str]]) -> None:
 
 def layout_constraints(ns: argparse.Namespace) -> dict:
     """The layout flags the user typed, as Layout field values."""
-    return {f.name: getattr(ns, f.name) for f in LAYOUT_FLAG_FIELDS if hasattr(ns, f.name)}
+    typed = {f.name: getattr(ns, f.name) for f in LAYOUT_FLAG_FIELDS if hasattr(ns, f.name)}
+    check_priced({name: typed[name] for name in PER_LAYER_FLAGS if name in typed})
+    return {name: value[0] if name in PER_LAYER_FLAGS else value for name, value in typed.items()}
 
 
 def read_json(path: str, what: str) -> object:

@@ -85,11 +85,12 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     fields = layout_constraints(ns)
     tp = fields.get("tensor_model_parallel_size", 1)
     pp = fields.get("pipeline_model_parallel_size", 1)
+    cp = fields.get("context_parallel_size", 1)
     check_user_layout(Layout(**fields))
-    if cluster.world_size % (tp * pp):
-        raise PipetteError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
-                           f"divide the {cluster.world_size} GPUs")
-    layout = Layout(**fields, data_parallel_size=cluster.world_size // (tp * pp))
+    if cluster.world_size % (tp * pp * cp):
+        raise PipetteError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+                           f"--context-parallel-size {cp} does not divide the {cluster.world_size} GPUs")
+    layout = Layout(**fields, data_parallel_size=cluster.world_size // (tp * pp * cp))
     try:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:

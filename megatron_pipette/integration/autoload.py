@@ -44,9 +44,9 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 def activate() -> None:
-    if "--auto-parallel" in sys.argv or os.environ.get("PIPETTE_AUTO_PARALLEL") == "1":
-        if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _PatchAfterImport())
+    wanted = "--auto-parallel" in sys.argv or os.environ.get("PIPETTE_AUTO_PARALLEL") == "1"
+    if wanted and not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
 
 
 activate()

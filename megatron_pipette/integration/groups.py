@@ -8,41 +8,57 @@ can be checked against what the network looks like.
 
 from collections.abc import Sequence
 
-# Megatron's default order (megatron.core.parallel_state.RankGenerator, 'tp-cp-ep-dp-pp'),
-# with cp = ep = 1: logical rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+import numpy as np
+
+from megatron_pipette.spec.layout import Layout
+
 GroupRanks = dict[str, list[int]]
 
+# Megatron's default order 'tp-cp-ep-dp-pp' (megatron.core.parallel_state.RankGenerator), one grid
+# for the dense layers (no ep axis) and one for the experts (etp-ep-edp-pp, no cp axis); the first
+# axis varies fastest. Each group kind is the set of axes its members differ along.
+DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp")}
+EXPERT_GROUPS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",)}
 
-def logical_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    """The logical rank of the process at (tp_rank, dp_rank, pp_rank)."""
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
 
+def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int = 1,
+                    ep: int = 1, etp: int | None = None) -> dict[int, GroupRanks]:
+    """For each physical rank, the sorted physical ranks of each of its groups: "tp", "cp", "dp"
+    (without context parallelism, Megatron's get_data_parallel_group()), "pp", "dp_cp" (the dense
+    gradients' group) and the expert grid's "ep", "etp" and "edp" (Megatron builds them for a
+    dense model too).
 
-def expected_groups(
-    tp: int, pp: int, dp: int, logical_to_physical: Sequence[int]
-) -> dict[int, GroupRanks]:
-    """For each physical rank, the sorted physical ranks of its "tp", "pp" and "dp" groups.
-
-    `logical_to_physical[r]` is the physical (torchrun) rank that runs logical rank r.
+    `logical_to_physical[r]` is the physical (torchrun) rank that runs logical rank r; `etp`
+    None is Megatron's default, the tensor-parallel size.
     """
-    world = tp * pp * dp
-    if sorted(logical_to_physical) != list(range(world)):
-        raise ValueError(
-            f"logical_to_physical must be a permutation of range({world}) for "
-            f"tp={tp} pp={pp} dp={dp}, got {list(logical_to_physical)}"
-        )
-
-    def physical(ranks: list[int]) -> list[int]:
-        return sorted(logical_to_physical[r] for r in ranks)
-
-    groups: dict[int, GroupRanks] = {}
-    for pp_rank in range(pp):
-        for dp_rank in range(dp):
-            for tp_rank in range(tp):
-                me = logical_to_physical[logical_rank(tp_rank, dp_rank, pp_rank, tp, dp)]
-                groups[me] = {
-                    "tp": physical([logical_rank(t, dp_rank, pp_rank, tp, dp) for t in range(tp)]),
-                    "pp": physical([logical_rank(tp_rank, dp_rank, p, tp, dp) for p in range(pp)]),
-                    "dp": physical([logical_rank(tp_rank, d, pp_rank, tp, dp) for d in range(dp)]),
-                }
+    world = tp * cp * dp * pp
+    physical = np.asarray(logical_to_physical)
+    if sorted(physical.tolist()) != list(range(world)):
+        raise ValueError(f"logical_to_physical must be a permutation of range({world}) for tp={tp} cp={cp} "
+                         f"dp={dp} pp={pp}, got {list(logical_to_physical)}")
+    groups: dict[int, GroupRanks] = {int(p): {} for p in physical}
+    _collect(groups, physical, {"tp": tp, "cp": cp, "dp": dp, "pp": pp}, DENSE_GROUPS)
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        raise ValueError(f"expert grid etp={etp} ep={ep} pp={pp} does not divide the world of {world}")
+    _collect(groups, physical, {"etp": etp, "ep": ep, "edp": world // (etp * ep * pp), "pp": pp}, EXPERT_GROUPS)
     return groups
+
+
+def group_sizes(layout: Layout) -> dict[str, int | None]:
+    """The sizes `expected_groups` takes, from a layout."""
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
+            "ep": layout.ep, "etp": layout.expert_tensor_parallel_size}
+
+
+def _collect(groups: dict[int, GroupRanks], physical: np.ndarray, sizes: dict[str, int],
+             kinds: dict[str, tuple[str, ...]]) -> None:
+    axes = list(sizes)
+    grid = physical.reshape([sizes[a] for a in reversed(axes)])      # C order: the first axis is last
+    for kind, along in kinds.items():
+        dims = [len(axes) - 1 - axes.index(a) for a in along]
+        rows = np.moveaxis(grid, dims, range(grid.ndim - len(dims), grid.ndim)).reshape(
+            -1, int(np.prod([sizes[a] for a in along])))
+        for row in np.sort(rows, axis=1).tolist():
+            for member in row:
+                groups[member][kind] = row

@@ -18,6 +18,7 @@ user's own flags with one warning (or stops, with --auto-parallel-strict).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,18 +34,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_pipette import __version__
-from megatron_pipette.report.plans import plan_report
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import atomic_path
 from megatron_pipette.integration import megatron_args
-from megatron_pipette.integration.groups import expected_groups
+from megatron_pipette.integration.groups import expected_groups, group_sizes
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
-from megatron_pipette.cost.model import CostModel
-from megatron_pipette.report.plan_document import chosen_from_json, plan_json
-from megatron_pipette.plan.planner import plan
 from megatron_pipette.plan.placement import Placement
+from megatron_pipette.plan.planner import plan
 from megatron_pipette.probe.identity import node_name
+from megatron_pipette.report.plan_document import chosen_from_json, plan_json
+from megatron_pipette.report.plans import plan_report
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
@@ -282,16 +283,17 @@ def _rerank(store, placement: Placement | None, backend: str, timeout: timedelta
 
 def _log_groups(layout: Layout, placement: Placement, rank: int) -> None:
     """The groups Megatron will build, in torchrun's original ranks, so the re-ranking is visible."""
-    groups = expected_groups(layout.tp, layout.pp, layout.dp, placement.logical_to_physical.tolist())
-    for kind, name in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data")):
+    groups = expected_groups(placement.logical_to_physical.tolist(), **group_sizes(layout))
+    for kind, name in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("dp", "data"), ("ep", "expert")):
+        if kind not in groups[0] or (kind in ("cp", "ep") and len(groups[0][kind]) == 1):
+            continue
         distinct = sorted({tuple(g[kind]) for g in groups.values()})
         log(f"{name}-parallel groups (torchrun ranks): {' '.join(str(list(g)) for g in distinct)}", rank)
 
 
 def _close_quietly() -> None:
     if dist.is_initialized():
-        try:
+        # a broken group cannot be torn down cleanly; the process exits anyway
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # a broken group cannot be torn down cleanly; the process exits anyway
-            pass
 

@@ -68,7 +68,24 @@ def workload_from_args(args: Any) -> Workload:
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision)
+        attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
+        **_moe_fields(args))
+
+
+def _moe_fields(args: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields; Megatron turns --num-experts 0 into None and parses a list
+    --moe-layer-freq into a list (the Workload takes its text)."""
+    experts = getattr(args, "num_experts", None) or None
+    if experts is None:
+        return {}
+    freq = args.moe_layer_freq
+    return {"num_experts": experts, "moe_router_topk": args.moe_router_topk,
+            "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size,
+            "moe_layer_freq": str(freq) if isinstance(freq, list) else freq,
+            "moe_expert_capacity_factor": args.moe_expert_capacity_factor,
+            "moe_pad_expert_input_to_capacity": bool(args.moe_pad_expert_input_to_capacity),
+            "moe_token_dispatcher_type": args.moe_token_dispatcher_type}
 
 
 def layout_from_args(args: Any, world_size: int) -> Layout:
@@ -78,8 +95,10 @@ def layout_from_args(args: Any, world_size: int) -> Layout:
         if f.name != "data_parallel_size":
             value = getattr(args, f.name, f.default)
             values[f.name] = bool(value) if isinstance(f.default, bool) else value
-    tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
-    cp = getattr(args, "context_parallel_size", 1)  # refused for planning, but Megatron divides by it
+    if isinstance(values["cp_comm_type"], list):   # Megatron's is one entry per layer, or one for all
+        values["cp_comm_type"] = values["cp_comm_type"][0]
+    tp, pp, cp = (values[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                      "context_parallel_size"))
     return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp * cp)))
 
 
@@ -88,8 +107,12 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     this installation cannot run: sequence parallelism needs Transformer Engine's or apex's
     norms (megatron-core's torch LayerNorm asserts against it)."""
     constraints = {name: getattr(args, name) for name in typed_flags(argv)}
+    if isinstance(constraints.get("cp_comm_type"), list):
+        constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
     if "sequence_parallel" not in constraints and not sequence_parallel_supported(args):
         constraints["sequence_parallel"] = False
+    if "context_parallel_size" not in constraints and not transformer_engine_in_use(args):
+        constraints["context_parallel_size"] = 1   # only Transformer Engine's attention splits the sequence
     return constraints
 
 
@@ -112,10 +135,13 @@ def checkpoint_constraints(args: Any) -> dict[str, Any]:
         raise PipetteError(f"--load {load}: cannot read {CHECKPOINT_PLAN} ({e!r})") from None
 
 
+def transformer_engine_in_use(args: Any) -> bool:
+    return (getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+            and importlib.util.find_spec("transformer_engine") is not None)
+
+
 def sequence_parallel_supported(args: Any) -> bool:
-    te = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-    return (te and importlib.util.find_spec("transformer_engine") is not None) or \
-        importlib.util.find_spec("apex") is not None
+    return transformer_engine_in_use(args) or importlib.util.find_spec("apex") is not None
 
 
 def apply_layout(args: Any, layout: Layout) -> None:
@@ -123,6 +149,7 @@ def apply_layout(args: Any, layout: Layout) -> None:
     for field in dataclasses.fields(Layout):
         if field.name != "data_parallel_size":
             setattr(args, field.name, getattr(layout, field.name))
+    args.cp_comm_type = [layout.cp_comm_type]   # Megatron's form: a list
     # recompute_num_layers has a Megatron default of 1 only meaningful with full recompute.
     if layout.recompute_granularity != "full":
         args.recompute_method = None

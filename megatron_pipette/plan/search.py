@@ -5,7 +5,8 @@ Flags the user set explicitly (`--tensor-model-parallel-size 8` beside
 the fixed value. Everything else is searched. The enumeration is exhaustive
 over Megatron's choices, except for the few restrictions documented here:
 tensor parallel stays inside a node (or an NVLink domain of several) unless
-`allow_tp_across_nodes`, uneven
+`allow_tp_across_nodes`, context parallelism leaves each rank at least
+CP_MIN_TOKENS of the sequence, the expert tensor-parallel size is TP or 1, uneven
 pipeline splits only shorten the first and/or last stage (Megatron's
 --decoder-first/last-pipeline-num-layers), the two nearest splits of each kind, and full
 recomputation is searched in Megatron's recommended form (uniform, 1 layer
@@ -31,6 +32,8 @@ MAX_MICRO_BATCH_SIZE = 32
 """Larger micro-batches only add memory once GEMMs are saturated; Megatron users stay far below."""
 UNEVEN_SPLITS = 2
 """Uneven pipeline splits tried per kind (lighter last stage; lighter first and last stages)."""
+CP_MIN_TOKENS = 4096
+"""Context parallelism is searched down to this many tokens per rank (a constraint may go lower)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -86,16 +89,39 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
         if world_size % tp or (not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
                                and not fits_fast_domain(tp, gpus_per_node, domain)):
             continue
-        for pp in choices("pipeline_model_parallel_size", divisors(world_size // tp)):
-            if world_size % (tp * pp):
+        for cp in choices("context_parallel_size", _context_parallel_options(workload, world_size // tp)):
+            if world_size % (tp * cp):
                 continue
-            dp = world_size // (tp * pp)
-            if "data_parallel_size" in constraints and constraints["data_parallel_size"] != dp:
-                continue
-            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected)
+            for pp in choices("pipeline_model_parallel_size", divisors(world_size // (tp * cp))):
+                if world_size % (tp * cp * pp):
+                    continue
+                dp = world_size // (tp * cp * pp)
+                if "data_parallel_size" in constraints and constraints["data_parallel_size"] != dp:
+                    continue
+                for ep, etp in _expert_options(workload, tp, pp, world_size, choices):
+                    sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
+                             "expert_tensor_parallel_size": etp}
+                    yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes)
 
 
-def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected) -> Iterator[Job]:
+def _context_parallel_options(workload: Workload, ranks: int) -> list[int]:
+    """Context-parallel sizes worth searching: each rank keeps at least CP_MIN_TOKENS of the sequence
+    (fewer leave attention too little work to hide the key/value exchange behind)."""
+    s = workload.seq_length
+    return [cp for cp in divisors(ranks) if cp == 1 or (s % (2 * cp) == 0 and s // cp >= CP_MIN_TOKENS)]
+
+
+def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choices) -> list[tuple[int, int | None]]:
+    """(EP, ETP) pairs: every EP dividing the experts whose expert grid fills the world, with the expert
+    tensor-parallel size Megatron defaults to (TP) and, under TP, 1 (whole experts per rank)."""
+    if workload.num_experts is None:
+        return [(1, None)]
+    etps = choices("expert_tensor_parallel_size", [None, 1] if tp > 1 else [None])
+    return [(ep, etp) for ep in choices("expert_model_parallel_size", divisors(workload.num_experts))
+            for etp in etps if world_size % (ep * pp * (tp if etp is None else etp)) == 0]
+
+
+def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes) -> Iterator[Job]:
     if workload.global_batch_size % dp:
         return
     per_replica = workload.global_batch_size // dp
@@ -114,7 +140,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected) -> I
             recomputes,
             choices("sequence_parallel", (True, False) if tp > 1 else (False,)),
             choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):
-        base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+        base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, **sizes,
                       micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                       recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
                       decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,

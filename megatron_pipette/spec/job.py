@@ -12,6 +12,7 @@ them again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
@@ -30,10 +31,23 @@ class Job:
     """Model chunks per pipeline rank (1 without interleaving)."""
     num_microbatches: int
     """Micro-batches per iteration and data-parallel replica: global batch / (micro-batch x DP)."""
+    moe_layers: tuple[tuple[int, ...], ...] = ()
+    """MoE layers in each (pipeline stage, model chunk); () for a dense model."""
 
     @property
     def tokens_per_microbatch(self) -> int:
-        return self.layout.micro_batch_size * self.workload.seq_length
+        """Tokens one rank of a tensor-parallel group sees per micro-batch: its context-parallel share."""
+        return self.layout.micro_batch_size * self.workload.seq_length // self.layout.cp
+
+    def chunk_layers(self) -> list[list[int]]:
+        """Global layer indices of each (stage, chunk), as Megatron assigns them: stage r's chunk c of
+        an interleaved pipeline holds layers from (c x PP + r) x per-chunk on."""
+        pp, v = self.layout.pp, self.virtual_stages
+        if v == 1:
+            starts = [sum(self.stage_layers[:r]) for r in range(pp)]
+            return [[list(range(starts[r], starts[r] + self.stage_layers[r]))] for r in range(pp)]
+        per = self.stage_layers[0] // v
+        return [[list(range((c * pp + r) * per, (c * pp + r + 1) * per)) for c in range(v)] for r in range(pp)]
 
 
 def resolve_job(workload: Workload, layout: Layout, world_size: int | None = None) -> Job:
@@ -42,6 +56,11 @@ def resolve_job(workload: Workload, layout: Layout, world_size: int | None = Non
     validate_layout(workload, layout, world_size)
     layers = tuple(stage_layers(workload, layout))
     lpv = layout.num_layers_per_virtual_pipeline_stage
-    return Job(workload=workload, layout=layout, stage_layers=layers,
-               virtual_stages=1 if lpv is None else layers[0] // lpv,
-               num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))
+    job = Job(workload=workload, layout=layout, stage_layers=layers,
+              virtual_stages=1 if lpv is None else layers[0] // lpv,
+              num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))
+    if workload.num_experts is None:
+        return job
+    pattern = workload.moe_layer_pattern()
+    moe = tuple(tuple(sum(pattern[i] for i in chunk) for chunk in stage) for stage in job.chunk_layers())
+    return dataclasses.replace(job, moe_layers=moe)

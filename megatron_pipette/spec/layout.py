@@ -16,6 +16,8 @@ from megatron_pipette.spec.workload import Workload, megatron_flag
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = (None, "uniform", "block")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+"""--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,14 @@ class Layout:
     """--overlap-grad-reduce: DP gradient reduction overlaps the backward pass."""
     overlap_param_gather: bool = False
     """--overlap-param-gather: distributed-optimizer all-gather overlaps the forward pass."""
+    expert_model_parallel_size: int = 1
+    """--expert-model-parallel-size: routed experts split over this many ranks (MoE)."""
+    expert_tensor_parallel_size: int | None = None
+    """--expert-tensor-parallel-size: each expert's GEMMs split over this many ranks; None: TP (Megatron's default)."""
+    context_parallel_size: int = 1
+    """--context-parallel-size: the sequence split over this many ranks (two chunks each, for causal balance)."""
+    cp_comm_type: str = "p2p"
+    """--cp-comm-type: how attention exchanges keys and values across context-parallel ranks."""
 
     @property
     def tp(self) -> int:
@@ -65,12 +75,33 @@ class Layout:
         return self.data_parallel_size
 
     @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size, resolved: Megatron sets an unset one to TP."""
+        return self.tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Megatron's expert grid: world / (ETP x EP x PP) (parallel_state.initialize_model_parallel)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
 
     def describe(self) -> str:
-        """A short label: tp2 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt rc=full/uniform1."""
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
+        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt rc=full/uniform1."""
+        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
+                 *([f"ep{self.ep}"] if self.ep > 1 else []),
+                 *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
+                 f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
         if self.num_layers_per_virtual_pipeline_stage:
             parts.append(f"lpv{self.num_layers_per_virtual_pipeline_stage}")
         if self.decoder_first_pipeline_num_layers is not None:
@@ -91,6 +122,10 @@ class Layout:
         """The Megatron command-line flags that select this layout."""
         args = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}",
                 f"--micro-batch-size {self.micro_batch_size}"]
+        args += [f"{flag} {value}" for flag, value, default in (
+            ("--context-parallel-size", self.cp, 1), ("--cp-comm-type", self.cp_comm_type, "p2p"),
+            ("--expert-model-parallel-size", self.ep, 1),
+            ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size, None)) if value != default]
         optional = (
             ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
@@ -110,11 +145,11 @@ class Layout:
 def check_user_layout(layout: Layout) -> None:
     """Reject values no layout could have (PipetteError: the user's input is wrong)."""
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                 "micro_batch_size"):
+                 "micro_batch_size", "expert_model_parallel_size", "context_parallel_size"):
         value = getattr(layout, name)
         if not isinstance(value, int) or value <= 0:
             raise PipetteError(f"{megatron_flag(name)} must be a positive integer, got {value!r}")
-    for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers",
+    for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers", "expert_tensor_parallel_size",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         value = getattr(layout, name)
         if value is not None and (not isinstance(value, int) or value < (0 if "decoder" in name else 1)):
@@ -123,6 +158,8 @@ def check_user_layout(layout: Layout) -> None:
         raise PipetteError(f"--recompute-granularity must be selective or full, got {layout.recompute_granularity!r}")
     if layout.recompute_method not in RECOMPUTE_METHODS:
         raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
+    if layout.cp_comm_type not in CP_COMM_TYPES:
+        raise PipetteError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {layout.cp_comm_type!r}")
 
 
 def stage_layers(workload: Workload, layout: Layout) -> list[int]:
@@ -157,7 +194,8 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
     check_user_layout(layout)
     tp, pp, dp, mbs = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
     if world_size is not None and layout.world_size != world_size:
-        raise Infeasible(f"TP {tp} x PP {pp} x DP {dp} = {layout.world_size} GPUs, not the {world_size} given")
+        raise Infeasible(f"TP {tp} x CP {layout.cp} x PP {pp} x DP {dp} = {layout.world_size} GPUs, "
+                         f"not the {world_size} given")
     if workload.num_attention_heads % tp:
         raise Infeasible(f"--num-attention-heads {workload.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
@@ -193,6 +231,48 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         raise Infeasible("--overlap-param-gather needs --use-distributed-optimizer")
     if layout.overlap_param_gather and not layout.overlap_grad_reduce:
         raise Infeasible("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    _validate_context_parallel(workload, layout)
+    _validate_experts(workload, layout)
+
+
+def _validate_context_parallel(workload: Workload, layout: Layout) -> None:
+    """megatron/training/arguments.py: s % (2 CP) == 0 (two chunks per rank); with SP the embedding
+    scatters s/CP tokens over TP (tensor_parallel/mappings.py)."""
+    cp, s = layout.cp, workload.seq_length
+    if cp == 1:
+        return
+    if s % (2 * cp):
+        raise Infeasible(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp}")
+    if layout.sequence_parallel and (s // cp) % layout.tp:
+        raise Infeasible(f"--seq-length {s} / --context-parallel-size {cp} is not divisible by "
+                         f"--tensor-model-parallel-size {layout.tp} (needed by --sequence-parallel)")
+    if workload.attention_backend in ("unfused", "local"):
+        raise Infeasible(f"--context-parallel-size {cp} needs Transformer Engine's attention, not "
+                         f"--attention-backend {workload.attention_backend}")
+
+
+def _validate_experts(workload: Workload, layout: Layout) -> None:
+    """The MoE rules of megatron/training/arguments.py, core/parallel_state.py and moe_layer.py."""
+    ep, etp = layout.ep, layout.etp
+    if workload.num_experts is None:
+        if ep > 1 or layout.expert_tensor_parallel_size is not None:
+            raise Infeasible("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
+        return
+    if workload.num_experts % ep:
+        raise Infeasible(f"--num-experts {workload.num_experts} is not divisible by "
+                         f"--expert-model-parallel-size {ep}")
+    if layout.world_size % (etp * ep * layout.pp):
+        raise Infeasible(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} x "
+                         f"--pipeline-model-parallel-size {layout.pp} does not divide the {layout.world_size} GPUs")
+    width = workload.moe_ffn * (2 if workload.swiglu else 1)
+    if width % etp or workload.moe_ffn % etp:
+        raise Infeasible(f"--moe-ffn-hidden-size {workload.moe_ffn} is not divisible by "
+                         f"--expert-tensor-parallel-size {etp}")
+    if etp > 1 and workload.add_bias_linear:
+        raise Infeasible(f"expert biases (no --disable-bias-linear) need --expert-tensor-parallel-size 1, not {etp}")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        raise Infeasible("mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                         "(MoELayer.forward raises without it)")
 
 
 def _validate_recompute(layout: Layout, layers: list[int]) -> None:

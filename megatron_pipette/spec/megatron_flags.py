@@ -19,7 +19,14 @@ from importlib import resources
 from typing import Any
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.workload import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDINGS, megatron_flag
+from megatron_pipette.spec.layout import CP_COMM_TYPES
+from megatron_pipette.spec.workload import (
+    ATTENTION_BACKENDS,
+    MOE_DISPATCHERS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDINGS,
+    megatron_flag,
+)
 
 ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "position_embedding_type": POSITION_EMBEDDINGS,
@@ -28,6 +35,8 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "transformer_impl": ("transformer_engine", "local"),
     "optimizer": ("adam",),
     "rerun_mode": ("validate_results", "disabled"),
+    "moe_token_dispatcher_type": MOE_DISPATCHERS,
+    "cp_comm_type": CP_COMM_TYPES,
 }
 """Arguments whose value decides: the model describes these values only (Adam's state, one
 training step per iteration, Megatron's own layer implementations)."""
@@ -94,6 +103,11 @@ def refusals(values: Mapping[str, Any]) -> list[Refusal]:
     for name, value in values.items():
         refused = table.refused.get(name)
         allowed = ALLOWED_VALUES.get(name)
+        if allowed is not None and isinstance(value, list):   # --cp-comm-type: one entry per layer, or one
+            if len(set(value)) > 1:
+                found.append(Refusal(table.flag(name), value, "a type per layer is not modelled (one for all is)"))
+                continue
+            value = value[0]
         if refused is not None and value != refused.default:
             found.append(Refusal(table.flag(name), value, refused.reason))
         elif allowed is not None and getattr(value, "name", value) not in allowed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -21,6 +22,10 @@ BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+"""--moe-token-dispatcher-type values the cost model prices (flex runs DeepEP-style kernels it does not)."""
+MOE_LAYER_FREQ = re.compile(r"^[\d\s\[\]\(\)+*,]+$")
+"""Megatron's list form of --moe-layer-freq is a Python expression of 0/1 lists: "([0]+[1]*23)"."""
 
 
 def megatron_flag(field: str) -> str:
@@ -74,6 +79,22 @@ class Workload:
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
     precision: str = "bf16"
     """--bf16 / --fp16, else fp32: the dtype of parameters and activations."""
+    num_experts: int | None = None
+    """--num-experts: routed experts in each MoE layer; None: a dense model."""
+    moe_router_topk: int = 2
+    """--moe-router-topk: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """--moe-ffn-hidden-size: one routed expert's FFN width; None: --ffn-hidden-size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """--moe-shared-expert-intermediate-size: the shared experts' total FFN width; None: no shared expert."""
+    moe_layer_freq: int | str = 1
+    """--moe-layer-freq: every N-th layer is MoE (layer 0 always), or Megatron's list form "([0]+[1]*23)"."""
+    moe_expert_capacity_factor: float | None = None
+    """--moe-expert-capacity-factor: tokens an expert takes, x the balanced share; None: dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """--moe-pad-expert-input-to-capacity: every expert computes its full capacity."""
+    moe_token_dispatcher_type: str = "allgather"
+    """--moe-token-dispatcher-type: allgather (over TP x EP) or alltoall (over EP)."""
     name: str = "custom"
     """A label for reports; not a Megatron flag."""
 
@@ -107,6 +128,28 @@ class Workload:
             if self.num_attention_heads % self.num_query_groups:
                 raise PipetteError(f"--num-attention-heads {self.num_attention_heads} is not divisible "
                                    f"by --num-query-groups {self.num_query_groups}")
+        if self.num_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        for field in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
+        if self.moe_router_topk > self.num_experts:
+            raise PipetteError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise PipetteError(f"--moe-token-dispatcher-type must be one of {', '.join(MOE_DISPATCHERS)}, "
+                               f"got {self.moe_token_dispatcher_type!r}")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
+            raise PipetteError(f"--moe-expert-capacity-factor must be positive, got {factor!r}")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
+            raise PipetteError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
+                               "(megatron-core's shared experts have no biases)")
+        self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
 
     # Derived values, by Megatron's rules (megatron/training/arguments.py).
     @property
@@ -138,20 +181,56 @@ class Workload:
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
+    @property
+    def moe_ffn(self) -> int:
+        """One routed expert's FFN width (Megatron: --moe-ffn-hidden-size, else --ffn-hidden-size)."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Which layers are MoE (megatron/core/models/gpt/gpt_layer_specs.py get_moe_layer_pattern)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+            return tuple(i % freq == 0 for i in range(self.num_layers))
+        text = str(freq).strip()
+        if text.isdigit() and int(text) > 0:
+            return tuple(i % int(text) == 0 for i in range(self.num_layers))
+        try:
+            pattern = eval(text, {"__builtins__": {}}) if MOE_LAYER_FREQ.match(text) else None  # noqa: S307
+        except (SyntaxError, TypeError, ValueError):
+            pattern = None
+        if not (isinstance(pattern, list) and len(pattern) == self.num_layers and set(pattern) <= {0, 1}):
+            raise PipetteError(f"--moe-layer-freq must be a positive integer or a list of {self.num_layers} "
+                               f"0/1 entries such as \"([0]+[1]*{self.num_layers - 1})\", got {freq!r}")
+        return tuple(bool(x) for x in pattern)
+
     # Parameter counts, per full (unsharded) model.
-    def layer_parameters(self) -> int:
-        """Parameters of one transformer layer."""
-        h, f, d = self.hidden_size, self.ffn, self.head_dim
-        q_out = self.num_attention_heads * d
-        kv_out = 2 * self.query_groups * d
-        bias = self.add_bias_linear
-        qkv = h * (q_out + kv_out) + (q_out + kv_out if bias else 0)
-        proj = q_out * h + (h if bias else 0)
-        fc1_out = 2 * f if self.swiglu else f
-        fc1 = h * fc1_out + (fc1_out if bias else 0)
-        fc2 = f * h + (h if bias else 0)
-        norms = 2 * self.norm_parameters()
-        return qkv + proj + fc1 + fc2 + norms
+    def attention_parameters(self) -> int:
+        """QKV and the output projection of one layer."""
+        h, d, bias = self.hidden_size, self.head_dim, self.add_bias_linear
+        q_out, kv_out = self.num_attention_heads * d, 2 * self.query_groups * d
+        return h * (q_out + kv_out) + (q_out + kv_out if bias else 0) + q_out * h + (h if bias else 0)
+
+    def mlp_parameters(self, ffn: int) -> int:
+        """One MLP of FFN width `ffn` (fc1, with SwiGLU's gate, and fc2)."""
+        h, bias = self.hidden_size, self.add_bias_linear
+        fc1_out = 2 * ffn if self.swiglu else ffn
+        return h * fc1_out + (fc1_out if bias else 0) + ffn * h + (h if bias else 0)
+
+    def router_parameters(self) -> int:
+        """The router of one MoE layer: an [experts, h] weight (and a bias), replicated everywhere."""
+        return self.num_experts * self.hidden_size + (self.num_experts if self.add_bias_linear else 0)
+
+    def shared_expert_parameters(self) -> int:
+        shared = self.moe_shared_expert_intermediate_size
+        return 0 if shared is None else self.mlp_parameters(shared)
+
+    def layer_parameters(self, moe: bool = False) -> int:
+        """Parameters of one transformer layer, dense or MoE (router, every routed expert, shared experts)."""
+        mlp = (self.router_parameters() + self.num_experts * self.mlp_parameters(self.moe_ffn)
+               + self.shared_expert_parameters()) if moe else self.mlp_parameters(self.ffn)
+        return self.attention_parameters() + mlp + 2 * self.norm_parameters()
 
     def norm_parameters(self) -> int:
         return 2 * self.hidden_size if self.normalization == "LayerNorm" else self.hidden_size
@@ -166,20 +245,28 @@ class Workload:
         """All parameters; a tied output layer shares the word embedding."""
         output = (self.padded_vocab_size(tensor_model_parallel_size) * self.hidden_size
                   if self.untie_embeddings_and_output_weights else 0)
-        return (self.num_layers * self.layer_parameters() + self.embedding_parameters(tensor_model_parallel_size)
-                + self.norm_parameters() + output)
+        layers = sum(self.layer_parameters(moe) for moe in self.moe_layer_pattern())
+        return layers + self.embedding_parameters(tensor_model_parallel_size) + self.norm_parameters() + output
 
     def model_flops_per_iteration(self) -> float:
-        """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention."""
+        """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention
+        (megatron/training/training.py num_floating_point_operations): an MoE layer counts its top-k
+        routed experts and its shared experts, not the router."""
         tokens = self.global_batch_size * self.seq_length
         h, s, d = self.hidden_size, self.seq_length, self.head_dim
         q_out = self.num_attention_heads * d
         kv_out = 2 * self.query_groups * d
-        gemm_params = h * (q_out + kv_out) + q_out * h + (3 if self.swiglu else 2) * h * self.ffn
+        stacked = 3 if self.swiglu else 2
+        projections = h * (q_out + kv_out) + q_out * h
         attention = 2 * s * q_out  # QK^T and AV per token, multiply-adds
-        per_token_layer = 2 * gemm_params + 2 * attention
+        pattern = self.moe_layer_pattern()
+        moe_layers = sum(pattern)
+        shared = self.moe_shared_expert_intermediate_size or 0
+        mlp = stacked * h * (self.ffn * (self.num_layers - moe_layers)
+                             + (self.moe_ffn * self.moe_router_topk + shared) * moe_layers)
+        per_token = self.num_layers * (2 * projections + 2 * attention) + 2 * mlp
         logits = 2 * h * self.padded_vocab_size(1)
-        return 3.0 * tokens * (self.num_layers * per_token_layer + logits)
+        return 3.0 * tokens * (per_token + logits)
 
 
 def model_presets() -> dict[str, dict]:

@@ -68,13 +68,14 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "--num-experts", "8"], "--num-experts 8: mixture-of-experts is not modelled yet"),
-    (["plan", "--num-experts=8"], "--num-experts 8: mixture-of-experts is not modelled yet"),
-    (["estimate", *SMALL, "--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not"),
+    (["plan", "--moe-enable-deepep"], "--moe-enable-deepep: this mixture-of-experts option is not modelled"),
+    (["plan", "--fp8-format=hybrid"], "--fp8-format hybrid: FP8/FP4 training is not modelled"),
+    (["estimate", *SMALL, "--hybrid-context-parallel"], "--hybrid-context-parallel: hierarchical or hybrid"),
     (["plan", "--tp-comm-overlap"], "--tp-comm-overlap: overlapping tensor-parallel communication"),
     (["plan", "--no-overlap-p2p-communication"], "--no-overlap-p2p-communication: the model prices Megatron's"),
-    (["plan", "--cp-comm-type", "a2a", "p2p"], "--cp-comm-type a2a p2p: context parallelism"),
-    (["plan", "--moe-aux-loss-coeff", "1e-2"], "--moe-aux-loss-coeff 0.01: mixture-of-experts"),
+    (["plan", "--cp-comm-type", "a2a", "p2p"], "--cp-comm-type a2a p2p: a type per layer is not modelled"),
+    (["plan", "--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"],
+     "--moe-shared-expert-intermediate-size needs --disable-bias-linear"),
     (["plan", "--optimizer", "sgd"], "--optimizer sgd: only adam is modelled"),
     (["plan", "--position-embedding-type", "yarn"], "--position-embedding-type must be one of"),
     (["plan", "--padded-vocab-size", "50304"], "--padded-vocab-size: not a pipette flag"),

@@ -1,9 +1,11 @@
 """torchrun worker for test_reinit: renumber ranks, build Megatron's groups, report them.
 
-Writes, per case, the physical (torchrun) ranks of this process's tensor-, pipeline- and
-data-parallel groups, and the sum of physical ranks all-reduced over each group.
+Writes, per case, the physical (torchrun) ranks of each of this process's groups (tensor-,
+pipeline-, data-, context- and expert-parallel, and the combined ones), and the sum of physical
+ranks all-reduced over each group.
 """
 
+import functools
 import json
 import os
 import sys
@@ -52,16 +54,18 @@ def main() -> None:
         dist.all_gather_object(physical_of, physical)
 
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"]
+            tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
+            context_parallel_size=case.get("cp", 1), expert_model_parallel_size=case.get("ep", 1),
+            expert_tensor_parallel_size=case.get("etp"),
         )
-        results.append(
-            {
-                "rank": rank,
-                "tp": group_report(parallel_state.get_tensor_model_parallel_group(), physical_of, physical),
-                "pp": group_report(parallel_state.get_pipeline_model_parallel_group(), physical_of, physical),
-                "dp": group_report(parallel_state.get_data_parallel_group(), physical_of, physical),
-            }
-        )
+        ps = parallel_state
+        getters = {"tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
+                   "dp": ps.get_data_parallel_group, "cp": ps.get_context_parallel_group,
+                   "dp_cp": functools.partial(ps.get_data_parallel_group, with_context_parallel=True),
+                   "ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
+                   "edp": ps.get_expert_data_parallel_group}
+        results.append({"rank": rank, **{kind: group_report(get(), physical_of, physical)
+                                          for kind, get in getters.items()}})
         parallel_state.destroy_model_parallel()
 
     with open(os.path.join(out_dir, f"rank{physical}.json"), "w") as fh:

@@ -23,7 +23,11 @@ def megatron_namespace(**kw):
                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
                 sequence_parallel=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
                 overlap_param_gather=False, transformer_impl="local", load=None, use_checkpoint_args=False,
-                ckpt_format="torch", dist_ckpt_optim_fully_reshardable=False)
+                ckpt_format="torch", dist_ckpt_optim_fully_reshardable=False,
+                num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
+                moe_layer_freq=1, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+                moe_token_dispatcher_type="allgather", context_parallel_size=1, cp_comm_type=["p2p"],
+                expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -35,20 +39,38 @@ def test_typed_flags_are_the_constraints():
 
 def test_sequence_parallel_is_ruled_out_without_te_or_apex(monkeypatch):
     monkeypatch.setattr(ma, "sequence_parallel_supported", lambda args: False)
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     args = megatron_namespace(tensor_model_parallel_size=2)
     assert ma.constraints_from_args(args, ["--tensor-model-parallel-size", "2"]) == {
         "tensor_model_parallel_size": 2, "sequence_parallel": False}
 
 
+def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
+    """Only Transformer Engine's attention splits the sequence; a typed size stays the user's."""
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: False)
+    args = megatron_namespace()
+    assert ma.constraints_from_args(args, [])["context_parallel_size"] == 1
+    args = megatron_namespace(context_parallel_size=2)
+    assert ma.constraints_from_args(args, ["--context-parallel-size", "2"])["context_parallel_size"] == 2
+
+
 def test_workload_refuses_what_the_planner_cannot_price():
-    with pytest.raises(PipetteError, match=r"^--num-experts 64: mixture-of-experts is not modelled yet$"):
-        ma.workload_from_args(megatron_namespace(num_experts=64))
+    with pytest.raises(PipetteError, match=r"^--moe-enable-deepep: this mixture-of-experts option is not modelled$"):
+        ma.workload_from_args(megatron_namespace(num_experts=64, moe_enable_deepep=True))
     with pytest.raises(PipetteError) as every:
-        ma.workload_from_args(megatron_namespace(context_parallel_size=2, use_checkpoint_args=True))
+        ma.workload_from_args(megatron_namespace(hybrid_context_parallel=True, use_checkpoint_args=True))
     assert sorted(str(every.value).split("; ")) == [
-        "--context-parallel-size 2: context parallelism is not modelled yet",
+        "--hybrid-context-parallel: hierarchical or hybrid context parallelism is not modelled",
         "--use-checkpoint-args: the checkpoint's arguments would replace the planned ones"]
     assert ma.workload_from_args(megatron_namespace(num_experts=None, context_parallel_size=1)).num_layers == 4
+
+
+def test_moe_arguments_become_the_workload():
+    """Megatron's parsed MoE arguments (a list --moe-layer-freq among them) reach the workload."""
+    w = ma.workload_from_args(megatron_namespace(num_experts=8, moe_router_topk=2, moe_layer_freq=[1, 0, 1, 0],
+                                                 moe_ffn_hidden_size=96))
+    assert (w.num_experts, w.moe_router_topk, w.moe_ffn) == (8, 2, 96)
+    assert w.moe_layer_pattern() == (True, False, True, False)
 
 
 @pytest.mark.parametrize("field, value", [("position_embedding_type", "yarn"), ("normalization", "GroupNorm"),
@@ -77,7 +99,8 @@ def test_apply_layout_rewrites_megatrons_args():
 
 
 def test_the_fallback_layout_has_megatrons_data_parallel_size():
-    assert ma.layout_from_args(megatron_namespace(context_parallel_size=2), 8).describe() == "tp1 pp1 dp4 mbs1"
+    layout = ma.layout_from_args(megatron_namespace(context_parallel_size=2, cp_comm_type=["a2a"]), 8)
+    assert (layout.dp, layout.cp, layout.cp_comm_type) == (4, 2, "a2a")
 
 
 def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):

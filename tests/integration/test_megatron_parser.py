@@ -77,10 +77,11 @@ def test_allowed_values_are_megatrons(megatron_parser):
 
 def test_megatrons_parsed_command_lines(megatron_parser):
     assert refusals(vars(megatron_parser.parse_args([]))) == []
-    args = megatron_parser.parse_args(["--num-experts", "64", "--context-parallel-size", "1", "--lr", "3e-4",
-                                       "--position-embedding-type", "yarn", "--no-overlap-p2p-communication"])
-    assert [r.flag for r in refusals(vars(args))] == [
-        "--position-embedding-type", "--no-overlap-p2p-communication", "--num-experts"]
+    args = megatron_parser.parse_args(["--num-experts", "64", "--context-parallel-size", "2", "--lr", "3e-4",
+                                       "--position-embedding-type", "yarn", "--no-overlap-p2p-communication",
+                                       "--cp-comm-type", "a2a", "p2p", "--moe-enable-deepep"])
+    assert sorted(r.flag for r in refusals(vars(args))) == [
+        "--cp-comm-type", "--moe-enable-deepep", "--no-overlap-p2p-communication", "--position-embedding-type"]
 
 
 def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):

@@ -28,13 +28,13 @@ def test_megatron_defaults_are_never_refused():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"num_experts": 8}, "--num-experts 8: mixture-of-experts is not modelled yet"),
-    ({"context_parallel_size": 2}, "--context-parallel-size 2: context parallelism is not modelled yet"),
-    ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size 4: mixture-of-experts"),
+    ({"moe_enable_deepep": True}, "--moe-enable-deepep: this mixture-of-experts option is not modelled"),
+    ({"hierarchical_context_parallel_sizes": [2, 2]}, "--hierarchical-context-parallel-sizes 2 2: hierarchical"),
+    ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex: only allgather, alltoall are"),
     ({"fp8": "hybrid"}, "--fp8-format hybrid: FP8/FP4 training is not modelled"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap: overlapping tensor-parallel communication"),
     ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
-    ({"cp_comm_type": ["a2a"]}, "--cp-comm-type a2a: context parallelism"),
+    ({"cp_comm_type": ["a2a+p2p"]}, "--cp-comm-type a2a+p2p: only p2p, a2a, allgather are modelled"),
     ({"multi_latent_attention": True}, "--multi-latent-attention: multi-latent attention is not modelled yet"),
     ({"position_embedding_type": "yarn"}, "--position-embedding-type yarn: only learned_absolute, rope, none"),
     ({"normalization": "GroupNorm"}, "--normalization GroupNorm: only LayerNorm, RMSNorm are modelled"),
@@ -47,7 +47,8 @@ def test_refused_values_name_flag_value_and_reason(values, message):
 
 
 @pytest.mark.parametrize("values", [
-    {"num_experts": None}, {"context_parallel_size": 1}, {"cp_comm_type": ["p2p"]}, {"moe_router_topk": 2},
+    {"num_experts": None}, {"num_experts": 64, "expert_model_parallel_size": 8}, {"context_parallel_size": 4},
+    {"cp_comm_type": ["a2a"]}, {"moe_router_topk": 2}, {"moe_aux_loss_coeff": 1e-2},
     {"position_embedding_type": "rope"}, {"normalization": "RMSNorm"}, {"transformer_impl": "local"},
     {"lr": 3e-4, "seed": 7, "num_layers": 96},
 ])
@@ -63,12 +64,12 @@ def test_enum_values_count_by_name():
 
 
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
-    assert len(refused(num_experts=8, context_parallel_size=2, fp8="e4m3")) == 3
-    assert refusals({"num_experts": 8}) and not refusals({"save": "/ckpt", "auto_parallel": True})
-    with pytest.raises(PipetteError, match="^--num-experts 8: mixture-of-experts is not modelled yet; "
-                                           "--context-parallel-size 2: context parallelism is not modelled yet$"):
-        check_priced({"num_experts": 8, "context_parallel_size": 2, "lr": 0.1})
-    check_priced({"num_experts": None, "lr": 0.1})
+    assert len(refused(moe_enable_deepep=True, tp_comm_overlap=True, fp8="e4m3")) == 3
+    assert refusals({"fp8": "e4m3"}) and not refusals({"save": "/ckpt", "auto_parallel": True})
+    with pytest.raises(PipetteError, match="^--moe-enable-deepep: this mixture-of-experts option is not modelled; "
+                                           "--use-torch-fsdp2: fully sharded data parallelism"):
+        check_priced({"moe_enable_deepep": True, "use_torch_fsdp2": True, "lr": 0.1})
+    check_priced({"num_experts": 8, "context_parallel_size": 2, "lr": 0.1})
 
 
 def test_value_checked_arguments_are_in_the_table():

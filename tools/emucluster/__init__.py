@@ -23,6 +23,7 @@ and `cleanup_stale()` removes leftovers of dead processes by the unique prefix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -136,7 +137,7 @@ class Spec:
     """(low node, high node) -> rate in Mbit/s of the path between them, both directions."""
 
     @staticmethod
-    def parse(desc: dict) -> "Spec":
+    def parse(desc: dict) -> Spec:
         """{"nodes": K, "rate_mbit": R, "delay_ms": D, "overrides": {"k": {"rate_mbit": .., "delay_ms": ..}},
         "pair_overrides": {"a-b": {"rate_mbit": ..}}}"""
         k = int(desc["nodes"])
@@ -150,7 +151,8 @@ class Spec:
         for n in range(k):
             o = over.get(n, {})
             rate = o.get("rate_mbit", desc.get("rate_mbit"))
-            links.append(Link(None if rate is None else float(rate), float(o.get("delay_ms", desc.get("delay_ms", 0.0)))))
+            delay = float(o.get("delay_ms", desc.get("delay_ms", 0.0)))
+            links.append(Link(None if rate is None else float(rate), delay))
         pairs: dict[tuple[int, int], float] = {}
         for key, value in (desc.get("pair_overrides") or {}).items():
             pair = _pair_key(str(key), k)
@@ -206,7 +208,7 @@ class EmuCluster:
         return f"{SUBNET}.{k + 1}"
 
     # -- lifecycle --------------------------------------------------------------------------
-    def __enter__(self) -> "EmuCluster":
+    def __enter__(self) -> EmuCluster:
         self._install_signals()
         try:
             self.up()
@@ -222,10 +224,8 @@ class EmuCluster:
         def handler(signum, frame):
             raise KeyboardInterrupt(f"signal {signum}")
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            try:
+            with contextlib.suppress(ValueError):   # not the main thread
                 self._old_handlers[sig] = signal.signal(sig, handler)
-            except ValueError:   # not the main thread
-                pass
 
     def _restore_signals(self) -> None:
         for sig, old in self._old_handlers.items():
@@ -316,10 +316,8 @@ class EmuCluster:
         for ns in reversed(self._made):
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
         self._restore_signals()
@@ -329,11 +327,9 @@ class EmuCluster:
               log: Path | None = None) -> subprocess.Popen:
         """Start argv in node k's namespace, in its own session, output merged (to `log` if given)."""
         full_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0"}
-        out = open(log, "w") if log else subprocess.PIPE
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(k), *argv], env=full_env, cwd=cwd,
-                             stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        if log:
-            out.close()
+        with open(log, "w") if log else contextlib.nullcontext(subprocess.PIPE) as out:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns(k), *argv], env=full_env, cwd=cwd,
+                                 stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._procs.append(p)
         return p
 
@@ -399,8 +395,6 @@ def free_port() -> int:
 def _kill_group(p: subprocess.Popen) -> None:
     """Kill a started process and everything in its session, and reap it."""
     if p.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         p.wait()

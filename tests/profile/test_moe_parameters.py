@@ -1,0 +1,58 @@
+"""The workload's parameter counts of MoE models against megatron-core's own GPTModel, built on CPU.
+
+Megatron's "Number of parameters in transformer block" is this sum over the decoder's
+parameters; building the model is the reference that cannot drift from it.
+"""
+
+import pytest
+import torch
+
+from megatron_pipette.profile.runtime import single_device_megatron
+from megatron_pipette.spec.workload import Workload
+
+pytestmark = pytest.mark.megatron
+
+CASES = [
+    # every layer MoE, SwiGLU, RMSNorm, no biases, untied output (Mixtral-like, shrunk)
+    dict(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+         ffn_hidden_size=96, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+         untie_embeddings_and_output_weights=True, position_embedding_type="rope", num_experts=4, moe_router_topk=2),
+    # every other layer MoE, a shared expert and a narrower expert FFN (DeepSeek-like, shrunk), GELU
+    dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_experts=8, moe_router_topk=2,
+         moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64, moe_layer_freq=2, add_bias_linear=False),
+    # Megatron's list form of the layer pattern; router and expert biases
+    dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_experts=4, moe_layer_freq="([0]+[1]*3)"),
+]
+
+
+def megatron_decoder_parameters(w: Workload) -> tuple[int, int]:
+    """(decoder parameters, whole-model parameters) of megatron-core's GPTModel for this workload."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    pattern = [int(x) for x in w.moe_layer_pattern()]
+    config = TransformerConfig(
+        num_layers=w.num_layers, hidden_size=w.hidden_size, num_attention_heads=w.num_attention_heads,
+        num_query_groups=w.query_groups, ffn_hidden_size=w.ffn, kv_channels=w.head_dim,
+        gated_linear_unit=w.swiglu, activation_func=torch.nn.functional.silu if w.swiglu else torch.nn.functional.gelu,
+        normalization=w.normalization, add_bias_linear=w.add_bias_linear, num_moe_experts=w.num_experts,
+        moe_router_topk=w.moe_router_topk, moe_ffn_hidden_size=w.moe_ffn,
+        moe_shared_expert_intermediate_size=w.moe_shared_expert_intermediate_size, moe_layer_freq=pattern,
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=w.normalization)
+    model = GPTModel(config, spec, vocab_size=w.padded_vocab_size(1), max_sequence_length=w.max_positions,
+                     position_embedding_type=w.position_embedding_type,
+                     share_embeddings_and_output_weights=not w.untie_embeddings_and_output_weights)
+    decoder = sum(p.numel() for p in model.decoder.parameters())
+    return decoder, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fields", CASES, ids=["mixtral-like", "deepseek-like", "list-pattern"])
+def test_moe_parameter_counts_match_megatron(fields):
+    w = Workload(seq_length=64, global_batch_size=8, vocab_size=1000, **fields)
+    with single_device_megatron(torch.device("cpu")):
+        decoder, total = megatron_decoder_parameters(w)
+    ours_decoder = sum(w.layer_parameters(moe) for moe in w.moe_layer_pattern()) + w.norm_parameters()
+    assert ours_decoder == decoder
+    assert w.total_parameters() == total
