@@ -168,6 +168,27 @@ def _overlapped(total: float, window: float, buckets: int) -> float:
     return max(total / buckets, total - window * (1 - 1 / buckets))
 
 
+def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, buckets: int) -> float:
+    """Exposed distributed-optimizer all-gather with --overlap-param-gather ((pp,) `ag`: each
+    stage's all-gather alone); without the flag the step runs every stage's at once (max).
+
+    Without interleaving Megatron sets align_param_gather = False (megatron/training/arguments.py,
+    "non-interleaved schedule does not support ... aligned param AG"), so no stage starts its
+    all-gather before its first forward pre-hook (DistributedDataParallel._make_forward_pre_hook ->
+    finish_param_sync dispatches it): stage 0 waits for its first bucket and prefetches the rest
+    behind its first forward (F_0); every later stage (one bucket: bucketing is for the first stage
+    only) waits for all of its own, and the pipeline fill waits for each in turn:
+    max(AG_0 - F_0, AG_0 / buckets) + sum over r >= 1 of AG_r.
+    Interleaved (align_param_gather): the schedule dispatches every stage's first chunks at once
+    (forward_backward_pipelining_with_interleaving, param_sync_func), so later stages hide theirs
+    behind the pipeline fill and stage 0 waits for its first bucket."""
+    fill_f = stages.times.forward_s[crit].sum(axis=1)
+    if name != "interleaved":
+        return float(max(ag[0] - fill_f[0], ag[0] / buckets) + ag[1:].sum())
+    fill = np.concatenate([[0.0], np.cumsum(fill_f + stages.times.fwd_comm_s[crit])[:-1]])
+    return float(max(ag[0] / buckets, np.maximum(0.0, ag[1:] - fill[1:]).max(initial=0.0)))
+
+
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
                 params: np.ndarray) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
@@ -197,13 +218,8 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     gather = 0.0
     if layout.use_distributed_optimizer:
         ag = ring.all_gather_s(params[:, None] * workload.bytes_per_element).max(axis=1)
-        if layout.overlap_param_gather:
-            # issued bucket by bucket in the next forward; later stages hide it behind the fill
-            fill = np.concatenate([[0.0], np.cumsum(stages.times.forward_s[crit].sum(axis=1)
-                                                    + stages.times.fwd_comm_s[crit])[:-1]])
-            ag[0] /= buckets
-            ag[1:] = np.maximum(0.0, ag[1:] - fill[1:])
-        gather = float(ag.max())
+        gather = _param_gather_exposed(ag, name, stages, crit, buckets) if layout.overlap_param_gather \
+            else float(ag.max())
     return exposed, gather
 
 
