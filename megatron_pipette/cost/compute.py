@@ -98,11 +98,23 @@ def _gemm(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> 
     return 2.0 * m * n * k * count / gemm(m * count, n, k)
 
 
-def _linear(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float]:
-    """(forward, backward) effective FLOPs of a linear layer [inp -> out] over `tokens`: the forward
-    GEMM, and the data-gradient (tokens x out @ out x inp) and weight-gradient (out x tokens @
-    tokens x inp) GEMMs, each at its own shape's efficiency."""
-    return _gemm(gemm, tokens, out, inp), _gemm(gemm, tokens, inp, out) + _gemm(gemm, out, inp, tokens)
+def _linear(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float, float]:
+    """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
+    `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
+    at its own shape's efficiency."""
+    return _gemm(gemm, tokens, out, inp), _gemm(gemm, tokens, inp, out), _gemm(gemm, out, inp, tokens)
+
+
+def _layer_linears(job: Job) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear of a transformer layer on one TP rank."""
+    x, swiglu = _shape(job), job.workload.swiglu
+    a, g, d, f, h = x["a"], x["g"], x["d"], x["f"], x["h"]
+    return {"qkv": ((a + 2 * g) * d, h), "proj": (h, a * d), "fc1": (f * (2 if swiglu else 1), h), "fc2": (h, f)}
+
+
+COLUMN_PARALLEL = ("qkv", "fc1")
+"""The layer's column-parallel linears: Megatron overlaps their backward TP collectives with their
+own gradient GEMMs (cost.timing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +158,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
     gemm = gemm or gemm_curve(None, w.precision)
     core = _gemm(gemm, s, s, d, b * a) + _gemm(gemm, s, d, s, b * a)
-    linears = [_linear(gemm, n, out, inp) for out, inp in
-               (((a + 2 * g) * d, h), (h, a * d), (f * (2 if w.swiglu else 1), h), (h, f))]
+    linears = [_linear(gemm, n, out, inp) for out, inp in _layer_linears(job).values()]
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     act = (3 if w.swiglu else 2) * e * n * f
@@ -156,8 +167,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     if w.attention_backend not in FLASH_BACKENDS:
         scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
     mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
-    forward = Work(flops=core + sum(fwd for fwd, _ in linears), mem_s=mem)
-    backward = Work(flops=2 * core + sum(bwd for _, bwd in linears), mem_s=BACKWARD_MEMORY_FACTOR * mem)
+    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem)
+    backward = Work(flops=2 * core + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
+                    mem_s=BACKWARD_MEMORY_FACTOR * mem)
     if layout.recompute_granularity == "full":
         recompute = forward
     elif layout.recompute_granularity == "selective":
@@ -184,10 +196,10 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    forward, backward = _linear(gemm or gemm_curve(None, w.precision), n, vocab, h)
+    forward, dgrad, wgrad = _linear(gemm or gemm_curve(None, w.precision), n, vocab, h)
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
     bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
-    return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=backward, mem_s=bwd))
+    return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
 
 
 def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
@@ -243,6 +255,10 @@ class StageWork:
     """(p, v) layers whose forward (and its TP collectives) is redone: full recomputation only."""
     profiled: bool
     """True when the layer times came from the LayerProfile."""
+    overlap: np.ndarray
+    """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
+    linears (QKV, fc1 of every layer; the output layer), behind which Megatron runs their
+    backward TP collectives (the roofline's GEMMs, also when the layer time is profiled)."""
 
 
 def _as_array(work: Work) -> np.ndarray:
@@ -271,8 +287,12 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bwd[:, 0, 0] += _as_array(embed.backward)
     fwd[:, -1, -1] += _as_array(out.forward)
     bwd[:, -1, -1] += _as_array(out.backward)
+    x, linears = _shape(job), _layer_linears(job)
+    output = (job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"])
+    overlap = np.array([_linear(gemm, x["n"], *shape)[1:]
+                        for shape in [linears[name] for name in COLUMN_PARALLEL] + [output]])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
-                     profiled=profiled)
+                     profiled=profiled, overlap=overlap)
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:

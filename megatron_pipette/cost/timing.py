@@ -99,15 +99,33 @@ class _Stages:
     tp_comm: np.ndarray
 
 
+def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """Exposed seconds of collectives that each run behind one GEMM (`gemm_flops`, effective, on
+    the last axis; `rate` FLOP/s): the sum of max(0, collective - GEMM)."""
+    return np.maximum(0.0, collective_s[..., None] - gemm_flops / rate[..., None]).sum(axis=-1)
+
+
 def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     workload, layout = job.workload, job.layout
     sp, mbs = layout.sequence_parallel, layout.micro_batch_size
     act = mbs * workload.seq_length * workload.hidden_size * workload.bytes_per_element
     ring = links.tensor
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
-    # SP: 2 all-gathers + 2 reduce-scatters each way (the backward's input re-gather for the weight
-    # gradient runs asynchronously behind the data-gradient GEMM and is not counted); else 2 all-reduces.
-    layer_fwd = layer_bwd = 4 * ag if sp else 2 * ar
+    rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
+    # The column-parallel linears (QKV, fc1, the output layer) run their backward collectives
+    # asynchronously (LinearWithGradAccumulationAndAsyncCommunication.backward): the input-gradient
+    # all-reduce (SP: reduce-scatter) behind the weight-gradient GEMM and, with SP, the input
+    # re-gather behind the data-gradient GEMM. The rest is exposed: the row-parallel linears'
+    # forward all-reduces (SP: reduce-scatters, and the all-gathers before QKV and fc1) and, with SP,
+    # the all-gather of their output gradient in the backward.
+    dgrad, wgrad = work.overlap[:, 0], work.overlap[:, 1]
+    if sp:
+        layer_fwd = 4 * ag
+        layer_bwd = 2 * ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
+        output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
+    else:
+        layer_fwd, layer_bwd = 2 * ar, behind_gemms(ar, wgrad[:2], rate)
+        output_bwd = behind_gemms(ar, wgrad[2:], rate)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
     if links.tp > 1:
@@ -115,8 +133,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
-        tp_b[:, -1, -1] += ag[:, -1, 0] if sp else ar[:, -1, 0]
-    rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
+        tp_b[:, -1, -1] += output_bwd[:, -1, 0]
     fwd = work.forward[0] / rate + work.forward[1]
     bwd = work.backward[0] / rate + work.backward[1]
     rc = work.recompute[0] / rate + work.recompute[1]
