@@ -65,7 +65,8 @@ class CostModel:
         the jobs that differ only in what they overlap)."""
         return _cached(self._memory, _ignoring(job, overlap_grad_reduce=False, overlap_param_gather=False),
                        lambda: estimate_memory(job, self.cluster.memory_bytes, profile=self.profile,
-                                               overheads=self.overheads))
+                                               overheads=self.overheads,
+                                               nvls_domain=self.cluster.gpus_per_domain if self.cluster.nvls else 0))
 
 
 def _ignoring(job: Job, **fields) -> Job:

@@ -163,6 +163,10 @@ class Cluster:
     None: every node is its own domain. Tensor-parallel groups stay inside a domain."""
     gpu: GPU | None = None
     """The catalog entry, when the devices are a known GPU (None for CPU rehearsals)."""
+    nvls: bool = False
+    """NCCL's NVLink SHARP is on (NVSwitch presets of Hopper and later): its buffers take device
+    memory in every communicator with two or more ranks in one NVLink domain. False where
+    NCCL_NVLS_ENABLE=0, and for cluster files (the probe does not detect it)."""
     hosts: tuple[str, ...] = ()
     """Host name per node, when known."""
 
@@ -271,4 +275,4 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
         memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
         gemm_flops=device.peak(precision) * device.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY),
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
-        inter_node=inter, domain_of_node=domains)
+        inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False))
