@@ -77,8 +77,7 @@ class StageMemory:
     gradient_bytes: int
     """Bytes: the DDP gradient buffer (fp32 for bf16 and fp32 training, fp16 for fp16)."""
     optimizer_bytes: int
-    """Bytes: Adam state (fp32 master copy, fp32 grads for fp16, two moments), /DP with the
-    distributed optimizer."""
+    """Bytes: Adam state (fp32 master copy, two moments), /DP with the distributed optimizer."""
     activation_bytes: int
     """Bytes: what the micro-batches (model chunks) in flight at the peak keep for their backward."""
     transient_bytes: int
@@ -86,11 +85,16 @@ class StageMemory:
     full recomputation, one layer's backward gradients, the attention-score/all-gather buffer."""
     overhead_bytes: int
     """Bytes: CUDA context, NCCL buffers and allocator fragmentation (RuntimeOverheads)."""
+    step_bytes: int = 0
+    """Bytes: what only the optimizer step holds, when no activation is alive: fp16's fp32 main
+    gradients (/DP with the distributed optimizer)."""
 
     @property
     def total_bytes(self) -> int:
-        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.transient_bytes + self.overhead_bytes)
+        """The peak: model state and overheads, plus the forward-backward's working set or the
+        step's, whichever is larger."""
+        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.overhead_bytes
+                + max(self.activation_bytes + self.transient_bytes, self.step_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,10 +119,14 @@ class MemoryEstimate:
         return all(s.total_bytes <= self.capacity_bytes for s in self.stages)
 
 
-def state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter, unsharded; Megatron's distributed-optimizer
-    table: bf16 2+4+12 = 18, fp16 2+2+16 = 20 (fp32 main grads), fp32 4+4+8 = 16."""
-    return {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}[precision]
+def state_bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
+    """(weight, gradient, optimizer, step) bytes per parameter, unsharded; Megatron's
+    distributed-optimizer table: bf16 2+4+12 = 18, fp16 2+2+12+4 = 20, fp32 4+4+8 = 16. fp16's 4
+    are the fp32 main gradients, which exist only in the optimizer step: step() creates them
+    (Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: main_param.grad =
+    main_grad.float(); the distributed optimizer per shard) and zero_grad(set_to_none=True), at the
+    start of the next train_step, frees them before any forward."""
+    return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[precision]
 
 
 def _attention_widths(workload: Workload) -> tuple[int, int]:
@@ -368,13 +376,14 @@ def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | Non
     transient = buffer + max(logits, recomputed + backward)
 
     params = _stage_parameters(job, stage, layers)
-    weight, gradient, optimizer = state_bytes_per_parameter(workload.precision)
+    weight, gradient, optimizer, step = state_bytes_per_parameter(workload.precision)
     shards = layout.dp if layout.use_distributed_optimizer else 1
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
     return StageMemory(stage=stage, parameters=params, weight_bytes=weight * params,
                        gradient_bytes=gradient * params, optimizer_bytes=-(-optimizer * params // shards),
-                       activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead)
+                       activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,
+                       step_bytes=-(-step * params // shards))
 
 
 def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | None = None,
@@ -398,5 +407,7 @@ def misfit_reason(estimate: MemoryEstimate) -> str | None:
     s = estimate.worst_stage
     parts = (("weights", s.weight_bytes), ("gradients", s.gradient_bytes), ("optimizer", s.optimizer_bytes),
              ("activations", s.activation_bytes), ("transient", s.transient_bytes), ("overheads", s.overhead_bytes))
+    if s.step_bytes:
+        parts += (("in the step, in place of activations and transient", s.step_bytes),)
     detail = ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in parts)
     return f"stage {s.stage} needs {s.total_bytes / GiB:.1f} GiB of {estimate.capacity_bytes / GiB:.1f} GiB ({detail})"
