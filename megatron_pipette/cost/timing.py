@@ -129,7 +129,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
     if links.tp > 1:
-        ce = ring.all_reduce_s(3 * 4 * mbs * workload.seq_length).T
+        ce = 3 * ring.all_reduce_s(4 * mbs * workload.seq_length).T   # max, predicted logit, sum of exps
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
@@ -206,6 +206,25 @@ def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int,
     return float(max(ag[0] / buckets, np.maximum(0.0, ag[1:] - fill[1:]).max(initial=0.0)))
 
 
+def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """(pp,) gradient reduction of each rank still running after its last backward, under the
+    interleaved schedule with overlap_grad_reduce (`reduce` (pp,): a rank's whole reduction alone;
+    `backward` (pp, v): its backward seconds per chunk).
+
+    forward_backward_pipelining_with_interleaving (backward_step_helper_postprocess) launches
+    chunk c's reduction (all of its buckets: grad sync is disabled between backward steps) r
+    backward steps after that chunk's last one on pipeline rank r, i.e. c*p - r steps before the
+    rank's end: the rest of the backward blocks of chunks c-1 .. 0; chunk 0's at the very end.
+    The reductions run one after another on the data-parallel stream, chunk v-1 first."""
+    p, v = backward.shape
+    r = np.arange(p)
+    done = np.full(p, -np.inf)
+    for c in range(v - 1, -1, -1):
+        window = p * backward[:, :c].sum(axis=1) - r * backward[:, c - 1] if c else np.zeros(p)
+        done = np.maximum(done, -window) + reduce / v
+    return np.maximum(done, 0.0)
+
+
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
                 params: np.ndarray) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
@@ -214,24 +233,21 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
     reduction with its last backward, bucket by bucket; later stages start theirs when they
     finish (one bucket each), which the max over stages hides behind the others' cooldown.
-    Interleaved: each chunk's share starts PP backward steps after that chunk's last backward,
-    so all but chunk 0's share hide behind the last PP chunk-0 backward steps."""
+    Interleaved: interleaved_grad_sync_exposed."""
     workload, layout = job.workload, job.layout
-    p, v = layout.pp, stages.times.shape[2]
     if layout.dp == 1:
-        return np.zeros(p), 0.0
+        return np.zeros(layout.pp), 0.0
     ring = links.data
     collective = ring.reduce_scatter_s if layout.use_distributed_optimizer else ring.all_reduce_s
     reduce = collective(params[:, None] * _grad_bytes(workload)).max(axis=1)      # worst TP rank's group
     buckets = max(1, math.ceil(params[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * layout.dp)))
-    last_b = stages.times.backward_s[crit]                                      # (p, v)
+    backward = stages.times.backward_s[crit]                                    # (p, v)
     exposed = reduce.copy()
     if layout.overlap_grad_reduce:
         if name == "interleaved":
-            exposed = reduce / v + np.maximum(0.0, reduce * (v - 1) / v - p * last_b[:, 0])
-            exposed[0] += _overlapped(reduce[0] / v, last_b[0, 0], buckets) - reduce[0] / v
+            exposed = interleaved_grad_sync_exposed(reduce, backward)
         else:
-            exposed[0] = _overlapped(reduce[0], last_b[0, 0], buckets)
+            exposed[0] = _overlapped(reduce[0], backward[0, 0], buckets)
     gather = 0.0
     if layout.use_distributed_optimizer:
         ag = ring.all_gather_s(params[:, None] * workload.bytes_per_element).max(axis=1)

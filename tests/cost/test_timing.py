@@ -201,7 +201,7 @@ def test_column_parallel_backward_collectives_hide_behind_their_gradient_gemms()
     base = preset_cluster("dgx-h100", num_nodes=1)
     links = CostModel(base).links(job)
     ar = float(links.tensor.all_reduce_s(2048 * w.hidden_size * 2).max())
-    ce = float(links.tensor.all_reduce_s(3 * 4 * 2048).max())
+    ce = 3 * float(links.tensor.all_reduce_s(4 * 2048).max())     # vocab-parallel cross-entropy: 3 all-reduces
     m, layers = job.num_microbatches, w.num_layers
 
     def tp_comm(rate: float) -> float:
@@ -209,6 +209,19 @@ def test_column_parallel_backward_collectives_hide_behind_their_gradient_gemms()
 
     assert tp_comm(1e9) == pytest.approx(m * (layers * 2 * ar + ar + ce), rel=1e-9)     # embedding, loss
     assert tp_comm(1e30) == pytest.approx(m * (layers * 4 * ar + 2 * ar + ce), rel=1e-9)  # + output layer
+
+
+def test_interleaved_grad_sync_starts_rank_steps_after_each_chunks_last_backward():
+    """Megatron launches chunk c's reduction pipeline_parallel_rank backward steps after that chunk's
+    last backward: c*p - r steps before rank r's end (chunk 0's at the end), one after another.
+    p 4, v 2, backward 1 s per chunk step, 10 s of reduction (5 a chunk): rank r's chunk 1 starts
+    4 - r s before its end and chunk 0 follows it, so 6, 7, 8, 9 s remain exposed (the old model:
+    chunk 1 hidden behind p steps on every rank, 6 s each)."""
+    np.testing.assert_allclose(timing.interleaved_grad_sync_exposed(np.full(4, 10.0), np.ones((4, 2))), [6, 7, 8, 9])
+    # v 3, 5 s a chunk: chunk 2 starts 8 - r s before the end, chunk 1 (4 - r) waits for it, chunk 0 last.
+    np.testing.assert_allclose(timing.interleaved_grad_sync_exposed(np.full(4, 15.0), np.ones((4, 3))),
+                               [7, 8, 9, 10])
+    assert np.all(timing.interleaved_grad_sync_exposed(np.full(4, 1.0), np.ones((4, 3))) == pytest.approx(1 / 3))
 
 
 def test_behind_gemms_exposes_what_the_gemm_cannot_hide():
