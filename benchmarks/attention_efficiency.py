@@ -11,7 +11,7 @@ Engine's fused attention runs) at one TP rank's shapes (b 1, heads/TP, query gro
 head dim) of gpt3-1.3b, llama3-8b, gpt3-13b and llama3-70b at s 2048-32768, and reports
 TFLOP/s counted causal (half the full count) and full, and measured / modelled time,
 the model being the planner's: the full count over the 8192^3 bf16 GEMM rate measured
-here times cost.compute.gemm_efficiency of the score and value GEMMs. Backward FLOPs
+here times the planner's efficiency (cost.compute.gemm_curve) of the score and value GEMMs. Backward FLOPs
 are counted as the planner counts them, twice the forward (the kernels also recompute
 the scores: 2.5 times the forward's matrix work).
 
@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
 
-from megatron_pipette.cost.compute import gemm_efficiency
+from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
+from megatron_pipette.cost.compute import GemmCurve, gemm_curve
+from megatron_pipette.spec.hardware import gpu_catalog
 from megatron_pipette.spec.workload import workload_from_preset
 
 MODELS = ("gpt3-1.3b", "llama3-8b", "gpt3-13b", "llama3-70b")
@@ -91,10 +92,10 @@ def attention_step(heads: int, groups: int, s: int, d: int, backend: str, gqa: b
     return step
 
 
-def model_seconds(heads: int, s: int, d: int, rate: float) -> tuple[float, float]:
+def model_seconds(heads: int, s: int, d: int, rate: float, curve: GemmCurve) -> tuple[float, float]:
     """The planner's forward and backward core-attention seconds for b = 1 at `rate` FLOP/s."""
     flops = 2.0 * s * s * d * heads
-    forward = (flops / gemm_efficiency(s, s, d) + flops / gemm_efficiency(s, d, s)) / rate
+    forward = (flops / curve(heads * s, s, d) + flops / curve(heads * s, d, s)) / rate
     return forward, 2 * forward
 
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = Gemm(ref_n, ref_n, ref_n, "NN", "bf16")
     (ref_s,) = timer.measure(gemm_step(ref, device))
     rate = ref.flops / ref_s
+    curve = gemm_curve(gpu_catalog().get(device_metadata(device)["device_name"].lower()), "bf16")
     meta = {**device_metadata(device), "reference_bf16_flops": rate, "reference_gemm": f"{ref_n}^3 bf16",
             "method": __doc__.split("Method: ", 1)[1].replace("\n", " ").strip()}
     todo = [(shape, b) for shape in shapes(ns.quick) for b in (("default",) if ns.quick else BACKENDS)]
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         row = measure(timer, shape, backend, device)
         if "forward_s" in row:
-            mf, mb = model_seconds(row["heads"], row["s"], row["head_dim"], rate)
+            mf, mb = model_seconds(row["heads"], row["s"], row["head_dim"], rate, curve)
             row.update(model_forward_s=mf, model_backward_s=mb, forward_ratio=sig(row["forward_s"] / mf),
                        backward_ratio=sig(row["backward_s"] / mb))
         doc["rows"].append(row)

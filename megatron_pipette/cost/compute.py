@@ -2,18 +2,19 @@
 
 Work is kept in two parts so one array operation prices every tensor-parallel
 group at its own speed: `flops` (effective GEMM FLOPs, already divided by the
-size-dependent GEMM efficiency) run at the group's slowest device's
-`gemm_flops`; `mem_s` (memory-bound operations, bytes / memory bandwidth) does
-not scale with GEMM speed. A LayerProfile replaces the roofline: its times
-become flops = time * the rate the profiled device had while profiled (alone),
-and scale with each group's probed rate (every device loaded at once).
+shape's GEMM efficiency) run at the group's slowest device's `gemm_flops` (the
+rate of a large, 8192^3 GEMM); `mem_s` (memory-bound operations, bytes / memory
+bandwidth) does not scale with GEMM speed. A LayerProfile replaces the roofline:
+its times become flops = time * the rate the profiled device had while profiled
+(alone), and scale with each group's probed rate (every device loaded at once).
 
 Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
 hidden, a heads, g query groups, d head dim, f ffn, t TP):
   forward GEMM FLOPs  2bs h(a+2g)d/t  (QKV)  + 4b s^2 a d/t (scores, AV; every
                       backend does this math) + 2bs a d h/t (proj)
                       + 2bs h f (2 or 3 with SwiGLU)/t (MLP)
-  backward            2x the forward GEMM FLOPs
+  backward            each linear's data- and weight-gradient GEMMs (2x the
+                      forward FLOPs, at their own shapes' efficiency)
   memory-bound        norms, bias-dropout-add, activation, RoPE, and the
                       softmax/dropout of the score matrix without flash
                       attention (bytes moved, docs/time-model.md); backward 2x
@@ -24,32 +25,96 @@ the attention core.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 import numpy as np
 
-from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.hardware import GPU, Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout
 
-GEMM_HALF_DIM = 32
-"""A GEMM dimension n runs at n / (n + 32) of the large-GEMM rate; the product over
-M, N, K is the efficiency (a 128-wide dimension costs 20%, 4096 under 1%)."""
 FLASH_BACKENDS = ("auto", "flash", "fused")
 """Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic)."""
 BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
 
 
-def gemm_efficiency(m: float, n: float, k: float) -> float:
-    """Fraction of the large-GEMM rate a (m x k) @ (k x n) GEMM attains."""
-    return float(np.prod([x / (x + GEMM_HALF_DIM) for x in (m, n, k)]))
+TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
+"""The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
+rate; fp32 has no measurement and borrows bf16's shape dependence)."""
 
 
-def _gemm(m: float, n: float, k: float, count: float = 1.0) -> float:
-    """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape."""
-    return 2.0 * m * n * k * count / gemm_efficiency(m, n, k)
+@dataclass(frozen=True, eq=False)
+class GemmCurve:
+    """Fraction of the large-GEMM rate (cluster.gemm_flops, an 8192^3 GEMM) an (m x k) @ (k x n)
+    GEMM attains: a measured table (data/gemm_efficiency.json, log efficiency on a log2 grid,
+    interpolated trilinearly, clamped beyond it), or where the GPU has none the parametric
+    prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes."""
+
+    log_table: np.ndarray | None
+    """(g, g, g) log efficiency at m, n, k = 2^(lo + index); None: the parametric curve."""
+    lo: int = 0
+    """log2 of the grid's first node."""
+    half_dim: float = 0.0
+    """The parametric curve's constant (0: every GEMM at the large-GEMM rate)."""
+
+    def __call__(self, m: float, n: float, k: float) -> float:
+        if self.log_table is None:
+            return float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
+        g = self.log_table.shape[0]
+        u = np.clip(np.log2([m, n, k]), self.lo, self.lo + g - 1) - self.lo
+        i = np.minimum(u.astype(int), g - 2)
+        f = u - i
+        cube = self.log_table[i[0]:i[0] + 2, i[1]:i[1] + 2, i[2]:i[2] + 2]
+        for axis_f in f:                     # interpolate away m, then n, then k
+            cube = cube[0] * (1 - axis_f) + cube[1] * axis_f
+        return float(np.exp(cube))
+
+
+@cache
+def _gemm_data() -> dict:
+    return json.loads(resources.files("megatron_pipette.data").joinpath("gemm_efficiency.json").read_text())
+
+
+@cache
+def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
+    """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
+    data, dtype = _gemm_data(), TABLE_DTYPES[precision]
+    entry = data["gpus"].get(gpu.name) if gpu is not None else None
+    if entry is not None and "same_as" in entry:
+        entry = data["gpus"][entry["same_as"]]
+    if entry is None or dtype not in entry["tables"]:
+        return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
+    return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
+
+
+def _gemm(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> float:
+    """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape; a batch of them runs
+    as one GEMM of `count` times the rows."""
+    return 2.0 * m * n * k * count / gemm(m * count, n, k)
+
+
+def _linear(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float, float]:
+    """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
+    `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
+    at its own shape's efficiency."""
+    return _gemm(gemm, tokens, out, inp), _gemm(gemm, tokens, inp, out), _gemm(gemm, out, inp, tokens)
+
+
+def _layer_linears(job: Job) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear of a transformer layer on one TP rank."""
+    x, swiglu = _shape(job), job.workload.swiglu
+    a, g, d, f, h = x["a"], x["g"], x["d"], x["f"], x["h"]
+    return {"qkv": ((a + 2 * g) * d, h), "proj": (h, a * d), "fc1": (f * (2 if swiglu else 1), h), "fc2": (h, f)}
+
+
+COLUMN_PARALLEL = ("qkv", "fc1")
+"""The layer's column-parallel linears: Megatron overlaps their backward TP collectives with their
+own gradient GEMMs (cost.timing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,13 +152,13 @@ def _shape(job: Job) -> dict:
                 f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
 
 
-def roofline_layer(job: Job, memory_bandwidth_Bps: float) -> PartWork:
-    """One transformer layer on one TP rank."""
+def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
+    """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named)."""
     w, layout, x = job.workload, job.layout, _shape(job)
     n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
-    core = _gemm(s, s, d, b * a) + _gemm(s, d, s, b * a)
-    gemm = (_gemm(n, (a + 2 * g) * d, h) + core + _gemm(n, h, a * d)
-            + _gemm(n, f * (2 if w.swiglu else 1), h) + _gemm(n, h, f))
+    gemm = gemm or gemm_curve(None, w.precision)
+    core = _gemm(gemm, s, s, d, b * a) + _gemm(gemm, s, d, s, b * a)
+    linears = [_linear(gemm, n, out, inp) for out, inp in _layer_linears(job).values()]
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     act = (3 if w.swiglu else 2) * e * n * f
@@ -102,8 +167,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     if w.attention_backend not in FLASH_BACKENDS:
         scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
     mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
-    forward = Work(flops=gemm, mem_s=mem)
-    backward = Work(flops=2 * gemm, mem_s=BACKWARD_MEMORY_FACTOR * mem)
+    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem)
+    backward = Work(flops=2 * core + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
+                    mem_s=BACKWARD_MEMORY_FACTOR * mem)
     if layout.recompute_granularity == "full":
         recompute = forward
     elif layout.recompute_granularity == "selective":
@@ -125,15 +191,15 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     return PartWork(forward=Work(mem_s=fwd / memory_bandwidth_Bps), backward=Work(mem_s=bwd / memory_bandwidth_Bps))
 
 
-def roofline_output(job: Job, memory_bandwidth_Bps: float) -> PartWork:
+def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
     """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    gemm = _gemm(n, vocab, h)
+    forward, dgrad, wgrad = _linear(gemm or gemm_curve(None, w.precision), n, vocab, h)
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
     bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
-    return PartWork(forward=Work(flops=gemm, mem_s=fwd), backward=Work(flops=2 * gemm, mem_s=bwd))
+    return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
 
 
 def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
@@ -162,7 +228,7 @@ def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork
     if base is not None and with_rc is not None:
         extra = max(with_rc.backward_s - base.backward_s, 0.0)
     else:
-        model = roofline_layer(job, cluster.memory_bandwidth_Bps)
+        model = roofline_layer(job, cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision))
         share = (model.recompute.flops / rate + model.recompute.mem_s) / (model.forward.flops / rate + model.forward.mem_s)
         extra = fwd * share
     backward = base.backward_s if base is not None else with_rc.backward_s - extra
@@ -189,6 +255,10 @@ class StageWork:
     """(p, v) layers whose forward (and its TP collectives) is redone: full recomputation only."""
     profiled: bool
     """True when the layer times came from the LayerProfile."""
+    overlap: np.ndarray
+    """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
+    linears (QKV, fc1 of every layer; the output layer), behind which Megatron runs their
+    backward TP collectives (the roofline's GEMMs, also when the layer time is profiled)."""
 
 
 def _as_array(work: Work) -> np.ndarray:
@@ -198,15 +268,15 @@ def _as_array(work: Work) -> np.ndarray:
 def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
     layout, v = job.layout, job.virtual_stages
-    bw = cluster.memory_bandwidth_Bps
+    bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision)
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
-    layer = layer or roofline_layer(job, bw)
+    layer = layer or roofline_layer(job, bw, gemm)
     rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_embedding(job, bw)
     out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \
-        or roofline_output(job, bw)
+        or roofline_output(job, bw, gemm)
     layers = np.array(job.stage_layers, dtype=float)[:, None] / v * np.ones(v)
     recomputed = _recomputed_layers(layout, layers)
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
@@ -217,8 +287,12 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bwd[:, 0, 0] += _as_array(embed.backward)
     fwd[:, -1, -1] += _as_array(out.forward)
     bwd[:, -1, -1] += _as_array(out.backward)
+    x, linears = _shape(job), _layer_linears(job)
+    output = (job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"])
+    overlap = np.array([_linear(gemm, x["n"], *shape)[1:]
+                        for shape in [linears[name] for name in COLUMN_PARALLEL] + [output]])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
-                     profiled=profiled)
+                     profiled=profiled, overlap=overlap)
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:

@@ -12,7 +12,9 @@ attention and any precision; docs/memory-model.md derives every term.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
+
+import numpy as np
 
 from megatron_pipette.cost import simulator
 from megatron_pipette.errors import PipetteError
@@ -35,9 +37,13 @@ class RuntimeOverheads:
     """Bytes: NCCL buffers of one communicator; a device pays it for every group it talks in."""
     fragmentation: float
     """Fraction of the dynamic (activation + transient) bytes the caching allocator loses."""
+    nvls_bytes_per_local_rank: int = 200_000_000
+    """Bytes: NCCL's NVLink SHARP buffers, per bulk communicator (Communicator.bulk), per rank it
+    has in the device's NVLink domain (communicators with one such rank have none); only on
+    clusters with NVLS on (Cluster.nvls); NCCL_NVLS_ENABLE=0 avoids it."""
 
     def __post_init__(self) -> None:
-        for name in ("cuda_context_bytes", "comm_buffer_bytes_per_group"):
+        for name in ("cuda_context_bytes", "comm_buffer_bytes_per_group", "nvls_bytes_per_local_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PipetteError(f"{name} must be a non-negative integer of bytes, got {value!r}")
@@ -50,7 +56,9 @@ DEFAULT_OVERHEADS = RuntimeOverheads(cuda_context_bytes=1 * GiB, comm_buffer_byt
 """Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
 lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
 NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
-and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator (NVLS needs more);
+and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator; NVLS allocates
+2 x NCCL_BUFFSIZE per NVLS channel and local rank (nvls.cc: nvlsPerRankSize x nHeads), reported at
+about 1.6 GB for a communicator of 8 GPUs, hence 200 MB a local rank;
 PyTorch's caching allocator without expandable segments typically reserves 5-15% more than it uses."""
 
 
@@ -68,8 +76,7 @@ class StageMemory:
     gradient_bytes: int
     """Bytes: the DDP gradient buffer (fp32 for bf16 and fp32 training, fp16 for fp16)."""
     optimizer_bytes: int
-    """Bytes: Adam state (fp32 master copy, fp32 grads for fp16, two moments), /DP with the
-    distributed optimizer."""
+    """Bytes: Adam state (fp32 master copy, two moments), /DP with the distributed optimizer."""
     activation_bytes: int
     """Bytes: what the micro-batches (model chunks) in flight at the peak keep for their backward."""
     transient_bytes: int
@@ -77,11 +84,16 @@ class StageMemory:
     full recomputation, one layer's backward gradients, the attention-score/all-gather buffer."""
     overhead_bytes: int
     """Bytes: CUDA context, NCCL buffers and allocator fragmentation (RuntimeOverheads)."""
+    step_bytes: int = 0
+    """Bytes: what only the optimizer step holds, when no activation is alive: fp16's fp32 main
+    gradients (/DP with the distributed optimizer)."""
 
     @property
     def total_bytes(self) -> int:
-        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.transient_bytes + self.overhead_bytes)
+        """The peak: model state and overheads, plus the forward-backward's working set or the
+        step's, whichever is larger."""
+        return (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.overhead_bytes
+                + max(self.activation_bytes + self.transient_bytes, self.step_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,10 +118,14 @@ class MemoryEstimate:
         return all(s.total_bytes <= self.capacity_bytes for s in self.stages)
 
 
-def state_bytes_per_parameter(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter, unsharded; Megatron's distributed-optimizer
-    table: bf16 2+4+12 = 18, fp16 2+2+16 = 20 (fp32 main grads), fp32 4+4+8 = 16."""
-    return {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}[precision]
+def state_bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
+    """(weight, gradient, optimizer, step) bytes per parameter, unsharded; Megatron's
+    distributed-optimizer table: bf16 2+4+12 = 18, fp16 2+2+12+4 = 20, fp32 4+4+8 = 16. fp16's 4
+    are the fp32 main gradients, which exist only in the optimizer step: step() creates them
+    (Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: main_param.grad =
+    main_grad.float(); the distributed optimizer per shard) and zero_grad(set_to_none=True), at the
+    start of the next train_step, frees them before any forward."""
+    return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[precision]
 
 
 def _attention_widths(workload: Workload) -> tuple[int, int]:
@@ -247,13 +263,71 @@ def _stage_parameters(job: Job, stage: int, layers: int) -> int:
     return params
 
 
-def communicators(job: Job, stage: int) -> int:
-    """NCCL communicators a device of this stage uses: TP, PP, DP, the model-parallel group
-    (gradient-norm all-reduce) and, for a tied embedding split over PP, the embedding group."""
-    tp, pp, dp = job.layout.tp, job.layout.pp, job.layout.dp
-    groups = (tp > 1) + (pp > 1) + (dp > 1) + (tp * pp > 1)
-    tied_split = pp > 1 and not job.workload.untie_embeddings_and_output_weights
-    return groups + (tied_split and stage in (0, pp - 1))
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a device uses."""
+
+    group: str
+    """Megatron's group: tp, pp, dp, mp (model parallel), embedding, world, grad-stats."""
+    bulk: bool
+    """It moves large tensors by collectives (TP activations, DP gradients and parameters, the
+    embedding gradient), which NCCL runs with NVLS where it is on. pp runs p2p only, which NVLS
+    does not serve; mp, world and grad-stats reduce a few bytes, which stay on the low-latency
+    ring/tree protocols (NVLS has only the simple one), and NCCL sets NVLS up on first use
+    (NCCL_RUNTIME_CONNECT, the default since 2.22)."""
+    local_ranks: int
+    """Its ranks in the device's NVLink domain, in Megatron's default rank order."""
+
+
+def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, ...]:
+    """NCCL communicators a device of this stage uses (`domain`: GPUs per NVLink domain): TP, PP,
+    DP, the model-parallel group (megatron/training/training.py: logical_and / reduce_max across
+    it every step), the world group (barriers, timers), with the distributed optimizer its
+    grad-stats group (core/optimizer/__init__.py: intra_dist_opt_group, every rank of a single
+    optimizer instance, a communicator of its own), and, for a tied embedding split over PP, the
+    embedding group on the first and last stages. NCCL allocates a communicator's buffers on first
+    use, so groups Megatron creates but never uses are not counted."""
+    layout = job.layout
+    tied_split = layout.pp > 1 and not job.workload.untie_embeddings_and_output_weights
+    return _communicators(layout.tp, layout.pp, layout.dp, stage, tied_split, layout.use_distributed_optimizer,
+                          domain)
+
+
+@lru_cache(maxsize=4096)
+def _communicators(tp: int, pp: int, dp: int, stage: int, tied_split: bool, distributed_optimizer: bool,
+                   domain: int) -> tuple[Communicator, ...]:
+    world, device = tp * pp * dp, stage * tp * dp           # TP rank 0 of DP replica 0 of this stage
+    stride_pp = tp * dp
+
+    def group(name: str, ranks: np.ndarray, bulk: bool) -> Communicator:
+        return Communicator(group=name, bulk=bulk, local_ranks=int(np.count_nonzero(ranks // domain == device // domain)))
+
+    comms = []
+    if tp > 1:
+        comms.append(group("tp", device + np.arange(tp), bulk=True))
+    if pp > 1:
+        comms.append(group("pp", np.arange(pp) * stride_pp, bulk=False))
+    if dp > 1:
+        comms.append(group("dp", device + np.arange(dp) * tp, bulk=True))
+    if tp * pp > 1:
+        comms.append(group("mp", (np.arange(pp)[:, None] * stride_pp + np.arange(tp)).ravel(), bulk=False))
+    if world > 1:
+        everyone = Communicator(group="world", bulk=False, local_ranks=min(world, domain))
+        comms.append(everyone)
+        if distributed_optimizer:
+            comms.append(Communicator(group="grad-stats", bulk=False, local_ranks=everyone.local_ranks))
+    if tied_split and stage in (0, pp - 1):
+        comms.append(group("embedding", np.array([0, (pp - 1) * stride_pp]), bulk=True))
+    return tuple(comms)
+
+
+def nccl_bytes(job: Job, stage: int, overheads: RuntimeOverheads, nvls_domain: int) -> int:
+    """NCCL's buffers on a device of this stage: each communicator's, plus NVLS buffers in the bulk
+    ones with two or more ranks in one NVLink domain (`nvls_domain`: GPUs per domain where NVLS is
+    on, 0 where off)."""
+    comms = communicators(job, stage, max(nvls_domain, 1))
+    nvls = sum(c.local_ranks for c in comms if nvls_domain and c.bulk and c.local_ranks > 1)
+    return len(comms) * overheads.comm_buffer_bytes_per_group + nvls * overheads.nvls_bytes_per_local_rank
 
 
 # The estimate.
@@ -275,7 +349,7 @@ def _chunk_activations(job: Job, chunk_layers: int, profile: LayerProfile | None
 
 
 def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | None,
-                  overheads: RuntimeOverheads) -> StageMemory:
+                  overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
     tokens = workload.seq_length * layout.micro_batch_size
@@ -301,26 +375,27 @@ def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | Non
     transient = buffer + max(logits, recomputed + backward)
 
     params = _stage_parameters(job, stage, layers)
-    weight, gradient, optimizer = state_bytes_per_parameter(workload.precision)
+    weight, gradient, optimizer, step = state_bytes_per_parameter(workload.precision)
     shards = layout.dp if layout.use_distributed_optimizer else 1
-    overhead = (overheads.cuda_context_bytes
-                + communicators(job, stage) * overheads.comm_buffer_bytes_per_group
+    overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
     return StageMemory(stage=stage, parameters=params, weight_bytes=weight * params,
                        gradient_bytes=gradient * params, optimizer_bytes=-(-optimizer * params // shards),
-                       activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead)
+                       activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,
+                       step_bytes=-(-step * params // shards))
 
 
 def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | None = None,
-                    overheads: RuntimeOverheads = DEFAULT_OVERHEADS) -> MemoryEstimate:
+                    overheads: RuntimeOverheads = DEFAULT_OVERHEADS, nvls_domain: int = 0) -> MemoryEstimate:
     """Peak memory of every pipeline stage of a (valid, resolved) job.
 
     `profile` replaces the per-layer activation formula where it has the (TP, micro-batch, SP,
     recompute) shape; the caller checks it belongs to this model (check_profile_matches).
+    `nvls_domain`: GPUs per NVLink domain where NCCL's NVLS is on (Cluster.nvls), else 0.
     """
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
-    stages = tuple(_stage_memory(job, r, n, profile, overheads) for r, n in enumerate(job.stage_layers))
+    stages = tuple(_stage_memory(job, r, n, profile, overheads, nvls_domain) for r, n in enumerate(job.stage_layers))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 
@@ -331,5 +406,7 @@ def misfit_reason(estimate: MemoryEstimate) -> str | None:
     s = estimate.worst_stage
     parts = (("weights", s.weight_bytes), ("gradients", s.gradient_bytes), ("optimizer", s.optimizer_bytes),
              ("activations", s.activation_bytes), ("transient", s.transient_bytes), ("overheads", s.overhead_bytes))
+    if s.step_bytes:
+        parts += (("in the step, in place of activations and transient", s.step_bytes),)
     detail = ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in parts)
     return f"stage {s.stage} needs {s.total_bytes / GiB:.1f} GiB of {estimate.capacity_bytes / GiB:.1f} GiB ({detail})"

@@ -13,6 +13,8 @@ level. The estimates themselves are the pure functions of cost.timing and cost.m
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from megatron_pipette.cost.comm import GroupLinks, group_links
@@ -23,8 +25,8 @@ from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 
-MAX_CACHED_WORK = 4096
-"""Jobs whose work is kept; the placement search re-prices the same few jobs many times."""
+MAX_CACHED_JOBS = 4096
+"""Jobs whose work (and memory) is kept; the placement search re-prices the same few jobs many times."""
 
 
 class CostModel:
@@ -34,16 +36,15 @@ class CostModel:
                  overheads: RuntimeOverheads = DEFAULT_OVERHEADS):
         self.cluster, self.profile, self.overheads = cluster, profile, overheads
         self._work: dict[Job, StageWork] = {}
+        self._memory: dict[Job, MemoryEstimate] = {}
         self._default_links: dict[tuple[int, int, int], GroupLinks] = {}
 
     def work(self, job: Job) -> StageWork:
-        """Compute of one micro-batch per stage and chunk (placement independent)."""
-        hit = self._work.get(job)
-        if hit is None:
-            if len(self._work) >= MAX_CACHED_WORK:
-                self._work.clear()
-            hit = self._work[job] = stage_work(job, self.cluster, self.profile)
-        return hit
+        """Compute of one micro-batch per stage and chunk (placement independent; shared by the
+        jobs that differ only in their data-parallel options, which compute does not read)."""
+        return _cached(self._work, _ignoring(job, use_distributed_optimizer=False, overlap_grad_reduce=False,
+                                             overlap_param_gather=False),
+                       lambda: stage_work(job, self.cluster, self.profile))
 
     def links(self, job: Job, devices: np.ndarray | None = None) -> GroupLinks:
         """The links of the job's groups when logical rank r runs on device devices[r] (None:
@@ -60,5 +61,24 @@ class CostModel:
         return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate)
 
     def memory(self, job: Job) -> MemoryEstimate:
-        """Peak memory of every pipeline stage against the cluster's per-device capacity."""
-        return estimate_memory(job, self.cluster.memory_bytes, profile=self.profile, overheads=self.overheads)
+        """Peak memory of every pipeline stage against the cluster's per-device capacity (shared by
+        the jobs that differ only in what they overlap)."""
+        return _cached(self._memory, _ignoring(job, overlap_grad_reduce=False, overlap_param_gather=False),
+                       lambda: estimate_memory(job, self.cluster.memory_bytes, profile=self.profile,
+                                               overheads=self.overheads,
+                                               nvls_domain=self.cluster.gpus_per_domain if self.cluster.nvls else 0))
+
+
+def _ignoring(job: Job, **fields) -> Job:
+    """The job with these layout fields reset: the cache key of an estimate that does not read them."""
+    return dataclasses.replace(job, layout=dataclasses.replace(job.layout, **fields))
+
+
+def _cached(cache: dict, key: Job, compute):
+    """cache[key], computed once; the cache is emptied when it holds MAX_CACHED_JOBS."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= MAX_CACHED_JOBS:
+            cache.clear()
+        hit = cache[key] = compute()
+    return hit

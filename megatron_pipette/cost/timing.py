@@ -99,24 +99,41 @@ class _Stages:
     tp_comm: np.ndarray
 
 
+def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """Exposed seconds of collectives that each run behind one GEMM (`gemm_flops`, effective, on
+    the last axis; `rate` FLOP/s): the sum of max(0, collective - GEMM)."""
+    return np.maximum(0.0, collective_s[..., None] - gemm_flops / rate[..., None]).sum(axis=-1)
+
+
 def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     workload, layout = job.workload, job.layout
     sp, mbs = layout.sequence_parallel, layout.micro_batch_size
     act = mbs * workload.seq_length * workload.hidden_size * workload.bytes_per_element
     ring = links.tensor
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
-    # SP: 2 all-gathers + 2 reduce-scatters each way (the backward's input re-gather for the weight
-    # gradient runs asynchronously behind the data-gradient GEMM and is not counted); else 2 all-reduces.
-    layer_fwd = layer_bwd = 4 * ag if sp else 2 * ar
+    rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
+    # The column-parallel linears (QKV, fc1, the output layer) run their backward collectives
+    # asynchronously (LinearWithGradAccumulationAndAsyncCommunication.backward): the input-gradient
+    # all-reduce (SP: reduce-scatter) behind the weight-gradient GEMM and, with SP, the input
+    # re-gather behind the data-gradient GEMM. The rest is exposed: the row-parallel linears'
+    # forward all-reduces (SP: reduce-scatters, and the all-gathers before QKV and fc1) and, with SP,
+    # the all-gather of their output gradient in the backward.
+    dgrad, wgrad = work.overlap[:, 0], work.overlap[:, 1]
+    if sp:
+        layer_fwd = 4 * ag
+        layer_bwd = 2 * ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
+        output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
+    else:
+        layer_fwd, layer_bwd = 2 * ar, behind_gemms(ar, wgrad[:2], rate)
+        output_bwd = behind_gemms(ar, wgrad[2:], rate)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
     if links.tp > 1:
-        ce = ring.all_reduce_s(3 * 4 * mbs * workload.seq_length).T
+        ce = 3 * ring.all_reduce_s(4 * mbs * workload.seq_length).T   # max, predicted logit, sum of exps
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
-        tp_b[:, -1, -1] += ag[:, -1, 0] if sp else ar[:, -1, 0]
-    rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
+        tp_b[:, -1, -1] += output_bwd[:, -1, 0]
     fwd = work.forward[0] / rate + work.forward[1]
     bwd = work.backward[0] / rate + work.backward[1]
     rc = work.recompute[0] / rate + work.recompute[1]
@@ -168,6 +185,46 @@ def _overlapped(total: float, window: float, buckets: int) -> float:
     return max(total / buckets, total - window * (1 - 1 / buckets))
 
 
+def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, buckets: int) -> float:
+    """Exposed distributed-optimizer all-gather with --overlap-param-gather ((pp,) `ag`: each
+    stage's all-gather alone); without the flag the step runs every stage's at once (max).
+
+    Without interleaving Megatron sets align_param_gather = False (megatron/training/arguments.py,
+    "non-interleaved schedule does not support ... aligned param AG"), so no stage starts its
+    all-gather before its first forward pre-hook (DistributedDataParallel._make_forward_pre_hook ->
+    finish_param_sync dispatches it): stage 0 waits for its first bucket and prefetches the rest
+    behind its first forward (F_0); every later stage (one bucket: bucketing is for the first stage
+    only) waits for all of its own, and the pipeline fill waits for each in turn:
+    max(AG_0 - F_0, AG_0 / buckets) + sum over r >= 1 of AG_r.
+    Interleaved (align_param_gather): the schedule dispatches every stage's first chunks at once
+    (forward_backward_pipelining_with_interleaving, param_sync_func), so later stages hide theirs
+    behind the pipeline fill and stage 0 waits for its first bucket."""
+    fill_f = stages.times.forward_s[crit].sum(axis=1)
+    if name != "interleaved":
+        return float(max(ag[0] - fill_f[0], ag[0] / buckets) + ag[1:].sum())
+    fill = np.concatenate([[0.0], np.cumsum(fill_f + stages.times.fwd_comm_s[crit])[:-1]])
+    return float(max(ag[0] / buckets, np.maximum(0.0, ag[1:] - fill[1:]).max(initial=0.0)))
+
+
+def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """(pp,) gradient reduction of each rank still running after its last backward, under the
+    interleaved schedule with overlap_grad_reduce (`reduce` (pp,): a rank's whole reduction alone;
+    `backward` (pp, v): its backward seconds per chunk).
+
+    forward_backward_pipelining_with_interleaving (backward_step_helper_postprocess) launches
+    chunk c's reduction (all of its buckets: grad sync is disabled between backward steps) r
+    backward steps after that chunk's last one on pipeline rank r, i.e. c*p - r steps before the
+    rank's end: the rest of the backward blocks of chunks c-1 .. 0; chunk 0's at the very end.
+    The reductions run one after another on the data-parallel stream, chunk v-1 first."""
+    p, v = backward.shape
+    r = np.arange(p)
+    done = np.full(p, -np.inf)
+    for c in range(v - 1, -1, -1):
+        window = p * backward[:, :c].sum(axis=1) - r * backward[:, c - 1] if c else np.zeros(p)
+        done = np.maximum(done, -window) + reduce / v
+    return np.maximum(done, 0.0)
+
+
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
                 params: np.ndarray) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
@@ -176,34 +233,26 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
     reduction with its last backward, bucket by bucket; later stages start theirs when they
     finish (one bucket each), which the max over stages hides behind the others' cooldown.
-    Interleaved: each chunk's share starts PP backward steps after that chunk's last backward,
-    so all but chunk 0's share hide behind the last PP chunk-0 backward steps."""
+    Interleaved: interleaved_grad_sync_exposed."""
     workload, layout = job.workload, job.layout
-    p, v = layout.pp, stages.times.shape[2]
     if layout.dp == 1:
-        return np.zeros(p), 0.0
+        return np.zeros(layout.pp), 0.0
     ring = links.data
     collective = ring.reduce_scatter_s if layout.use_distributed_optimizer else ring.all_reduce_s
     reduce = collective(params[:, None] * _grad_bytes(workload)).max(axis=1)      # worst TP rank's group
     buckets = max(1, math.ceil(params[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * layout.dp)))
-    last_b = stages.times.backward_s[crit]                                      # (p, v)
+    backward = stages.times.backward_s[crit]                                    # (p, v)
     exposed = reduce.copy()
     if layout.overlap_grad_reduce:
         if name == "interleaved":
-            exposed = reduce / v + np.maximum(0.0, reduce * (v - 1) / v - p * last_b[:, 0])
-            exposed[0] += _overlapped(reduce[0] / v, last_b[0, 0], buckets) - reduce[0] / v
+            exposed = interleaved_grad_sync_exposed(reduce, backward)
         else:
-            exposed[0] = _overlapped(reduce[0], last_b[0, 0], buckets)
+            exposed[0] = _overlapped(reduce[0], backward[0, 0], buckets)
     gather = 0.0
     if layout.use_distributed_optimizer:
         ag = ring.all_gather_s(params[:, None] * workload.bytes_per_element).max(axis=1)
-        if layout.overlap_param_gather:
-            # issued bucket by bucket in the next forward; later stages hide it behind the fill
-            fill = np.concatenate([[0.0], np.cumsum(stages.times.forward_s[crit].sum(axis=1)
-                                                    + stages.times.fwd_comm_s[crit])[:-1]])
-            ag[0] /= buckets
-            ag[1:] = np.maximum(0.0, ag[1:] - fill[1:])
-        gather = float(ag.max())
+        gather = _param_gather_exposed(ag, name, stages, crit, buckets) if layout.overlap_param_gather \
+            else float(ag.max())
     return exposed, gather
 
 

@@ -134,24 +134,32 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
         g = constraints.get("recompute_granularity")
         recomputes = [(g, constraints.get("recompute_method", "uniform" if g == "full" else None),
                        constraints.get("recompute_num_layers", 1 if g == "full" else None))]
+    overlap = constraints.get("overlap_grad_reduce", dp > 1)
     for (first, last), mbs, (rg, rm, rn), sp, dopt in product(
             splits,
             choices("micro_batch_size", (d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH_SIZE)),
             recomputes,
             choices("sequence_parallel", (True, False) if tp > 1 else (False,)),
             choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):
-        base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, **sizes,
-                      micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
-                      recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
-                      decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                      overlap_grad_reduce=(overlap := constraints.get("overlap_grad_reduce", dp > 1)),
-                      overlap_param_gather=constraints.get("overlap_param_gather", dopt and overlap))
-        for lpv in _virtual_options(workload, base, constraints):
-            try:
-                yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv))
-            except Infeasible as e:
-                if rejected is not None:
-                    rejected[rejection_kind(e)] += 1
+        # --overlap-param-gather is not always faster: without interleaving every later stage
+        # waits for its own all-gather along the pipeline fill (cost.timing).
+        for gather in choices("overlap_param_gather", (True, False) if dopt and overlap else (False,)):
+            base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                          **sizes, micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
+                          recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
+                          decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                          overlap_grad_reduce=overlap, overlap_param_gather=gather)
+            yield from _jobs(workload, base, constraints, rejected)
+
+
+def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[Job]:
+    """The job of `base` with every interleaving option; rejections counted by kind."""
+    for lpv in _virtual_options(workload, base, constraints):
+        try:
+            yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv))
+        except Infeasible as e:
+            if rejected is not None:
+                rejected[rejection_kind(e)] += 1
 
 
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:

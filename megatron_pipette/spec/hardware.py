@@ -24,11 +24,11 @@ import numpy as np
 
 from megatron_pipette.errors import PipetteError
 
-# Fraction of a datasheet dense peak that large training GEMMs attain; the
-# roofline default when nothing was measured. The H100 machine measured
-# 798 of 989 TFLOP/s (0.81) on an 8192^3 bf16 GEMM (../shared/reference/hardware.md);
-# transformer-layer GEMMs are smaller, hence a lower default.
 DEFAULT_GEMM_EFFICIENCY = 0.75
+"""Fraction of the dense datasheet peak an 8192^3 GEMM (the probe's GEMM: cluster.gemm_flops)
+attains, for a GPU whose catalog entry has no measured figure (large_gemm_efficiency). Assumed,
+not measured: H100 and H200 measure 0.79-0.80 in bf16; the shapes of a transformer layer then run
+at a fraction of that rate (cost.compute.gemm_curve)."""
 MAX_DENSE_NODES = 16384
 """Nodes up to which a non-uniform node x node level is held as dense matrices (2 GiB each at
 the limit); uniform presets hold broadcast views and have no limit."""
@@ -48,6 +48,8 @@ class GPU:
     """Dense peak FLOP/s per precision ("fp32", "fp16", "bf16", "fp8")."""
     aliases: tuple[str, ...] = ()
     """Other names for it (device names as torch reports them)."""
+    large_gemm_efficiency: dict[str, float] = field(default_factory=dict, hash=False)
+    """Measured rate of an 8192^3 GEMM over the dense peak, per precision (where measured)."""
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -64,7 +66,8 @@ def gpu_catalog() -> dict[str, GPU]:
         gpu = GPU(name=entry["name"], memory_bytes=int(entry["memory_bytes"]),
                   memory_bandwidth_Bps=float(entry["memory_bandwidth_Bps"]),
                   peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
-                  aliases=tuple(entry.get("aliases", ())))
+                  aliases=tuple(entry.get("aliases", ())),
+                  large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()})
         for name in (gpu.name, *gpu.aliases):
             catalog[name.lower()] = gpu
     return catalog
@@ -160,6 +163,10 @@ class Cluster:
     None: every node is its own domain. Tensor-parallel groups stay inside a domain."""
     gpu: GPU | None = None
     """The catalog entry, when the devices are a known GPU (None for CPU rehearsals)."""
+    nvls: bool = False
+    """NCCL's NVLink SHARP is on (NVSwitch presets of Hopper and later): its buffers take device
+    memory in every communicator with two or more ranks in one NVLink domain. False where
+    NCCL_NVLS_ENABLE=0, and for cluster files (the probe does not detect it)."""
     hosts: tuple[str, ...] = ()
     """Host name per node, when known."""
 
@@ -266,6 +273,6 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     return make_cluster(
         name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device,
         memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
-        gemm_flops=device.peak(precision) * DEFAULT_GEMM_EFFICIENCY,
+        gemm_flops=device.peak(precision) * device.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY),
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
-        inter_node=inter, domain_of_node=domains)
+        inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False))

@@ -46,6 +46,15 @@ def test_constraints_fix_fields():
                and lay.recompute_method == "uniform" for lay in layouts)
 
 
+def test_param_gather_overlap_is_searched_both_ways():
+    """--overlap-param-gather can cost time (1F1B: cost.timing), so the search tries it off too."""
+    layouts = layouts_of(GPT3, 1024, 8, {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 8})
+    dopt = {l for l in layouts if l.use_distributed_optimizer}
+    assert {l.overlap_param_gather for l in dopt} == {True, False}
+    assert all(l.overlap_grad_reduce for l in dopt)
+    assert not any(l.overlap_param_gather for l in layouts if not l.use_distributed_optimizer)
+
+
 def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
     """--use-distributed-optimizer asked for at DP 1: no grad-reduce overlap, so no param-gather
     overlap either (Megatron asserts the pair)."""
