@@ -170,13 +170,15 @@ class Workload:
                 + self.norm_parameters() + output)
 
     def model_flops_per_iteration(self) -> float:
-        """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention."""
+        """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention
+        (megatron/training/training.py, num_floating_point_operations): the core attention counted
+        for the causal half of the scores only, whatever the backend computes."""
         tokens = self.global_batch_size * self.seq_length
         h, s, d = self.hidden_size, self.seq_length, self.head_dim
         q_out = self.num_attention_heads * d
         kv_out = 2 * self.query_groups * d
         gemm_params = h * (q_out + kv_out) + q_out * h + (3 if self.swiglu else 2) * h * self.ffn
-        attention = 2 * s * q_out  # QK^T and AV per token, multiply-adds
+        attention = s * q_out  # QK^T and AV per token, multiply-adds, over the causal half (s/2 keys)
         per_token_layer = 2 * gemm_params + 2 * attention
         logits = 2 * h * self.padded_vocab_size(1)
         return 3.0 * tokens * (self.num_layers * per_token_layer + logits)
