@@ -2,16 +2,18 @@
 
     python benchmarks/attention_efficiency.py --out attention.json [--budget-s 45] [--quick]
 
-Why: the planner prices core attention (scores and weighted values) as GEMMs of the full
-s x s work, 4 b s^2 a d FLOPs forward and twice that backward, at its GEMM rate and shape
-efficiency; causal flash and cuDNN kernels skip the masked half. This times
+Why: the planner prices the core attention (scores and weighted values) of a causal flash or
+fused kernel at half the full s x s work (2 b s^2 a d FLOPs forward, twice that backward) at
+the rate measured here (the attention tables of data/gemm_efficiency.json, fitted from this
+script's output by benchmarks/gemm_table.py), or without a table at its GEMM curve. This times
 torch.nn.functional.scaled_dot_product_attention (causal, bf16) forward and backward with
 the flash backend (FlashAttention-2) and the cuDNN backend (the kernel Transformer
 Engine's fused attention runs) at one TP rank's shapes (b 1, heads/TP, query groups/TP,
 head dim) of gpt3-1.3b, llama3-8b, gpt3-13b and llama3-70b at s 2048-32768, and reports
 TFLOP/s counted causal (half the full count) and full, and measured / modelled time,
-the model being the planner's: the full count over the 8192^3 bf16 GEMM rate measured
-here times the planner's efficiency (cost.compute.gemm_curve) of the score and value GEMMs. Backward FLOPs
+the model being the planner's without a table: the causal count over the 8192^3 bf16 GEMM rate
+measured here times the planner's efficiency (cost.compute.gemm_curve) of the score and value
+GEMMs. Backward FLOPs
 are counted as the planner counts them, twice the forward (the kernels also recompute
 the scores: 2.5 times the forward's matrix work).
 
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
-from megatron_pipette.cost.compute import GemmCurve, gemm_curve
+from megatron_pipette.cost.compute import GemmCurve, core_attention, gemm_curve
 from megatron_pipette.spec.hardware import gpu_catalog
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -93,10 +95,11 @@ def attention_step(heads: int, groups: int, s: int, d: int, backend: str, gqa: b
 
 
 def model_seconds(heads: int, s: int, d: int, rate: float, curve: GemmCurve) -> tuple[float, float]:
-    """The planner's forward and backward core-attention seconds for b = 1 at `rate` FLOP/s."""
-    flops = 2.0 * s * s * d * heads
-    forward = (flops / curve(heads * s, s, d) + flops / curve(heads * s, d, s)) / rate
-    return forward, 2 * forward
+    """The planner's forward and backward core-attention seconds for b = 1 at `rate` FLOP/s: the
+    causal half at the GEMM curve's efficiency, as priced where no attention table was measured
+    (the table fitted from this run, where one was, reproduces it by construction)."""
+    forward, backward = core_attention(curve, None, True, 1, heads, s, d)
+    return forward / rate, backward / rate
 
 
 def measure(timer: Timer, shape: tuple, backend: str, device: torch.device) -> dict:

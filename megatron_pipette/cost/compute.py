@@ -10,8 +10,9 @@ its times become flops = time * the rate the profiled device had while profiled
 
 Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
 hidden, a heads, g query groups, d head dim, f ffn, t TP):
-  forward GEMM FLOPs  2bs h(a+2g)d/t  (QKV)  + 4b s^2 a d/t (scores, AV; every
-                      backend does this math) + 2bs a d h/t (proj)
+  forward GEMM FLOPs  2bs h(a+2g)d/t  (QKV)  + 4b s^2 a d/t (scores, AV; half
+                      with causal flash/fused kernels, which skip the masked half,
+                      at their measured rate where there is one) + 2bs a d h/t (proj)
                       + 2bs h f (2 or 3 with SwiGLU)/t (MLP)
   backward            each linear's data- and weight-gradient GEMMs (2x the
                       forward FLOPs, at their own shapes' efficiency)
@@ -38,7 +39,8 @@ from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout
 
 FLASH_BACKENDS = ("auto", "flash", "fused")
-"""Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic)."""
+"""Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic) and whose
+causal kernels skip the masked half of the scores."""
 BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
 
@@ -65,14 +67,52 @@ class GemmCurve:
     def __call__(self, m: float, n: float, k: float) -> float:
         if self.log_table is None:
             return float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
-        g = self.log_table.shape[0]
-        u = np.clip(np.log2([m, n, k]), self.lo, self.lo + g - 1) - self.lo
-        i = np.minimum(u.astype(int), g - 2)
-        f = u - i
-        cube = self.log_table[i[0]:i[0] + 2, i[1]:i[1] + 2, i[2]:i[2] + 2]
-        for axis_f in f:                     # interpolate away m, then n, then k
-            cube = cube[0] * (1 - axis_f) + cube[1] * axis_f
-        return float(np.exp(cube))
+        return _interpolate(self.log_table, self.lo, (m, n, k))
+
+
+def _interpolate(log_table: np.ndarray, lo: int, coords) -> float:
+    """exp of the multilinear interpolation of `log_table` (nodes at 2^(lo + index) on every axis)
+    at log2 of `coords`, clamped to the grid."""
+    g = log_table.shape[0]
+    u = np.clip(np.log2(coords), lo, lo + g - 1) - lo
+    i = np.minimum(u.astype(int), g - 2)
+    cube = log_table[tuple(slice(k, k + 2) for k in i)]
+    for w in u - i:                          # interpolate away the first axis, then the next
+        cube = cube[0] * (1 - w) + cube[1] * w
+    return float(np.exp(cube))
+
+
+ATTENTION_KERNELS = {"auto": "cudnn", "fused": "cudnn", "flash": "flash"}
+"""The measured kernel each --attention-backend runs: Transformer Engine's fused attention is cuDNN's
+(also what auto picks on Hopper); flash is FlashAttention."""
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCurve:
+    """Fraction of the large-GEMM rate a causal attention kernel attains, counting the FLOPs it does
+    (half the full s^2 work), as a function of one call's FLOPs: measured forward and backward
+    (data/gemm_efficiency.json, log efficiency on a log2 grid of FLOPs, interpolated linearly)."""
+
+    log_table: np.ndarray
+    """(2, g) log efficiency, [forward, backward], at 2^(lo + index) FLOPs."""
+    lo: int
+
+    def efficiency(self, direction: int, flops: float) -> float:
+        """direction 0: forward, 1: backward."""
+        return _interpolate(self.log_table[direction], self.lo, (flops,))
+
+
+@cache
+def attention_curve(gpu: GPU | None, attention_backend: str) -> AttentionCurve | None:
+    """The causal kernel's measured curve on this GPU, None where there is none (unfused attention,
+    or a GPU without an attention table)."""
+    kernel = ATTENTION_KERNELS.get(attention_backend)
+    entry = _gpu_entry(gpu)
+    if kernel is None or entry is None or kernel not in entry.get("attention", {}):
+        return None
+    table = entry["attention"][kernel]
+    return AttentionCurve(log_table=np.log(np.array([table["forward"], table["backward"]], dtype=float)),
+                          lo=_gemm_data()["attention_log2_flops_range"][0])
 
 
 @cache
@@ -80,13 +120,16 @@ def _gemm_data() -> dict:
     return json.loads(resources.files("megatron_pipette.data").joinpath("gemm_efficiency.json").read_text())
 
 
+def _gpu_entry(gpu: GPU | None) -> dict | None:
+    """This GPU's measured tables (another GPU's where it stands in), None where none."""
+    entry = _gemm_data()["gpus"].get(gpu.name) if gpu is not None else None
+    return _gemm_data()["gpus"][entry["same_as"]] if entry is not None and "same_as" in entry else entry
+
+
 @cache
 def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
-    data, dtype = _gemm_data(), TABLE_DTYPES[precision]
-    entry = data["gpus"].get(gpu.name) if gpu is not None else None
-    if entry is not None and "same_as" in entry:
-        entry = data["gpus"][entry["same_as"]]
+    data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
     if entry is None or dtype not in entry["tables"]:
         return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
     return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
@@ -152,12 +195,29 @@ def _shape(job: Job) -> dict:
                 f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
 
 
-def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
-    """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named)."""
+def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
+                   s: int, d: int) -> tuple[float, float]:
+    """(forward, backward) effective FLOPs of the attention core (scores and weighted values) of b
+    sequences of a heads on one TP rank. Unfused attention multiplies the full s x s scores and
+    masks them; causal flash/fused kernels skip the masked half: half the FLOPs, at the kernel's
+    measured rate where there is one (`attention`), else at the GEMM curve's."""
+    full = _gemm(gemm, s, s, d, b * a) + _gemm(gemm, s, d, s, b * a)
+    if not causal_kernel:
+        return full, 2 * full
+    if attention is None:
+        return full / 2, full
+    flops = 2.0 * b * a * s * s * d
+    return flops / attention.efficiency(0, flops), 2 * flops / attention.efficiency(1, 2 * flops)
+
+
+def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
+                   attention: AttentionCurve | None = None) -> PartWork:
+    """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named);
+    `attention`: the causal kernel's measured curve, where the GPU has one."""
     w, layout, x = job.workload, job.layout, _shape(job)
     n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
     gemm = gemm or gemm_curve(None, w.precision)
-    core = _gemm(gemm, s, s, d, b * a) + _gemm(gemm, s, d, s, b * a)
+    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, d)
     linears = [_linear(gemm, n, out, inp) for out, inp in _layer_linears(job).values()]
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
@@ -168,7 +228,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
     mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem)
-    backward = Work(flops=2 * core + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
+    backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
                     mem_s=BACKWARD_MEMORY_FACTOR * mem)
     if layout.recompute_granularity == "full":
         recompute = forward
@@ -228,7 +288,8 @@ def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork
     if base is not None and with_rc is not None:
         extra = max(with_rc.backward_s - base.backward_s, 0.0)
     else:
-        model = roofline_layer(job, cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision))
+        model = roofline_layer(job, cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision),
+                               attention_curve(cluster.gpu, job.workload.attention_backend))
         share = (model.recompute.flops / rate + model.recompute.mem_s) / (model.forward.flops / rate + model.forward.mem_s)
         extra = fwd * share
     backward = base.backward_s if base is not None else with_rc.backward_s - extra
@@ -271,7 +332,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision)
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
-    layer = layer or roofline_layer(job, bw, gemm)
+    layer = layer or roofline_layer(job, bw, gemm, attention_curve(cluster.gpu, job.workload.attention_backend))
     rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_embedding(job, bw)

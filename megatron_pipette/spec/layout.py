@@ -249,6 +249,11 @@ def _validate_context_parallel(workload: Workload, layout: Layout) -> None:
     if workload.attention_backend in ("unfused", "local"):
         raise Infeasible(f"--context-parallel-size {cp} needs Transformer Engine's attention, not "
                          f"--attention-backend {workload.attention_backend}")
+    if layout.cp_comm_type == "a2a" and (workload.num_attention_heads // layout.tp % cp
+                                         or workload.query_groups // layout.tp % cp):
+        raise Infeasible(f"--cp-comm-type a2a splits the heads of a TP rank over --context-parallel-size {cp}: "
+                         f"{workload.num_attention_heads} heads and {workload.query_groups} query groups / TP "
+                         f"{layout.tp} do not divide by it")
 
 
 def _validate_experts(workload: Workload, layout: Layout) -> None:

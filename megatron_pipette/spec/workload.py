@@ -250,15 +250,16 @@ class Workload:
 
     def model_flops_per_iteration(self) -> float:
         """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention
-        (megatron/training/training.py num_floating_point_operations): an MoE layer counts its top-k
-        routed experts and its shared experts, not the router."""
+        (megatron/training/training.py, num_floating_point_operations): an MoE layer counts its top-k
+        routed experts and its shared experts, not the router; the core attention counts the causal
+        half of the scores only, whatever the backend computes."""
         tokens = self.global_batch_size * self.seq_length
         h, s, d = self.hidden_size, self.seq_length, self.head_dim
         q_out = self.num_attention_heads * d
         kv_out = 2 * self.query_groups * d
         stacked = 3 if self.swiglu else 2
         projections = h * (q_out + kv_out) + q_out * h
-        attention = 2 * s * q_out  # QK^T and AV per token, multiply-adds
+        attention = s * q_out  # QK^T and AV per token, multiply-adds, over the causal half (s/2 keys)
         pattern = self.moe_layer_pattern()
         moe_layers = sum(pattern)
         shared = self.moe_shared_expert_intermediate_size or 0

@@ -31,10 +31,19 @@ def test_parameter_counts_match_published_sizes():
 
 
 def test_model_flops_match_megatron_formula():
+    """megatron-core 0.19's num_floating_point_operations (training/training.py) counts the core
+    attention over the causal half of the scores: Korthikanti et al.'s 72 b s L h^2 (1 + s/(6h) +
+    V/(12 h L)) with s/(12h) for the attention term."""
     w = workload_from_preset("gpt3-175b")
     b, s, L, h, V = w.global_batch_size, w.seq_length, w.num_layers, w.hidden_size, w.padded_vocab_size(1)
-    megatron = 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    megatron = 72 * b * s * L * h * h * (1 + s / (12 * h) + V / (12 * h * L))
     assert w.model_flops_per_iteration() == pytest.approx(megatron, rel=1e-12)
+    gqa = workload_from_preset("llama3-8b")        # GQA, SwiGLU: Megatron's terms written out
+    t, q, kv = gqa.global_batch_size * gqa.seq_length, gqa.num_attention_heads * gqa.head_dim, 2 * gqa.query_groups * gqa.head_dim
+    per_token = 6 * (gqa.hidden_size * (q + kv) + q * gqa.hidden_size) + 6 * q / 2 * 2 * gqa.seq_length \
+        + 6 * gqa.hidden_size * gqa.ffn * 3
+    logits = 6 * gqa.hidden_size * gqa.padded_vocab_size(1)
+    assert gqa.model_flops_per_iteration() == pytest.approx(t * (gqa.num_layers * per_token + logits), rel=1e-12)
 
 
 def test_all_presets_build():
