@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
-from megatron_pipette.cost.compute import GemmCurve, core_attention, gemm_curve
+from megatron_pipette.cost.compute import core_attention
+from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import gpu_catalog
 from megatron_pipette.spec.workload import workload_from_preset
 

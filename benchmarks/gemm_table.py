@@ -5,7 +5,7 @@
 Why: the planner prices a GEMM at the device's large-GEMM rate (cluster.gemm_flops, the rate of
 an 8192^3 GEMM, which the probe measures) times the fraction of it that GEMM's shape attains.
 That fraction comes from a table measured per GPU (megatron_pipette/data/gemm_efficiency.json,
-read by cost.compute.gemm_curve), not from a constant. This script builds the table.
+read by cost.gemm.gemm_curve), not from a constant. This script builds the table.
 
 Input: the H100 runs of benchmarks/gemm_efficiency.py (RUNS below): 9,070 timed bf16 and fp8
 GEMMs, 7,136 distinct (m, n, k, operand layout, dtype), the GEMMs of the transformer layers of

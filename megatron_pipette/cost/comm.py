@@ -1,15 +1,19 @@
 """Communication costs on the actual links of each process group (alpha-beta).
 
 `group_links` summarises, once per rank grid and placement, the links every
-tensor-, pipeline-, data-parallel and embedding group uses: for a ring
-collective the worst latency and the narrowest link of the ring in rank order,
-for pipeline hops the latency and bandwidth of each TP rank's own link. The
+tensor-, context-, pipeline-, data-parallel, embedding and expert group uses:
+for a ring collective the worst latency and the narrowest link of the ring in
+rank order, for an all-to-all the busiest rank's sum over its peers, for
+pipeline hops the latency and bandwidth of each TP rank's own link. The
 per-layout costs are then a few vectorised array operations, so the planner
 can price thousands of layouts that share a grid.
 
 Megatron's default rank order (tp-cp-ep-dp-pp): logical rank
-tp_rank + tp * (dp_rank + dp * pp_rank). A placement maps logical rank ->
-physical device (the index in the cluster's matrices).
+tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)) for the dense layers,
+etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank)) for the experts.
+A placement maps logical rank -> physical device (the index in the cluster's
+matrices). A pipeline replica is one (dp_rank, cp_rank): the context-parallel
+ranks of a replica run the same schedule in lock step.
 
 Costs, with n ranks, S bytes in total, alpha the ring's worst two-way latency
 and B its narrowest two-way bandwidth (a ring step lasts as long as its slowest
@@ -18,6 +22,10 @@ link, and in a step every rank sends and receives at once):
   reduce-scatter    alpha +  (n-1) S/(n B)   (S = the unsharded size)
   all-gather        alpha +  (n-1) S/(n B)
   p2p message       alpha_link + S / B_link   (two-way alpha and B inside an exchange)
+  all-to-all        alpha + S/n max over ranks of max(sum over peers in its NVLink domain of 1/B,
+                    sum over peers outside it of 1/B)   (S = what one rank sends, its own share
+                    included; NVLink and the NICs carry their parts at once, and each shares one
+                    rank's port among its peers)
 A collective pays one start-up: NCCL runs it as one kernel that pipelines its chunks around
 the ring, so the per-step hop latency (about a microsecond on NVLink) hides behind the
 chunks in flight rather than adding a message start-up per step.
@@ -25,6 +33,7 @@ chunks in flight rather than adding a message start-up per step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,36 +77,97 @@ def rings(devices: np.ndarray, cluster: Cluster) -> Rings:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
+class AllToAll:
+    """All-to-alls over many groups of the same size at once."""
+
+    size: int
+    alpha_s: np.ndarray
+    """Worst latency between any two ranks of each group, seconds."""
+    inv_bw_s_per_B: np.ndarray
+    """The busiest rank's seconds per byte sent to each peer (module docstring)."""
+
+    def all_to_all_s(self, nbytes: float) -> np.ndarray:
+        if self.size == 1:
+            return np.zeros_like(self.alpha_s)
+        return self.alpha_s + nbytes / self.size * self.inv_bw_s_per_B
+
+
+def all_to_all(devices: np.ndarray, cluster: Cluster) -> AllToAll:
+    """All-to-alls over the last axis of `devices`: n - 1 rotations of the group, each a vector of links."""
+    n = devices.shape[-1]
+    z = np.zeros(devices.shape[:-1])
+    if n == 1:
+        return AllToAll(size=1, alpha_s=z, inv_bw_s_per_B=z)
+    domain = cluster.domains[devices // cluster.gpus_per_node]
+    alpha, near, far = np.zeros(devices.shape), np.zeros(devices.shape), np.zeros(devices.shape)
+    for k in range(1, n):
+        lat, bw = cluster.link(devices, np.roll(devices, -k, axis=-1), two_way=True)
+        same = domain == np.roll(domain, -k, axis=-1)
+        alpha = np.maximum(alpha, lat)
+        near += np.where(same, 1.0 / bw, 0.0)
+        far += np.where(same, 0.0, 1.0 / bw)
+    return AllToAll(size=n, alpha_s=alpha.max(axis=-1), inv_bw_s_per_B=np.maximum(near, far).max(axis=-1))
+
+
+def _worst_per_stage(summary, groups_axes: tuple[int, ...]):
+    """A ring or all-to-all summary reduced to (pp,): the slowest group of each stage sets the pace
+    (an MoE layer's dispatch, or a stage's expert-gradient reduction, waits for all of them)."""
+    return dataclasses.replace(summary, alpha_s=summary.alpha_s.max(axis=groups_axes),
+                               inv_bw_s_per_B=summary.inv_bw_s_per_B.max(axis=groups_axes))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ExpertLinks:
+    """The expert grid's groups, each reduced to its slowest group per pipeline stage, (pp,)."""
+
+    dispatch: AllToAll
+    """Expert-parallel groups: the alltoall dispatcher's all-to-alls."""
+    tensor: Rings
+    """Expert tensor-parallel groups: the routed rows' all-gather and reduce-scatter."""
+    tensor_and_expert: Rings
+    """ETP x EP groups: the allgather dispatcher's all-gather and reduce-scatter."""
+    data: Rings
+    """Expert data-parallel groups: the experts' gradient reduction and parameter all-gather."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class GroupLinks:
-    """The links every group of one (TP, PP, DP) grid and placement uses."""
+    """The links every group of one rank grid and placement uses."""
 
     tp: int
     pp: int
     dp: int
+    cp: int
     devices: np.ndarray
-    """(pp, dp, tp) physical device of each logical rank."""
+    """(pp, dp x cp, tp) physical device of each logical rank; axis 1 is the pipeline replica."""
     gemm_flops: np.ndarray
-    """(pp, dp) attainable GEMM FLOP/s of each tensor-parallel group's slowest device."""
+    """(pp, dp x cp) attainable GEMM FLOP/s of each tensor-parallel group's slowest device."""
     tensor: Rings
-    """Tensor-parallel groups, shape (pp, dp)."""
+    """Tensor-parallel groups, shape (pp, dp x cp)."""
     data: Rings
-    """Data-parallel groups, shape (pp, tp): stage s, TP rank t."""
+    """The dense gradients' groups (data x context parallel), shape (pp, tp): stage s, TP rank t."""
+    context: Rings
+    """Context-parallel rings (the key/value exchange), per replica: (pp, dp x cp), worst TP rank."""
+    context_a2a: AllToAll
+    """Context-parallel all-to-alls (--cp-comm-type a2a), per replica as `context`."""
     embedding: Rings
-    """First + last stage groups (tied word embeddings), shape (dp, tp)."""
+    """First + last stage groups (tied word embeddings), shape (dp x cp, tp)."""
+    experts: ExpertLinks | None
+    """The expert grid's groups; None for a dense model."""
     hop_alpha_s: np.ndarray
-    """(2, pp, dp, tp) latency of hop h's link: [0] activation rank h -> (h+1) % pp, [1] gradient back."""
+    """(2, pp, dp x cp, tp) latency of hop h's link: [0] activation rank h -> (h+1) % pp, [1] gradient back."""
     hop_inv_bw: np.ndarray
-    """(2, pp, dp, tp) 1/bandwidth of the same links, seconds per byte."""
+    """(2, pp, dp x cp, tp) 1/bandwidth of the same links, seconds per byte."""
     hop_xchg: tuple[np.ndarray, np.ndarray] | None
-    """Latency and 1/bandwidth (each (2, pp, dp, tp)) of the same links inside an exchange;
+    """Latency and 1/bandwidth (each (2, pp, dp x cp, tp)) of the same links inside an exchange;
     None: full duplex (as hop_alpha_s, hop_inv_bw)."""
 
     def p2p_s(self, nbytes: float) -> np.ndarray:
-        """(2, dp, pp): one message on each hop, each TP rank on its own link; the slowest sets it."""
+        """(2, dp x cp, pp): one message on each hop, each TP rank on its own link; the slowest sets it."""
         return _hop_s(nbytes, self.hop_alpha_s, self.hop_inv_bw)
 
     def exchange_s(self, nbytes: float) -> np.ndarray | None:
-        """(2, dp, pp): the same messages while the reverse one runs (None: as p2p_s)."""
+        """(2, dp x cp, pp): the same messages while the reverse one runs (None: as p2p_s)."""
         return None if self.hop_xchg is None else _hop_s(nbytes, *self.hop_xchg)
 
 
@@ -105,13 +175,15 @@ def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
     return (alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1)
 
 
-def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> GroupLinks:
-    """Summarise the links of every group of this grid under this placement (None: identity)."""
-    world = tp * pp * dp
-    assert world == cluster.world_size, f"TP*PP*DP = {world} but the cluster has {cluster.world_size} devices"
+def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, cp: int = 1, ep: int = 1,
+                etp: int | None = None, experts: bool = False) -> GroupLinks:
+    """Summarise the links of every group of this grid under this placement (None: identity);
+    `experts`: also the expert grid's (ETP None: TP, Megatron's default)."""
+    world = tp * cp * pp * dp
+    assert world == cluster.world_size, f"TP*CP*PP*DP = {world} but the cluster has {cluster.world_size} devices"
     logical = np.arange(world) if placement is None else np.asarray(placement, dtype=np.int64)
     assert logical.shape == (world,), "a placement maps every logical rank to a device"
-    dev = logical.reshape(pp, dp, tp)
+    dev = logical.reshape(pp, dp * cp, tp)
     if pp > 1:
         nxt = np.roll(dev, -1, axis=0)
         src, dst = np.stack([dev, nxt]), np.stack([nxt, dev])
@@ -123,16 +195,36 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None) -> 
             hop_xchg = (xchg_alpha, 1.0 / xchg_bw)
         ends = np.stack([dev[0], dev[-1]], axis=-1)
     else:
-        hop_alpha = hop_inv = np.zeros((2, pp, dp, tp))
+        hop_alpha = hop_inv = np.zeros((2, pp, dp * cp, tp))
         hop_xchg = None
         ends = dev[0][..., None]
+    by_cp = logical.reshape(pp, dp, cp, tp).transpose(0, 1, 3, 2)        # rings over the cp axis
+
+    def per_replica(summary):
+        worst = _worst_per_stage(summary, (2,))                            # (pp, dp): worst TP rank
+        return dataclasses.replace(worst, alpha_s=np.repeat(worst.alpha_s, cp, axis=1),
+                                   inv_bw_s_per_B=np.repeat(worst.inv_bw_s_per_B, cp, axis=1))
+
     return GroupLinks(
-        tp=tp, pp=pp, dp=dp, devices=dev,
+        tp=tp, pp=pp, dp=dp, cp=cp, devices=dev,
         gemm_flops=cluster.gemm_flops[dev].min(axis=2),
         tensor=rings(dev, cluster),
         data=rings(dev.transpose(0, 2, 1), cluster),
+        context=per_replica(rings(by_cp, cluster)),
+        context_a2a=per_replica(all_to_all(by_cp, cluster)),
         embedding=rings(ends, cluster),
+        experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster) if experts else None,
         hop_alpha_s=hop_alpha,
         hop_inv_bw=hop_inv,
         hop_xchg=hop_xchg,
+    )
+
+
+def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Cluster) -> ExpertLinks:
+    grid = logical.reshape(pp, -1, ep, etp)                                # (pp, edp, ep, etp)
+    return ExpertLinks(
+        dispatch=_worst_per_stage(all_to_all(grid.transpose(0, 1, 3, 2), cluster), (1, 2)),
+        tensor=_worst_per_stage(rings(grid, cluster), (1, 2)),
+        tensor_and_expert=_worst_per_stage(rings(grid.reshape(pp, -1, ep * etp), cluster), (1,)),
+        data=_worst_per_stage(rings(grid.transpose(0, 2, 3, 1), cluster), (1, 2)),
     )

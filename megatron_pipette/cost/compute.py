@@ -26,14 +26,22 @@ the attention core.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 
 import numpy as np
 
-from megatron_pipette.spec.hardware import GPU, Cluster
+from megatron_pipette.cost.experts import moe_mlp
+from megatron_pipette.cost.gemm import (
+    AttentionCurve,
+    GemmCurve,
+    PartWork,
+    Work,
+    attention_curve,
+    gemm_curve,
+    gemm_work,
+    linear_work,
+)
+from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout
@@ -43,109 +51,6 @@ FLASH_BACKENDS = ("auto", "flash", "fused")
 causal kernels skip the masked half of the scores."""
 BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
-
-
-TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
-"""The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
-rate; fp32 has no measurement and borrows bf16's shape dependence)."""
-
-
-@dataclass(frozen=True, eq=False)
-class GemmCurve:
-    """Fraction of the large-GEMM rate (cluster.gemm_flops, an 8192^3 GEMM) an (m x k) @ (k x n)
-    GEMM attains: a measured table (data/gemm_efficiency.json, log efficiency on a log2 grid,
-    interpolated trilinearly, clamped beyond it), or where the GPU has none the parametric
-    prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes."""
-
-    log_table: np.ndarray | None
-    """(g, g, g) log efficiency at m, n, k = 2^(lo + index); None: the parametric curve."""
-    lo: int = 0
-    """log2 of the grid's first node."""
-    half_dim: float = 0.0
-    """The parametric curve's constant (0: every GEMM at the large-GEMM rate)."""
-
-    def __call__(self, m: float, n: float, k: float) -> float:
-        if self.log_table is None:
-            return float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
-        return _interpolate(self.log_table, self.lo, (m, n, k))
-
-
-def _interpolate(log_table: np.ndarray, lo: int, coords) -> float:
-    """exp of the multilinear interpolation of `log_table` (nodes at 2^(lo + index) on every axis)
-    at log2 of `coords`, clamped to the grid."""
-    g = log_table.shape[0]
-    u = np.clip(np.log2(coords), lo, lo + g - 1) - lo
-    i = np.minimum(u.astype(int), g - 2)
-    cube = log_table[tuple(slice(k, k + 2) for k in i)]
-    for w in u - i:                          # interpolate away the first axis, then the next
-        cube = cube[0] * (1 - w) + cube[1] * w
-    return float(np.exp(cube))
-
-
-ATTENTION_KERNELS = {"auto": "cudnn", "fused": "cudnn", "flash": "flash"}
-"""The measured kernel each --attention-backend runs: Transformer Engine's fused attention is cuDNN's
-(also what auto picks on Hopper); flash is FlashAttention."""
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionCurve:
-    """Fraction of the large-GEMM rate a causal attention kernel attains, counting the FLOPs it does
-    (half the full s^2 work), as a function of one call's FLOPs: measured forward and backward
-    (data/gemm_efficiency.json, log efficiency on a log2 grid of FLOPs, interpolated linearly)."""
-
-    log_table: np.ndarray
-    """(2, g) log efficiency, [forward, backward], at 2^(lo + index) FLOPs."""
-    lo: int
-
-    def efficiency(self, direction: int, flops: float) -> float:
-        """direction 0: forward, 1: backward."""
-        return _interpolate(self.log_table[direction], self.lo, (flops,))
-
-
-@cache
-def attention_curve(gpu: GPU | None, attention_backend: str) -> AttentionCurve | None:
-    """The causal kernel's measured curve on this GPU, None where there is none (unfused attention,
-    or a GPU without an attention table)."""
-    kernel = ATTENTION_KERNELS.get(attention_backend)
-    entry = _gpu_entry(gpu)
-    if kernel is None or entry is None or kernel not in entry.get("attention", {}):
-        return None
-    table = entry["attention"][kernel]
-    return AttentionCurve(log_table=np.log(np.array([table["forward"], table["backward"]], dtype=float)),
-                          lo=_gemm_data()["attention_log2_flops_range"][0])
-
-
-@cache
-def _gemm_data() -> dict:
-    return json.loads(resources.files("megatron_pipette.data").joinpath("gemm_efficiency.json").read_text())
-
-
-def _gpu_entry(gpu: GPU | None) -> dict | None:
-    """This GPU's measured tables (another GPU's where it stands in), None where none."""
-    entry = _gemm_data()["gpus"].get(gpu.name) if gpu is not None else None
-    return _gemm_data()["gpus"][entry["same_as"]] if entry is not None and "same_as" in entry else entry
-
-
-@cache
-def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
-    """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
-    data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
-    if entry is None or dtype not in entry["tables"]:
-        return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
-    return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
-
-
-def _gemm(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> float:
-    """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape; a batch of them runs
-    as one GEMM of `count` times the rows."""
-    return 2.0 * m * n * k * count / gemm(m * count, n, k)
-
-
-def _linear(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float, float]:
-    """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
-    `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
-    at its own shape's efficiency."""
-    return _gemm(gemm, tokens, out, inp), _gemm(gemm, tokens, inp, out), _gemm(gemm, out, inp, tokens)
 
 
 def _layer_linears(job: Job) -> dict[str, tuple[int, int]]:
@@ -160,68 +65,50 @@ COLUMN_PARALLEL = ("qkv", "fc1")
 own gradient GEMMs (cost.timing)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Work:
-    """Work of one micro-batch on one device."""
-
-    flops: float = 0.0
-    """Effective GEMM FLOPs: seconds = flops / the device's gemm_flops."""
-    mem_s: float = 0.0
-    """Memory-bound seconds."""
-
-    def __add__(self, other: Work) -> Work:
-        return Work(flops=self.flops + other.flops, mem_s=self.mem_s + other.mem_s)
-
-    def scaled(self, k: float) -> Work:
-        return Work(flops=self.flops * k, mem_s=self.mem_s * k)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartWork:
-    """Forward, backward and recomputed work of one part of the model."""
-
-    forward: Work
-    backward: Work
-    """Without recomputation."""
-    recompute: Work = Work()
-    """Extra forward work redone in the backward, when this part is recomputed."""
-
-
 def _shape(job: Job) -> dict:
+    """Per-rank sizes: n tokens (the rank's context-parallel share of the micro-batch), heads, groups
+    and ffn columns per TP rank."""
     w, layout = job.workload, job.layout
     t = layout.tp
-    return dict(n=layout.micro_batch_size * w.seq_length, b=layout.micro_batch_size, s=w.seq_length,
+    return dict(n=job.tokens_per_microbatch, b=layout.micro_batch_size, s=w.seq_length, cp=layout.cp,
                 h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, d=w.head_dim,
                 f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
 
 
 def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, d: int) -> tuple[float, float]:
+                   s: int, d: int, cp: int = 1) -> tuple[float, float]:
     """(forward, backward) effective FLOPs of the attention core (scores and weighted values) of b
-    sequences of a heads on one TP rank. Unfused attention multiplies the full s x s scores and
+    sequences of a heads on one TP rank, which holds s / `cp` of the queries (context parallelism
+    balances the causal work over its ranks). Unfused attention multiplies the full s x s scores and
     masks them; causal flash/fused kernels skip the masked half: half the FLOPs, at the kernel's
-    measured rate where there is one (`attention`), else at the GEMM curve's."""
-    full = _gemm(gemm, s, s, d, b * a) + _gemm(gemm, s, d, s, b * a)
+    measured rate where there is one (`attention`, at the size of one of the cp block calls that
+    context parallelism makes), else at the GEMM curve's."""
+    q = s // cp
+    full = gemm_work(gemm, q, s, d, b * a) + gemm_work(gemm, q, d, s, b * a)
     if not causal_kernel:
         return full, 2 * full
     if attention is None:
         return full / 2, full
-    flops = 2.0 * b * a * s * s * d
-    return flops / attention.efficiency(0, flops), 2 * flops / attention.efficiency(1, 2 * flops)
+    flops = 2.0 * b * a * q * s * d
+    return (flops / attention.efficiency(0, flops / cp), 2 * flops / attention.efficiency(1, 2 * flops / cp))
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
-                   attention: AttentionCurve | None = None) -> PartWork:
+                   attention: AttentionCurve | None = None, *, moe: bool = False) -> PartWork:
     """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named);
-    `attention`: the causal kernel's measured curve, where the GPU has one."""
+    `attention`: the causal kernel's measured curve, where the GPU has one; `moe`: an MoE layer,
+    whose MLP is cost.experts.moe_mlp."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, b, s, h, a, g, d, f, e, sp = (x[k] for k in "n b s h a g d f e sp".split())
+    n, b, s, h, a, g, d, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "d", "f", "e", "sp", "cp"))
     gemm = gemm or gemm_curve(None, w.precision)
-    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, d)
-    linears = [_linear(gemm, n, out, inp) for out, inp in _layer_linears(job).values()]
+    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, d, cp)
+    shapes = _layer_linears(job)
+    if moe:
+        shapes = {name: shapes[name] for name in ("qkv", "proj")}
+    linears = [linear_work(gemm, n, out, inp) for out, inp in shapes.values()]
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
-    act = (3 if w.swiglu else 2) * e * n * f
+    act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
     rope = 2 * e * n * (a + g) * d if w.position_embedding_type == "rope" else 0
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
@@ -230,6 +117,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
                     mem_s=BACKWARD_MEMORY_FACTOR * mem)
+    if moe:
+        mlp = moe_mlp(job, memory_bandwidth_Bps, gemm)
+        forward, backward = forward + mlp.forward, backward + mlp.backward
     if layout.recompute_granularity == "full":
         recompute = forward
     elif layout.recompute_granularity == "selective":
@@ -256,7 +146,7 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    forward, dgrad, wgrad = _linear(gemm or gemm_curve(None, w.precision), n, vocab, h)
+    forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h)
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
     bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
     return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
@@ -290,7 +180,8 @@ def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork
     else:
         model = roofline_layer(job, cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision),
                                attention_curve(cluster.gpu, job.workload.attention_backend))
-        share = (model.recompute.flops / rate + model.recompute.mem_s) / (model.forward.flops / rate + model.forward.mem_s)
+        redone = model.recompute.flops / rate + model.recompute.mem_s
+        share = redone / (model.forward.flops / rate + model.forward.mem_s)
         extra = fwd * share
     backward = base.backward_s if base is not None else with_rc.backward_s - extra
     return _profiled(fwd, backward, extra, rate)
@@ -314,8 +205,16 @@ class StageWork:
     """(p, v) transformer layers per chunk."""
     recomputed_layers: np.ndarray
     """(p, v) layers whose forward (and its TP collectives) is redone: full recomputation only."""
+    moe_layers: np.ndarray
+    """(p, v) of the layers, those with an MoE MLP (their dispatch is priced in cost.timing)."""
+    moe_recomputed: np.ndarray
+    """(p, v) of the recomputed layers, the MoE ones."""
+    core: np.ndarray
+    """(2,) effective FLOPs of one layer's attention core, forward and backward: what context
+    parallelism's key/value exchange hides behind."""
     profiled: bool
-    """True when the layer times came from the LayerProfile."""
+    """True when the dense layers' times came from the LayerProfile (MoE layers, and every layer
+    under context parallelism, which the profile did not time, are the roofline's)."""
     overlap: np.ndarray
     """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
     linears (QKV, fc1 of every layer; the output layer), behind which Megatron runs their
@@ -328,11 +227,13 @@ def _as_array(work: Work) -> np.ndarray:
 
 def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
-    layout, v = job.layout, job.virtual_stages
-    bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision)
+    layout, v, w = job.layout, job.virtual_stages, job.workload
+    bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
+    attention = attention_curve(cluster.gpu, w.attention_backend)
+    profile = profile if layout.cp == 1 else None      # it timed whole sequences
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
-    layer = layer or roofline_layer(job, bw, gemm, attention_curve(cluster.gpu, job.workload.attention_backend))
+    layer = layer or roofline_layer(job, bw, gemm, attention)
     rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_embedding(job, bw)
@@ -341,19 +242,42 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     layers = np.array(job.stage_layers, dtype=float)[:, None] / v * np.ones(v)
     recomputed = _recomputed_layers(layout, layers)
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
-    fwd = _as_array(layer.forward)[:, None, None] * layers
-    bwd = _as_array(layer.backward)[:, None, None] * layers
-    rc = _as_array(layer.recompute)[:, None, None] * rc_layers
+    moe, moe_rc = _moe_counts(job, layers)
+    moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
+    sparse = roofline_layer(job, bw, gemm, attention, moe=True) if moe.any() else layer
+    fwd, bwd, rc = (_as_array(getattr(layer, part))[:, None, None] * (count - moe_count)
+                    + _as_array(getattr(sparse, part))[:, None, None] * moe_count
+                    for part, count, moe_count in (("forward", layers, moe), ("backward", layers, moe),
+                                                   ("recompute", rc_layers, moe_rc_layers)))
     fwd[:, 0, 0] += _as_array(embed.forward)
     bwd[:, 0, 0] += _as_array(embed.backward)
     fwd[:, -1, -1] += _as_array(out.forward)
     bwd[:, -1, -1] += _as_array(out.backward)
     x, linears = _shape(job), _layer_linears(job)
     output = (job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"])
-    overlap = np.array([_linear(gemm, x["n"], *shape)[1:]
+    overlap = np.array([linear_work(gemm, x["n"], *shape)[1:]
                         for shape in [linears[name] for name in COLUMN_PARALLEL] + [output]])
+    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["d"],
+                          x["cp"])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
-                     profiled=profiled, overlap=overlap)
+                     moe_layers=moe, moe_recomputed=moe_rc, core=np.array(core), profiled=profiled, overlap=overlap)
+
+
+def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(p, v) MoE layers per chunk, and of them those full recomputation redoes (block: the first n
+    of each chunk; uniform: all)."""
+    if not job.moe_layers:
+        return np.zeros_like(layers), np.zeros_like(layers)
+    moe = np.array(job.moe_layers, dtype=float)
+    layout = job.layout
+    if layout.recompute_granularity != "full":
+        return moe, np.zeros_like(moe)
+    if layout.recompute_method != "block":
+        return moe, moe.copy()
+    pattern = job.workload.moe_layer_pattern()
+    n = layout.recompute_num_layers
+    return moe, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage] for stage in job.chunk_layers()],
+                         dtype=float)
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:

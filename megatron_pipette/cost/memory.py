@@ -17,6 +17,8 @@ from functools import cache, lru_cache
 import numpy as np
 
 from megatron_pipette.cost import simulator
+from megatron_pipette.cost.experts import moe_activation_bytes, moe_backward_bytes, routed_rows
+from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
@@ -154,19 +156,21 @@ def _score_bytes(job: Job) -> int:
     return _score_elements(job) * (e + dropout * (1 + e))
 
 
-def _formula_layer_bytes(job: Job, granularity: str | None) -> int:
+def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -> int:
     workload, layout = job.workload, job.layout
-    s, b, h, e = workload.seq_length, layout.micro_batch_size, workload.hidden_size, workload.bytes_per_element
-    tokens, t = s * b, layout.tp
+    h, e = workload.hidden_size, workload.bytes_per_element
+    tokens, t = job.tokens_per_microbatch, layout.tp          # the rank's context-parallel share
     sp = t if layout.sequence_parallel else 1
     if granularity == "full":
         return e * tokens * h // sp  # the checkpointed layer's input
     masks = 2 if workload.hidden_dropout > 0 else 0
-    # Norm inputs, QKV and fc1 inputs (4 x e) and the two hidden-dropout masks: sharded only by SP.
+    # Norm inputs, QKV and fc1 (or router) inputs (4 x e) and the two hidden-dropout masks: sharded only by SP.
     norm_side = tokens * h * (4 * e + masks) // sp
     query, kv = _attention_widths(workload)
-    # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP.
-    tp_side = e * tokens * (2 * query + 2 * kv + _fc1_width(workload) + workload.ffn) // t
+    # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP; an MoE
+    # layer's MLP keeps what cost.experts.moe_activation_bytes counts instead.
+    mlp = moe_activation_bytes(job) if moe else e * tokens * (_fc1_width(workload) + workload.ffn) // t
+    tp_side = e * tokens * (2 * query + 2 * kv) // t + mlp
     scores = 0 if granularity == "selective" else _score_bytes(job)
     return norm_side + tp_side + scores
 
@@ -178,12 +182,12 @@ def activation_bytes_per_layer(job: Job) -> int:
     return _formula_layer_bytes(job, job.layout.recompute_granularity)
 
 
-def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None) -> int:
-    """Measured bytes when the profile has this shape, else the formula."""
+def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None, moe: bool = False) -> int:
+    """Measured bytes when the profile has this shape (a dense layer over whole sequences), else the formula."""
     layout = job.layout
-    entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel,
-                          granularity) if profile is not None else None
-    return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity)
+    entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel, granularity) \
+        if profile is not None and not moe and layout.cp == 1 else None
+    return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity, moe)
 
 
 # In-flight micro-batches, as megatron-core 0.19's schedules run them.
@@ -237,32 +241,6 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
     return frozenset(states)
 
 
-# Parameters held by one device.
-
-def _layer_parameters_per_device(workload: Workload, tp: int) -> int:
-    """Linear weights and column-parallel biases are split over TP; norms and the row-parallel
-    biases (attention projection, fc2) are replicated."""
-    replicated = 2 * workload.norm_parameters() + (2 * workload.hidden_size if workload.add_bias_linear else 0)
-    sharded = workload.layer_parameters() - replicated
-    assert sharded % tp == 0, "validate_layout checks heads, groups and ffn divide by TP"
-    return sharded // tp + replicated
-
-
-def _stage_parameters(job: Job, stage: int, layers: int) -> int:
-    workload, layout = job.workload, job.layout
-    tp, pp, h = layout.tp, layout.pp, workload.hidden_size
-    words = workload.padded_vocab_size(tp) * h // tp
-    params = layers * _layer_parameters_per_device(workload, tp)
-    if stage == 0:  # word embedding (vocab-parallel) and learned positions (replicated)
-        positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
-        params += words + positions
-    if stage == pp - 1:  # final norm; the output layer, a second copy of a tied embedding when PP > 1
-        params += workload.norm_parameters()
-        if workload.untie_embeddings_and_output_weights or pp > 1:
-            params += words
-    return params
-
-
 @dataclass(frozen=True)
 class Communicator:
     """One NCCL communicator a device uses."""
@@ -280,37 +258,52 @@ class Communicator:
 
 
 def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, ...]:
-    """NCCL communicators a device of this stage uses (`domain`: GPUs per NVLink domain): TP, PP,
-    DP, the model-parallel group (megatron/training/training.py: logical_and / reduce_max across
-    it every step), the world group (barriers, timers), with the distributed optimizer its
-    grad-stats group (core/optimizer/__init__.py: intra_dist_opt_group, every rank of a single
-    optimizer instance, a communicator of its own), and, for a tied embedding split over PP, the
-    embedding group on the first and last stages. NCCL allocates a communicator's buffers on first
-    use, so groups Megatron creates but never uses are not counted."""
-    layout = job.layout
-    tied_split = layout.pp > 1 and not job.workload.untie_embeddings_and_output_weights
-    return _communicators(layout.tp, layout.pp, layout.dp, stage, tied_split, layout.use_distributed_optimizer,
-                          domain)
+    """NCCL communicators a device of this stage uses (`domain`: GPUs per NVLink domain): TP, CP,
+    PP, DP (the data x context parallel group with CP, which reduces the dense gradients), the
+    model-parallel group (megatron/training/training.py: logical_and / reduce_max across it every
+    step), the world group (barriers, timers), with the distributed optimizer its grad-stats group
+    (core/optimizer/__init__.py: intra_dist_opt_group, every rank of a single optimizer instance,
+    a communicator of its own), for a tied embedding split over PP the embedding group on the
+    first and last stages, and for an MoE model the expert groups its dispatcher and expert
+    gradients use (EP, ETP, expert DP; ETP x EP for the allgather dispatcher). NCCL allocates a
+    communicator's buffers on first use, so groups Megatron creates but never uses are not counted."""
+    layout, workload = job.layout, job.workload
+    tied_split = layout.pp > 1 and not workload.untie_embeddings_and_output_weights
+    dispatcher = workload.moe_token_dispatcher_type if workload.num_experts is not None else None
+    return _communicators(layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.etp, dispatcher,
+                          layout.cp_comm_type, stage, tied_split, layout.use_distributed_optimizer, domain)
 
 
 @lru_cache(maxsize=4096)
-def _communicators(tp: int, pp: int, dp: int, stage: int, tied_split: bool, distributed_optimizer: bool,
-                   domain: int) -> tuple[Communicator, ...]:
-    world, device = tp * pp * dp, stage * tp * dp           # TP rank 0 of DP replica 0 of this stage
-    stride_pp = tp * dp
+def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispatcher: str | None, cp_comm: str,
+                   stage: int, tied_split: bool, distributed_optimizer: bool, domain: int) -> tuple[Communicator, ...]:
+    stride_pp = tp * cp * dp
+    world, device = stride_pp * pp, stage * stride_pp        # rank 0 of every group axis of this stage
 
     def group(name: str, ranks: np.ndarray, bulk: bool) -> Communicator:
-        return Communicator(group=name, bulk=bulk, local_ranks=int(np.count_nonzero(ranks // domain == device // domain)))
+        local = int(np.count_nonzero(ranks // domain == device // domain))
+        return Communicator(group=name, bulk=bulk, local_ranks=local)
 
     comms = []
     if tp > 1:
         comms.append(group("tp", device + np.arange(tp), bulk=True))
+    if cp > 1:   # the p2p ring's sends and receives are not NVLS collectives
+        comms.append(group("cp", device + np.arange(cp) * tp, bulk=cp_comm != "p2p"))
     if pp > 1:
         comms.append(group("pp", np.arange(pp) * stride_pp, bulk=False))
-    if dp > 1:
-        comms.append(group("dp", device + np.arange(dp) * tp, bulk=True))
+    if dp * cp > 1:
+        comms.append(group("dp" if cp == 1 else "dp-cp", device + np.arange(dp * cp) * tp, bulk=True))
     if tp * pp > 1:
         comms.append(group("mp", (np.arange(pp)[:, None] * stride_pp + np.arange(tp)).ravel(), bulk=False))
+    if dispatcher is not None:
+        edp = stride_pp // (etp * ep)
+        if dispatcher == "alltoall":    # all-to-alls are point-to-point inside NCCL: no NVLS
+            comms += [group("ep", device + np.arange(ep) * etp, bulk=False)] if ep > 1 else []
+            comms += [group("etp", device + np.arange(etp), bulk=True)] if etp > 1 else []
+        elif ep * etp > 1:
+            comms.append(group("tp-ep", device + np.arange(ep * etp), bulk=True))
+        if edp > 1:
+            comms.append(group("edp", device + np.arange(edp) * etp * ep, bulk=True))
     if world > 1:
         everyone = Communicator(group="world", bulk=False, local_ranks=min(world, domain))
         comms.append(everyone)
@@ -332,32 +325,42 @@ def nccl_bytes(job: Job, stage: int, overheads: RuntimeOverheads, nvls_domain: i
 
 # The estimate.
 
-def _chunk_activations(job: Job, chunk_layers: int, profile: LayerProfile | None) -> tuple[int, int]:
-    """(bytes one micro-batch stores in one model chunk, bytes recomputed at once in its backward)."""
+def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
+                       profile: LayerProfile | None) -> tuple[int, int]:
+    """(bytes one micro-batch stores in one model chunk of `chunk_layers` layers, `moe_layers` of
+    them MoE, and bytes recomputed at once in its backward)."""
     layout = job.layout
     granularity = layout.recompute_granularity
-    stored = _layer_bytes(job, granularity, profile)
+    dense = chunk_layers - moe_layers
     if granularity != "full":
-        recomputed = _score_bytes(job) if granularity == "selective" else 0
-        return chunk_layers * stored, recomputed
-    full = _layer_bytes(job, None, profile)
+        stored = dense * _layer_bytes(job, granularity, profile) + (moe_layers and moe_layers * _layer_bytes(
+            job, granularity, profile, moe=True))
+        return stored, _score_bytes(job) if granularity == "selective" else 0
+    stored = _layer_bytes(job, "full", profile)
+    full_dense = _layer_bytes(job, None, profile)
+    full_moe = _layer_bytes(job, None, profile, moe=True) if moe_layers else 0
+    full = max(full_dense, full_moe)
     n = layout.recompute_num_layers
     if layout.recompute_method == "uniform":  # inputs of groups of n layers; one group live in backward
         return -(-chunk_layers // n) * stored, min(n, chunk_layers) * full
     checkpointed = min(n, chunk_layers)  # block: the first n layers of each chunk, one at a time
-    return checkpointed * stored + (chunk_layers - checkpointed) * full, full
+    kept_moe = min(moe_layers, chunk_layers - checkpointed)   # the heavier layers taken as the kept ones
+    kept = (chunk_layers - checkpointed - kept_moe) * full_dense + kept_moe * full_moe
+    return checkpointed * stored + kept, full
 
 
-def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | None,
+def _stage_memory(job: Job, stage: int, layers: int, params: StageParameters, profile: LayerProfile | None,
                   overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
-    tokens = workload.seq_length * layout.micro_batch_size
+    tokens = job.tokens_per_microbatch
     sp = t if layout.sequence_parallel else 1
     vocab = workload.padded_vocab_size(t)
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
-    chunk, recomputed = _chunk_activations(job, layers // vpp, profile)
+    moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
+    # Chunks of a stage differ only in how many MoE layers they hold: the heaviest stands for all.
+    chunk, recomputed = max(_chunk_activations(job, layers // vpp, m, profile) for m in set(moe))
     # Stage 0, chunk 0: the embedding's dropout mask. Last stage, last chunk: the final norm's and
     # output layer's inputs, and the fp32 softmax the vocab-parallel cross entropy saves.
     embedding = tokens * h // sp if first and workload.hidden_dropout > 0 else 0
@@ -368,21 +371,29 @@ def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | Non
     scores = _score_elements(job)
     # Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input.
     buffer = max(e * scores, e * tokens * h if layout.sequence_parallel else 0)
-    # One layer's gradients in flight: the MLP's two wide ones, or the score gradients.
-    backward = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores)
+    # One layer's gradients in flight: the MLP's two wide ones (an MoE layer's experts', with the
+    # dispatcher's send and receive buffers of the routed rows), or the score gradients.
+    backward = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores,
+                   moe_backward_bytes(job) + 2 * e * round(routed_rows(job)) * h if any(moe) else 0)
     # The training-dtype logits (forward) or their gradient (backward); fp32 logits are the softmax.
     logits = e * tokens * vocab // t if last and e != 4 else 0
     transient = buffer + max(logits, recomputed + backward)
 
-    params = _stage_parameters(job, stage, layers)
+    dense, expert = int(params.dense[stage]), int(params.expert[stage])
     weight, gradient, optimizer, step = state_bytes_per_parameter(workload.precision)
-    shards = layout.dp if layout.use_distributed_optimizer else 1
+    # The distributed optimizer shards dense state over data x context parallel, experts' over expert DP.
+    dense_shards, expert_shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) \
+        if layout.use_distributed_optimizer else (1, 1)
+
+    def sharded(per_parameter: int) -> int:
+        return -(-per_parameter * dense // dense_shards) - (-per_parameter * expert // expert_shards)
+
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
-    return StageMemory(stage=stage, parameters=params, weight_bytes=weight * params,
-                       gradient_bytes=gradient * params, optimizer_bytes=-(-optimizer * params // shards),
+    return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert),
+                       gradient_bytes=gradient * (dense + expert), optimizer_bytes=sharded(optimizer),
                        activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,
-                       step_bytes=-(-step * params // shards))
+                       step_bytes=sharded(step))
 
 
 def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | None = None,
@@ -395,7 +406,9 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     """
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
-    stages = tuple(_stage_memory(job, r, n, profile, overheads, nvls_domain) for r, n in enumerate(job.stage_layers))
+    params = stage_parameters(job)
+    stages = tuple(_stage_memory(job, r, n, params, profile, overheads, nvls_domain)
+                   for r, n in enumerate(job.stage_layers))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 

@@ -37,7 +37,7 @@ class CostModel:
         self.cluster, self.profile, self.overheads = cluster, profile, overheads
         self._work: dict[Job, StageWork] = {}
         self._memory: dict[Job, MemoryEstimate] = {}
-        self._default_links: dict[tuple[int, int, int], GroupLinks] = {}
+        self._default_links: dict[tuple, GroupLinks] = {}
 
     def work(self, job: Job) -> StageWork:
         """Compute of one micro-batch per stage and chunk (placement independent; shared by the
@@ -49,12 +49,14 @@ class CostModel:
     def links(self, job: Job, devices: np.ndarray | None = None) -> GroupLinks:
         """The links of the job's groups when logical rank r runs on device devices[r] (None:
         Megatron's default order, cached per rank grid)."""
-        grid = (job.layout.tp, job.layout.pp, job.layout.dp)
+        layout = job.layout
+        grid = dict(cp=layout.cp, ep=layout.ep, etp=layout.etp, experts=job.workload.num_experts is not None)
         if devices is not None:
-            return group_links(*grid, self.cluster, devices)
-        if grid not in self._default_links:
-            self._default_links[grid] = group_links(*grid, self.cluster)
-        return self._default_links[grid]
+            return group_links(layout.tp, layout.pp, layout.dp, self.cluster, devices, **grid)
+        key = (layout.tp, layout.pp, layout.dp, *grid.values())
+        if key not in self._default_links:
+            self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid)
+        return self._default_links[key]
 
     def time(self, job: Job, devices: np.ndarray | None = None, *, simulate: bool = False) -> TimeEstimate:
         """Predicted iteration time under the placement `devices` (None: the default order)."""

@@ -27,6 +27,8 @@ import numpy as np
 from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork
+from megatron_pipette.cost.experts import dispatch_bytes
+from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
@@ -49,6 +51,11 @@ class TimeBreakdown:
     """Recomputed forward compute of that stage."""
     tp_comm_s: float
     """Tensor-parallel collectives of that stage (recomputed ones included)."""
+    cp_comm_s: float = 0.0
+    """Context-parallel key/value exchange of that stage not hidden behind its attention."""
+    ep_comm_s: float = 0.0
+    """That stage's MoE token dispatch and combine (expert-parallel all-to-alls, expert-TP
+    all-gathers and reduce-scatters)."""
     pp_comm_s: float
     """That stage's p2p sends and receives."""
     pipeline_bubble_s: float
@@ -97,6 +104,8 @@ class _Stages:
     compute: np.ndarray
     recompute: np.ndarray
     tp_comm: np.ndarray
+    cp_comm: np.ndarray
+    ep_comm: np.ndarray
 
 
 def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray) -> np.ndarray:
@@ -105,10 +114,46 @@ def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndar
     return np.maximum(0.0, collective_s[..., None] - gemm_flops / rate[..., None]).sum(axis=-1)
 
 
+def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Exposed (forward, backward) seconds of one layer's context-parallel exchange, (dp x cp, pp, 1).
+
+    p2p (Transformer Engine's ring, AttnFuncWithCPAndKVP2P): CP - 1 steps each pass a K/V block to
+    the next rank while the attention of the block in hand runs, so only what the attention of
+    CP - 1 blocks cannot cover shows; the backward passes the K/V gradients along too. a2a
+    (Ulysses): all-to-alls of Q, K, V and the output, each way, in the open. allgather: K and V
+    all-gathered (and their gradients reduce-scattered back), in the open."""
+    w, layout = job.workload, job.layout
+    n, e, d = job.tokens_per_microbatch, w.bytes_per_element, w.head_dim
+    heads, groups = w.num_attention_heads // layout.tp, w.query_groups // layout.tp
+    kv = 2 * n * groups * d * e                                              # this rank's K and V
+    if layout.cp_comm_type == "a2a":
+        a2a = links.context_a2a
+        one = sum(a2a.all_to_all_s(n * width * d * e) for width in (heads, groups, groups, heads)).T[:, :, None]
+        return one, one
+    ring = links.context
+    gather = ring.all_gather_s(layout.cp * kv).T[:, :, None]
+    if layout.cp_comm_type == "allgather":
+        return gather, 2 * gather
+    share = (layout.cp - 1) / layout.cp
+    return (np.maximum(0.0, gather - share * work.core[0] / rate),
+            np.maximum(0.0, 2 * gather - share * work.core[1] / rate))
+
+
+def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
+    """(pp,) seconds of one MoE layer's dispatch and combine, one direction (cost.experts): the
+    backward moves the same volumes the other way. Not overlapped with compute (Megatron's
+    --overlap-moe-expert-parallel-comm, which would, is refused)."""
+    volume, experts = dispatch_bytes(job), links.experts
+    if job.workload.moe_token_dispatcher_type == "alltoall":
+        return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.tensor.all_gather_s(volume["etp"])
+    return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
+
+
 def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     workload, layout = job.workload, job.layout
-    sp, mbs = layout.sequence_parallel, layout.micro_batch_size
-    act = mbs * workload.seq_length * workload.hidden_size * workload.bytes_per_element
+    sp = layout.sequence_parallel
+    tokens = job.tokens_per_microbatch
+    act = tokens * workload.hidden_size * workload.bytes_per_element
     ring = links.tensor
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
     rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
@@ -122,14 +167,28 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     if sp:
         layer_fwd = 4 * ag
         layer_bwd = 2 * ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
+        mlp_fwd, mlp_bwd = 2 * ag, ag + behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
         output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
     else:
         layer_fwd, layer_bwd = 2 * ar, behind_gemms(ar, wgrad[:2], rate)
+        mlp_fwd, mlp_bwd = ar, behind_gemms(ar, wgrad[1:2], rate)
         output_bwd = behind_gemms(ar, wgrad[2:], rate)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
+    if workload.moe_shared_expert_intermediate_size is None:   # no dense MLP in an MoE layer: no TP collectives
+        tp_f = tp_f - mlp_fwd * work.moe_layers
+        tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed
+    ep_f = ep_b = np.zeros_like(tp_f)
+    if work.moe_layers.any():
+        one = _dispatch(job, links)[None, :, None]
+        ep_f, ep_b = one * work.moe_layers, one * (work.moe_layers + work.moe_recomputed)
+    cp_f = cp_b = np.zeros_like(tp_f)
+    if layout.cp > 1:
+        one_f, one_b = _context_parallel(job, work, links, rate)
+        redone = work.layers if layout.recompute_granularity == "selective" else work.recomputed_layers
+        cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
-        ce = 3 * ring.all_reduce_s(4 * mbs * workload.seq_length).T   # max, predicted logit, sum of exps
+        ce = 3 * ring.all_reduce_s(4 * tokens).T   # max, predicted logit, sum of exps
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
@@ -137,14 +196,14 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     fwd = work.forward[0] / rate + work.forward[1]
     bwd = work.backward[0] / rate + work.backward[1]
     rc = work.recompute[0] / rate + work.recompute[1]
-    seq = workload.seq_length // (layout.tp if sp else 1)
-    message = seq * mbs * workload.hidden_size * workload.bytes_per_element
+    message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
-    times = schedules.StageTimes(forward_s=fwd + tp_f, backward_s=bwd + rc + tp_b,
+    times = schedules.StageTimes(forward_s=fwd + tp_f + cp_f + ep_f, backward_s=bwd + rc + tp_b + cp_b + ep_b,
                                  fwd_comm_s=hop[0], bwd_comm_s=hop[1],
                                  fwd_xchg_s=None if xchg is None else xchg[0],
                                  bwd_xchg_s=None if xchg is None else xchg[1])
-    return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b)
+    return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
+                   ep_comm=ep_f + ep_b)
 
 
 def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool) -> schedules.PipelineTime:
@@ -159,19 +218,6 @@ def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool
     dp = times.forward_s.shape[0]
     return schedules.PipelineTime(**{k: np.repeat(getattr(out, k), dp, axis=0) for k in
                                      ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
-
-
-def _stage_parameters(job: Job) -> np.ndarray:
-    """(pp,) parameters per TP rank of each stage (replicated norms counted as sharded)."""
-    workload, layout = job.workload, job.layout
-    tp = layout.tp
-    params = np.array(job.stage_layers, dtype=float) * workload.layer_parameters() / tp
-    words = workload.padded_vocab_size(tp) * workload.hidden_size / tp
-    params[0] += workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * workload.hidden_size + words
-    params[-1] += workload.norm_parameters()
-    if workload.untie_embeddings_and_output_weights or layout.pp > 1:
-        params[-1] += words
-    return params
 
 
 def _grad_bytes(workload: Workload) -> int:
@@ -226,21 +272,29 @@ def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> n
 
 
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
-                params: np.ndarray) -> tuple[np.ndarray, float]:
+                params: StageParameters) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
     exposed parameter all-gather of the distributed optimizer.
 
     With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
     reduction with its last backward, bucket by bucket; later stages start theirs when they
     finish (one bucket each), which the max over stages hides behind the others' cooldown.
-    Interleaved: interleaved_grad_sync_exposed."""
+    Interleaved: interleaved_grad_sync_exposed.
+    Dense gradients reduce over data x context parallel, expert gradients over expert data
+    parallel, one after the other on the data-parallel stream."""
     workload, layout = job.workload, job.layout
-    if layout.dp == 1:
+    replicas, experts = layout.dp * layout.cp, links.experts
+    if replicas == 1 and (experts is None or layout.expert_data_parallel_size == 1):
         return np.zeros(layout.pp), 0.0
-    ring = links.data
-    collective = ring.reduce_scatter_s if layout.use_distributed_optimizer else ring.all_reduce_s
-    reduce = collective(params[:, None] * _grad_bytes(workload)).max(axis=1)      # worst TP rank's group
-    buckets = max(1, math.ceil(params[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * layout.dp)))
+    ring, dopt = links.data, layout.use_distributed_optimizer
+
+    def both(collective: str, per_param: int) -> np.ndarray:
+        """(pp,) the dense and the expert collective of each stage (worst TP rank's group)."""
+        out = getattr(ring, collective)(params.dense[:, None] * per_param).max(axis=1)
+        return out + (getattr(experts.data, collective)(params.expert * per_param) if experts else 0.0)
+
+    reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", _grad_bytes(workload))
+    buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
     backward = stages.times.backward_s[crit]                                    # (p, v)
     exposed = reduce.copy()
     if layout.overlap_grad_reduce:
@@ -249,8 +303,8 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
         else:
             exposed[0] = _overlapped(reduce[0], backward[0, 0], buckets)
     gather = 0.0
-    if layout.use_distributed_optimizer:
-        ag = ring.all_gather_s(params[:, None] * workload.bytes_per_element).max(axis=1)
+    if dopt:
+        ag = both("all_gather_s", workload.bytes_per_element)
         gather = _param_gather_exposed(ag, name, stages, crit, buckets) if layout.overlap_param_gather \
             else float(ag.max())
     return exposed, gather
@@ -262,14 +316,15 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
     workload, layout = job.workload, job.layout
-    assert (links.tp, links.pp, links.dp) == (layout.tp, layout.pp, layout.dp), "links are for another grid"
+    assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
+        "links are for another grid"
     stages = _stage_times(job, work, links)
     m, v = job.num_microbatches, job.virtual_stages
     name = schedules.schedule_name(layout.pp, v)
     pipe = _run_schedule(name, stages.times, m, simulate)
     crit = int(np.argmax(pipe.total_s))
     t_pipe = float(pipe.total_s[crit])
-    params = _stage_parameters(job)
+    params = stage_parameters(job)
     exposed, gather = _dp_exposed(job, links, name, stages, crit, params)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
@@ -277,18 +332,21 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
         words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * _grad_bytes(workload)
         t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
-    shard = layout.dp if layout.use_distributed_optimizer else 1
-    optimizer = float(params.max()) / shard * OPTIMIZER_BYTES_PER_PARAM \
+    shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
+    optimizer = float((params.dense / shards[0] + params.expert / shards[1]).max()) * OPTIMIZER_BYTES_PER_PARAM \
         / cluster.memory_bandwidth_Bps
     total = t_sync + gather + optimizer
     busiest = int(np.argmax(pipe.busy_s[crit]))
     compute = m * float(stages.compute[crit, busiest].sum())
     recompute = m * float(stages.recompute[crit, busiest].sum())
     tp_comm = m * float(stages.tp_comm[crit, busiest].sum())
+    cp_comm = m * float(stages.cp_comm[crit, busiest].sum())
+    ep_comm = m * float(stages.ep_comm[crit, busiest].sum())
     pp_comm = float(pipe.p2p_s[crit, busiest])
     breakdown = TimeBreakdown(
-        compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, pp_comm_s=pp_comm,
-        pipeline_bubble_s=max(0.0, t_pipe - compute - recompute - tp_comm - pp_comm),
+        compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm,
+        pp_comm_s=pp_comm,
+        pipeline_bubble_s=max(0.0, t_pipe - compute - recompute - tp_comm - cp_comm - ep_comm - pp_comm),
         dp_comm_exposed_s=t_dp - t_pipe + gather, embedding_allreduce_s=float(t_sync - t_dp), optimizer_s=optimizer)
     worst_f = stages.times.forward_s.sum(axis=2).max(axis=0)
     worst_b = stages.times.backward_s.sum(axis=2).max(axis=0)

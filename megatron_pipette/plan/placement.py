@@ -99,7 +99,7 @@ def node_link_weakness(cluster: Cluster) -> np.ndarray:
 def _role_representatives(layout: Layout, cluster: Cluster, unit: int) -> list[int]:
     """One block of `unit` logical nodes per distinct set of pipeline stages, ends of the pipeline first."""
     size = cluster.gpus_per_node * unit
-    stage_of_rank = np.arange(cluster.world_size) // (layout.tp * layout.dp)
+    stage_of_rank = np.arange(cluster.world_size) // (layout.tp * layout.cp * layout.dp)
     seen: dict[tuple[int, ...], int] = {}
     for k in range(cluster.num_nodes // unit):
         role = tuple(np.unique(stage_of_rank[k * size:(k + 1) * size]))

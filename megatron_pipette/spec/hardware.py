@@ -28,7 +28,7 @@ DEFAULT_GEMM_EFFICIENCY = 0.75
 """Fraction of the dense datasheet peak an 8192^3 GEMM (the probe's GEMM: cluster.gemm_flops)
 attains, for a GPU whose catalog entry has no measured figure (large_gemm_efficiency). Assumed,
 not measured: H100 and H200 measure 0.79-0.80 in bf16; the shapes of a transformer layer then run
-at a fraction of that rate (cost.compute.gemm_curve)."""
+at a fraction of that rate (cost.gemm.gemm_curve)."""
 MAX_DENSE_NODES = 16384
 """Nodes up to which a non-uniform node x node level is held as dense matrices (2 GiB each at
 the limit); uniform presets hold broadcast views and have no limit."""

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from megatron_pipette.cost import compute
-from megatron_pipette.cost.compute import GemmCurve, gemm_curve, roofline_layer, stage_work
+from megatron_pipette.cost.compute import roofline_layer, stage_work
+from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout

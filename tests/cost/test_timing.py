@@ -15,6 +15,7 @@ from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
 from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.parameters import stage_parameters
 from megatron_pipette.spec.job import resolve_job
 
 from helpers.clusters import random_cluster, slow_node_cluster, with_slow_node
@@ -181,7 +182,7 @@ def test_param_gather_overlap_without_interleaving_waits_stage_by_stage():
     model = CostModel(preset_cluster("dgx-a100", num_nodes=128))
     on, off = (resolve_job(w, layout(8, 8, 16, use_distributed_optimizer=True, overlap_grad_reduce=True,
                                       overlap_param_gather=flag)) for flag in (True, False))
-    params = timing._stage_parameters(on)
+    params = stage_parameters(on).dense
     ag = model.links(on).data.all_gather_s(params[:, None] * w.bytes_per_element).max(axis=1)
     buckets = np.ceil(params[0] / 40e6)
     first_forward = model.time(on).stage_times[0].forward_s

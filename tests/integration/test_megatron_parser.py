@@ -89,3 +89,31 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
     for name, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}.items():
         monkeypatch.setenv(name, value)
     assert refusals(vars(build_megatron_parser().parse_args([]))) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+     "--ffn-hidden-size", "1024"],
+    ["--num-layers", "6", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "1024",
+     "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--num-experts", "16",
+     "--moe-router-topk", "4", "--moe-ffn-hidden-size", "128", "--moe-shared-expert-intermediate-size", "256",
+     "--moe-layer-freq", "([0]+[1]*5)", "--disable-bias-linear"],
+])
+def test_model_flops_match_megatrons_count(megatron_parser, argv):
+    """Our TFLOP/s use Megatron's convention: its own num_floating_point_operations, on its parsed
+    arguments (with the sizes validate_args derives filled in), gives the same FLOPs."""
+    from megatron.training.training import num_floating_point_operations
+
+    from megatron_pipette.integration.megatron_args import workload_from_args
+
+    args = megatron_parser.parse_args([*argv, "--vocab-size", "1000", "--global-batch-size", "8",
+                                       "--max-position-embeddings", "1024", "--bf16"])
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.kv_channels = args.hidden_size // args.num_attention_heads
+    args.num_query_groups = args.num_query_groups or args.num_attention_heads
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if isinstance(args.moe_layer_freq, str):
+        args.moe_layer_freq = eval(args.moe_layer_freq)  # noqa: S307 - what Megatron's parser does
+    workload = workload_from_args(args)
+    args.padded_vocab_size = workload.padded_vocab_size(1)
+    assert workload.model_flops_per_iteration() == pytest.approx(num_floating_point_operations(args, 8), rel=1e-12)

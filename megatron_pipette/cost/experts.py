@@ -1,0 +1,112 @@
+"""Mixture-of-experts layers: routed rows, expert GEMMs, dispatch volumes and saved activations.
+
+Megatron's MoE layer (megatron/core/transformer/moe/): the router picks top-k experts per token;
+the token dispatcher moves each token's k copies to the ranks holding those experts (alltoall:
+an all-to-all over the expert-parallel group, then with ETP > 1 an all-gather over the expert
+tensor-parallel group; allgather: an all-gather of every token over ETP x EP); the local experts
+run their FFN on the rows they received, and the reverse path brings the results back, weighted
+by the routing probabilities. Shared experts are a dense MLP over every token, TP-sharded like
+the dense layers' MLP.
+
+Per rank, with T tokens entering the layer (b s / CP, and / TP under sequence parallelism, which
+Megatron requires for MoE with TP > 1):
+  rows         R = T k ETP c; c = the capacity factor with --moe-pad-expert-input-to-capacity,
+                   else min(1, capacity factor), dropless 1. Routing is taken as balanced: a real
+                   router is not, and its busiest expert sets the pace (the load-balancing loss
+                   keeps it near); docs/time-model.md says so.
+  local experts L = E / EP, each R / L rows, run as one grouped GEMM.
+"""
+
+from __future__ import annotations
+
+from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, gemm_work, linear_work
+from megatron_pipette.spec.job import Job
+
+ROUTER_BYTES_PER_SCORE = 12
+"""Router softmax/top-k per token and expert: fp32 logits written, read and the scores written."""
+
+
+def tokens_in(job: Job) -> float:
+    """T: tokens one rank feeds its MoE layers per micro-batch."""
+    layout = job.layout
+    return job.tokens_per_microbatch / (layout.tp if layout.sequence_parallel else 1)
+
+
+def capacity_share(job: Job) -> float:
+    """c: routed rows relative to balanced dropless routing."""
+    w = job.workload
+    factor = w.moe_expert_capacity_factor
+    if factor is None:
+        return 1.0
+    return factor if w.moe_pad_expert_input_to_capacity else min(1.0, factor)
+
+
+def routed_rows(job: Job) -> float:
+    """R: rows the rank's local experts compute per micro-batch."""
+    return tokens_in(job) * job.workload.moe_router_topk * job.layout.etp * capacity_share(job)
+
+
+def _expert_widths(job: Job) -> tuple[int, int]:
+    """(fc1 output, fc2 input) of one routed expert on one expert-TP rank."""
+    w, etp = job.workload, job.layout.etp
+    return w.moe_ffn * (2 if w.swiglu else 1) // etp, w.moe_ffn // etp
+
+
+def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve) -> PartWork:
+    """The MLP half of an MoE layer on one rank: router, routed experts (grouped GEMMs over the
+    local experts), the shared experts' dense MLP, and the memory-bound permutations and activation."""
+    w, layout = job.workload, job.layout
+    t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
+    local = w.num_experts // layout.ep
+    fc1, fc2 = _expert_widths(job)
+    per_expert = rows / local
+    grouped = [(gemm_work(gemm, per_expert, out, inp, local), gemm_work(gemm, per_expert, inp, out, local),
+                gemm_work(gemm, out, inp, per_expert, local)) for out, inp in ((fc1, h), (h, fc2))]
+    dense = [linear_work(gemm, t, w.num_experts, h)]                             # the router, replicated
+    shared = w.moe_shared_expert_intermediate_size
+    n = job.tokens_per_microbatch
+    if shared is not None:
+        width = shared // layout.tp
+        dense += [linear_work(gemm, n, width * (2 if w.swiglu else 1), h), linear_work(gemm, n, h, width)]
+    moved = t * w.moe_router_topk * capacity_share(job) * h * e
+    mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
+           + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
+           + (3 if w.swiglu else 2) * e * rows * fc2       # the experts' activation
+           + ((3 if w.swiglu else 2) * e * n * (shared // layout.tp) if shared is not None else 0)
+           + ROUTER_BYTES_PER_SCORE * t * w.num_experts) / memory_bandwidth_Bps
+    parts = grouped + dense
+    return PartWork(forward=Work(flops=sum(f for f, _, _ in parts), mem_s=mem),
+                    backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem))
+
+
+def dispatch_bytes(job: Job) -> dict[str, float]:
+    """Bytes each dispatcher collective moves per MoE layer and direction, as the collective's size:
+    "a2a" what one rank sends to the expert-parallel group (its routed copies, itself included),
+    "etp" the all-gather (and reduce-scatter back) of the rows over expert TP, "tp_ep" the
+    allgather dispatcher's all-gather of every token over ETP x EP (and reduce-scatter back)."""
+    w, layout = job.workload, job.layout
+    t, h, e = tokens_in(job), w.hidden_size, w.bytes_per_element
+    if w.moe_token_dispatcher_type == "alltoall":
+        return {"a2a": t * w.moe_router_topk * capacity_share(job) * h * e,
+                "etp": routed_rows(job) * h * e if layout.etp > 1 else 0.0, "tp_ep": 0.0}
+    return {"a2a": 0.0, "etp": 0.0, "tp_ep": t * layout.etp * layout.ep * h * e}
+
+
+def moe_activation_bytes(job: Job) -> int:
+    """What the MLP half of an MoE layer keeps for its backward, one micro-batch, one rank (its input,
+    the pre-MLP norm's output, is counted with the layer): router scores, the rows entering the
+    experts, their fc1 output and fc2 input, the expert output the probability weighting needs,
+    and the shared experts' two wide tensors."""
+    w, layout = job.workload, job.layout
+    t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
+    fc1, fc2 = _expert_widths(job)
+    shared = w.moe_shared_expert_intermediate_size
+    shared_bytes = 0 if shared is None else e * job.tokens_per_microbatch * (shared // layout.tp) * (
+        3 if w.swiglu else 2)
+    return round(8 * t * w.num_experts + e * rows * (2 * h + fc1 + fc2) + shared_bytes)
+
+
+def moe_backward_bytes(job: Job) -> int:
+    """Gradients of the experts' two wide tensors in flight during an MoE layer's backward."""
+    fc1, fc2 = _expert_widths(job)
+    return round(job.workload.bytes_per_element * routed_rows(job) * (fc1 + fc2))

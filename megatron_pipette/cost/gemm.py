@@ -1,0 +1,147 @@
+"""GEMM and attention-kernel efficiency, and the work units the cost model adds up.
+
+A GEMM runs at a fraction of the device's large-GEMM rate (cluster.gemm_flops) that depends on
+its shape: measured tables per GPU (data/gemm_efficiency.json, benchmarks/gemm_table.py), or a
+parametric curve where a GPU has none. Work keeps effective FLOPs (FLOPs / efficiency) apart
+from memory-bound seconds, so one array operation prices every device at its own GEMM speed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+import numpy as np
+
+from megatron_pipette.spec.hardware import GPU
+
+TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
+"""The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
+rate; fp32 has no measurement and borrows bf16's shape dependence)."""
+
+
+@dataclass(frozen=True, eq=False)
+class GemmCurve:
+    """Fraction of the large-GEMM rate (cluster.gemm_flops, an 8192^3 GEMM) an (m x k) @ (k x n)
+    GEMM attains: a measured table (data/gemm_efficiency.json, log efficiency on a log2 grid,
+    interpolated trilinearly, clamped beyond it), or where the GPU has none the parametric
+    prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes."""
+
+    log_table: np.ndarray | None
+    """(g, g, g) log efficiency at m, n, k = 2^(lo + index); None: the parametric curve."""
+    lo: int = 0
+    """log2 of the grid's first node."""
+    half_dim: float = 0.0
+    """The parametric curve's constant (0: every GEMM at the large-GEMM rate)."""
+
+    def __call__(self, m: float, n: float, k: float) -> float:
+        if self.log_table is None:
+            return float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
+        return _interpolate(self.log_table, self.lo, (m, n, k))
+
+
+def _interpolate(log_table: np.ndarray, lo: int, coords) -> float:
+    """exp of the multilinear interpolation of `log_table` (nodes at 2^(lo + index) on every axis)
+    at log2 of `coords`, clamped to the grid."""
+    g = log_table.shape[0]
+    u = np.clip(np.log2(coords), lo, lo + g - 1) - lo
+    i = np.minimum(u.astype(int), g - 2)
+    cube = log_table[tuple(slice(k, k + 2) for k in i)]
+    for w in u - i:                          # interpolate away the first axis, then the next
+        cube = cube[0] * (1 - w) + cube[1] * w
+    return float(np.exp(cube))
+
+
+ATTENTION_KERNELS = {"auto": "cudnn", "fused": "cudnn", "flash": "flash"}
+"""The measured kernel each --attention-backend runs: Transformer Engine's fused attention is cuDNN's
+(also what auto picks on Hopper); flash is FlashAttention."""
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCurve:
+    """Fraction of the large-GEMM rate a causal attention kernel attains, counting the FLOPs it does
+    (half the full s^2 work), as a function of one call's FLOPs: measured forward and backward
+    (data/gemm_efficiency.json, log efficiency on a log2 grid of FLOPs, interpolated linearly)."""
+
+    log_table: np.ndarray
+    """(2, g) log efficiency, [forward, backward], at 2^(lo + index) FLOPs."""
+    lo: int
+
+    def efficiency(self, direction: int, flops: float) -> float:
+        """direction 0: forward, 1: backward."""
+        return _interpolate(self.log_table[direction], self.lo, (flops,))
+
+
+@cache
+def attention_curve(gpu: GPU | None, attention_backend: str) -> AttentionCurve | None:
+    """The causal kernel's measured curve on this GPU, None where there is none (unfused attention,
+    or a GPU without an attention table)."""
+    kernel = ATTENTION_KERNELS.get(attention_backend)
+    entry = _gpu_entry(gpu)
+    if kernel is None or entry is None or kernel not in entry.get("attention", {}):
+        return None
+    table = entry["attention"][kernel]
+    return AttentionCurve(log_table=np.log(np.array([table["forward"], table["backward"]], dtype=float)),
+                          lo=_gemm_data()["attention_log2_flops_range"][0])
+
+
+@cache
+def _gemm_data() -> dict:
+    return json.loads(resources.files("megatron_pipette.data").joinpath("gemm_efficiency.json").read_text())
+
+
+def _gpu_entry(gpu: GPU | None) -> dict | None:
+    """This GPU's measured tables (another GPU's where it stands in), None where none."""
+    entry = _gemm_data()["gpus"].get(gpu.name) if gpu is not None else None
+    return _gemm_data()["gpus"][entry["same_as"]] if entry is not None and "same_as" in entry else entry
+
+
+@cache
+def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
+    """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
+    data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
+    if entry is None or dtype not in entry["tables"]:
+        return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
+    return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
+
+
+def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> float:
+    """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape; a batch of them runs
+    as one GEMM of `count` times the rows."""
+    return 2.0 * m * n * k * count / gemm(m * count, n, k)
+
+
+def linear_work(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float, float]:
+    """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
+    `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
+    at its own shape's efficiency."""
+    return gemm_work(gemm, tokens, out, inp), gemm_work(gemm, tokens, inp, out), gemm_work(gemm, out, inp, tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """Work of one micro-batch on one device."""
+
+    flops: float = 0.0
+    """Effective GEMM FLOPs: seconds = flops / the device's gemm_flops."""
+    mem_s: float = 0.0
+    """Memory-bound seconds."""
+
+    def __add__(self, other: Work) -> Work:
+        return Work(flops=self.flops + other.flops, mem_s=self.mem_s + other.mem_s)
+
+    def scaled(self, k: float) -> Work:
+        return Work(flops=self.flops * k, mem_s=self.mem_s * k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartWork:
+    """Forward, backward and recomputed work of one part of the model."""
+
+    forward: Work
+    backward: Work
+    """Without recomputation."""
+    recompute: Work = Work()
+    """Extra forward work redone in the backward, when this part is recomputed."""

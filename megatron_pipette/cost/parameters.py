@@ -1,0 +1,74 @@
+"""Parameters one device holds, per pipeline stage, in the two kinds Megatron treats apart.
+
+Dense parameters (attention, norms, dense MLPs, routers, shared experts, embeddings) are
+replicated over the data- and context-parallel ranks, and their gradients are reduced (and the
+distributed optimizer shards them) there; expert parameters over the expert data-parallel ranks
+(world / (ETP x EP x PP)). Memory (weights, gradients, optimizer state) and time (gradient
+reduction, parameter all-gather, optimizer step) both follow from these counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_pipette.spec.job import Job
+from megatron_pipette.spec.workload import Workload
+
+
+@dataclass(frozen=True, eq=False)
+class StageParameters:
+    dense: np.ndarray
+    """(pp,) dense parameters on one device of each stage."""
+    expert: np.ndarray
+    """(pp,) expert parameters on one device of each stage (zeros for a dense model)."""
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.dense + self.expert
+
+
+def dense_layer_parameters(workload: Workload, tp: int, moe: bool = False) -> int:
+    """One layer's dense parameters on one TP rank: linear weights and column-parallel biases are
+    split over TP; norms, the row-parallel biases (attention projection, fc2) and an MoE layer's
+    router are replicated. An MoE layer's dense MLP part is its shared experts (which have no biases)."""
+    h, bias = workload.hidden_size, workload.add_bias_linear
+    replicated = 2 * workload.norm_parameters() + (h if bias else 0)
+    sharded = workload.attention_parameters() - (h if bias else 0)
+    if moe:
+        replicated += workload.router_parameters()
+        sharded += workload.shared_expert_parameters()
+    else:
+        replicated += h if bias else 0
+        sharded += workload.mlp_parameters(workload.ffn) - (h if bias else 0)
+    assert sharded % tp == 0, "validate_layout checks heads, groups and ffn divide by TP"
+    return sharded // tp + replicated
+
+
+def expert_layer_parameters(workload: Workload, ep: int, etp: int) -> int:
+    """One MoE layer's routed experts on one device: E / EP experts, each split over ETP (biases
+    only with ETP 1, which validate_layout enforces)."""
+    return workload.num_experts // ep * workload.mlp_parameters(workload.moe_ffn) // etp
+
+
+def stage_parameters(job: Job) -> StageParameters:
+    """Per stage: its layers, plus the word (vocab-parallel) and learned position (replicated)
+    embeddings on stage 0, and the final norm and output layer on the last stage (a second copy
+    of a tied embedding when PP > 1)."""
+    workload, layout = job.workload, job.layout
+    tp, pp, h = layout.tp, layout.pp, workload.hidden_size
+    layers = np.array(job.stage_layers, dtype=np.int64)
+    moe = np.array([sum(chunks) for chunks in job.moe_layers], dtype=np.int64) if job.moe_layers \
+        else np.zeros(pp, dtype=np.int64)
+    dense = (layers - moe) * dense_layer_parameters(workload, tp)
+    expert = np.zeros(pp, dtype=np.int64)
+    if moe.any():
+        dense += moe * dense_layer_parameters(workload, tp, moe=True)
+        expert = moe * expert_layer_parameters(workload, layout.ep, layout.etp)
+    words = workload.padded_vocab_size(tp) * h // tp
+    dense[0] += words + workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
+    dense[-1] += workload.norm_parameters()
+    if workload.untie_embeddings_and_output_weights or pp > 1:
+        dense[-1] += words
+    return StageParameters(dense=dense, expert=expert)
