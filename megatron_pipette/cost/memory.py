@@ -249,19 +249,21 @@ def _layer_parameters_per_device(workload: Workload, tp: int) -> int:
     return sharded // tp + replicated
 
 
-def _stage_parameters(job: Job, stage: int, layers: int) -> int:
+def stage_parameters(job: Job) -> tuple[int, ...]:
+    """Parameters one device of each pipeline stage holds, exactly: its layers (TP-sharded but for
+    the norms and row-parallel biases), the word embedding (vocab-parallel) and learned positions
+    (replicated) on stage 0, the final norm and the output layer on the last stage (with tied
+    embeddings and PP > 1 a second copy of the word embedding). Its gradients are what the data-
+    parallel group reduces (cost.timing); memory and time read this one count."""
     workload, layout = job.workload, job.layout
     tp, pp, h = layout.tp, layout.pp, workload.hidden_size
     words = workload.padded_vocab_size(tp) * h // tp
-    params = layers * _layer_parameters_per_device(workload, tp)
-    if stage == 0:  # word embedding (vocab-parallel) and learned positions (replicated)
-        positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
-        params += words + positions
-    if stage == pp - 1:  # final norm; the output layer, a second copy of a tied embedding when PP > 1
-        params += workload.norm_parameters()
-        if workload.untie_embeddings_and_output_weights or pp > 1:
-            params += words
-    return params
+    params = [layers * _layer_parameters_per_device(workload, tp) for layers in job.stage_layers]
+    params[0] += words + workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
+    params[-1] += workload.norm_parameters()
+    if workload.untie_embeddings_and_output_weights or pp > 1:
+        params[-1] += words
+    return tuple(params)
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,7 @@ def _chunk_activations(job: Job, chunk_layers: int, profile: LayerProfile | None
     return checkpointed * stored + (chunk_layers - checkpointed) * full, full
 
 
-def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | None,
+def _stage_memory(job: Job, stage: int, layers: int, params: int, profile: LayerProfile | None,
                   overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
@@ -375,7 +377,6 @@ def _stage_memory(job: Job, stage: int, layers: int, profile: LayerProfile | Non
     logits = e * tokens * vocab // t if last and e != 4 else 0
     transient = buffer + max(logits, recomputed + backward)
 
-    params = _stage_parameters(job, stage, layers)
     weight, gradient, optimizer, step = state_bytes_per_parameter(workload.precision)
     shards = layout.dp if layout.use_distributed_optimizer else 1
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
@@ -396,7 +397,8 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     """
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
-    stages = tuple(_stage_memory(job, r, n, profile, overheads, nvls_domain) for r, n in enumerate(job.stage_layers))
+    stages = tuple(_stage_memory(job, r, n, p, profile, overheads, nvls_domain)
+                   for r, (n, p) in enumerate(zip(job.stage_layers, stage_parameters(job))))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 

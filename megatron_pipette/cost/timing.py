@@ -27,6 +27,7 @@ import numpy as np
 from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork
+from megatron_pipette.cost.memory import stage_parameters
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
@@ -161,19 +162,6 @@ def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool
                                      ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
 
 
-def _stage_parameters(job: Job) -> np.ndarray:
-    """(pp,) parameters per TP rank of each stage (replicated norms counted as sharded)."""
-    workload, layout = job.workload, job.layout
-    tp = layout.tp
-    params = np.array(job.stage_layers, dtype=float) * workload.layer_parameters() / tp
-    words = workload.padded_vocab_size(tp) * workload.hidden_size / tp
-    params[0] += workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * workload.hidden_size + words
-    params[-1] += workload.norm_parameters()
-    if workload.untie_embeddings_and_output_weights or layout.pp > 1:
-        params[-1] += words
-    return params
-
-
 def _grad_bytes(workload: Workload) -> int:
     """Megatron reduces gradients in fp32 for bf16 (accumulate_allreduce_grads_in_fp32), else in the param dtype."""
     return 4 if workload.precision in ("bf16", "fp32") else 2
@@ -269,7 +257,7 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     pipe = _run_schedule(name, stages.times, m, simulate)
     crit = int(np.argmax(pipe.total_s))
     t_pipe = float(pipe.total_s[crit])
-    params = _stage_parameters(job)
+    params = np.array(stage_parameters(job), dtype=float)
     exposed, gather = _dp_exposed(job, links, name, stages, crit, params)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_pipette.cost import timing
+from megatron_pipette.cost import memory, timing
 from megatron_pipette.cost.timing import iteration_time
 from megatron_pipette.errors import Infeasible
 from megatron_pipette.spec.hardware import Cluster, preset_cluster, uniform_level
@@ -181,7 +181,7 @@ def test_param_gather_overlap_without_interleaving_waits_stage_by_stage():
     model = CostModel(preset_cluster("dgx-a100", num_nodes=128))
     on, off = (resolve_job(w, layout(8, 8, 16, use_distributed_optimizer=True, overlap_grad_reduce=True,
                                       overlap_param_gather=flag)) for flag in (True, False))
-    params = timing._stage_parameters(on)
+    params = np.array(memory.stage_parameters(on), dtype=float)
     ag = model.links(on).data.all_gather_s(params[:, None] * w.bytes_per_element).max(axis=1)
     buckets = np.ceil(params[0] / 40e6)
     first_forward = model.time(on).stage_times[0].forward_s
