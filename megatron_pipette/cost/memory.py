@@ -303,7 +303,8 @@ def _communicators(tp: int, pp: int, dp: int, stage: int, tied_split: bool, dist
     stride_pp = tp * dp
 
     def group(name: str, ranks: np.ndarray, bulk: bool) -> Communicator:
-        return Communicator(group=name, bulk=bulk, local_ranks=int(np.count_nonzero(ranks // domain == device // domain)))
+        local = int(np.count_nonzero(ranks // domain == device // domain))
+        return Communicator(group=name, bulk=bulk, local_ranks=local)
 
     comms = []
     if tp > 1:
