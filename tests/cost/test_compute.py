@@ -65,7 +65,9 @@ def test_table_interpolates_between_nodes_and_clamps_beyond_them():
 def test_presets_run_at_the_measured_large_gemm_rate():
     h100 = lookup_gpu("H100")
     assert preset_cluster("dgx-h100", num_nodes=1).gemm_flops[0] == pytest.approx(0.795 * h100.peak("bf16"))
-    assert A100.gemm_flops[0] == pytest.approx(0.75 * 312e12)          # no measurement: the default
+    assert A100.gemm_flops[0] == pytest.approx(0.83 * 312e12)          # calibrated on published runs
+    v100 = preset_cluster("dgx-v100", num_nodes=1, precision="fp16")
+    assert v100.gemm_flops[0] == pytest.approx(0.75 * 125e12)          # neither: the default
 
 
 def test_raw_gemm_flops_are_megatrons_model_flops(monkeypatch):
