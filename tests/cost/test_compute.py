@@ -50,7 +50,8 @@ def test_gpus_without_a_table_use_the_parametric_curve_fitted_on_the_h100():
         assert curve.log_table is None
         assert curve(1024, 4096, 8192) == pytest.approx(np.prod([x / (x + c) for x in (1024, 4096, 8192)]))
     assert gemm_curve(lookup_gpu("A100"), "fp16").half_dim == gemm_curve(lookup_gpu("A100"), "bf16").half_dim == c
-    assert gemm_curve(lookup_gpu("H200"), "bf16")(4096, 4096, 4096) == gemm_curve(lookup_gpu("H100"), "bf16")(4096, 4096, 4096)
+    h100, h200 = (gemm_curve(lookup_gpu(name), "bf16") for name in ("H100", "H200"))
+    assert h200(4096, 4096, 4096) == h100(4096, 4096, 4096)
 
 
 def test_table_interpolates_between_nodes_and_clamps_beyond_them():
@@ -65,7 +66,9 @@ def test_table_interpolates_between_nodes_and_clamps_beyond_them():
 def test_presets_run_at_the_measured_large_gemm_rate():
     h100 = lookup_gpu("H100")
     assert preset_cluster("dgx-h100", num_nodes=1).gemm_flops[0] == pytest.approx(0.795 * h100.peak("bf16"))
-    assert A100.gemm_flops[0] == pytest.approx(0.75 * 312e12)          # no measurement: the default
+    assert A100.gemm_flops[0] == pytest.approx(0.83 * 312e12)          # calibrated on published runs
+    v100 = preset_cluster("dgx-v100", num_nodes=1, precision="fp16")
+    assert v100.gemm_flops[0] == pytest.approx(0.75 * 125e12)          # neither: the default
 
 
 def test_raw_gemm_flops_are_megatrons_model_flops(monkeypatch):

@@ -39,7 +39,8 @@ def test_model_flops_match_megatron_formula():
     megatron = 72 * b * s * L * h * h * (1 + s / (12 * h) + V / (12 * h * L))
     assert w.model_flops_per_iteration() == pytest.approx(megatron, rel=1e-12)
     gqa = workload_from_preset("llama3-8b")        # GQA, SwiGLU: Megatron's terms written out
-    t, q, kv = gqa.global_batch_size * gqa.seq_length, gqa.num_attention_heads * gqa.head_dim, 2 * gqa.query_groups * gqa.head_dim
+    t = gqa.global_batch_size * gqa.seq_length
+    q, kv = gqa.num_attention_heads * gqa.head_dim, 2 * gqa.query_groups * gqa.head_dim
     per_token = 6 * (gqa.hidden_size * (q + kv) + q * gqa.hidden_size) + 6 * q / 2 * 2 * gqa.seq_length \
         + 6 * gqa.hidden_size * gqa.ffn * 3
     logits = 6 * gqa.hidden_size * gqa.padded_vocab_size(1)

@@ -1,0 +1,143 @@
+"""Mixture-of-experts and context parallelism in the cost model: parameters, memory, dispatch and
+the key/value exchange, checked against counts done by hand."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_pipette.cost import experts
+from megatron_pipette.cost.comm import all_to_all, group_links
+from megatron_pipette.cost.memory import estimate_memory
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.parameters import stage_parameters
+from megatron_pipette.errors import Infeasible
+from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload, workload_from_preset
+from megatron_pipette.units import GiB
+
+MOE = Workload(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=4096, global_batch_size=64,
+               ffn_hidden_size=4096, swiglu=True, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2048,
+               moe_layer_freq="([0]+[1]*7)", add_bias_linear=False, normalization="RMSNorm",
+               position_embedding_type="rope", vocab_size=32000, untie_embeddings_and_output_weights=True,
+               moe_token_dispatcher_type="alltoall")
+H100 = 80 * GiB
+
+
+def job(workload=MOE, **layout):
+    return resolve_job(workload, Layout(**{"data_parallel_size": 1, **layout}))
+
+
+@pytest.mark.parametrize("ep, pp", [(1, 1), (8, 1), (4, 2)])
+def test_parameters_over_the_expert_grid_add_up_to_the_model(ep, pp):
+    """TP 1: every device of a stage holds its dense parameters whole and 1/EP of its experts, so
+    dense summed over stages plus experts x EP summed over stages is the model."""
+    params = stage_parameters(job(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+                                  data_parallel_size=8 // pp))
+    assert params.dense.sum() + ep * params.expert.sum() == MOE.total_parameters()
+    assert params.expert.sum() == 7 * 8 // ep * MOE.mlp_parameters(2048)
+
+
+def test_expert_tensor_parallelism_splits_the_experts_not_the_router():
+    one, two = (stage_parameters(job(tensor_model_parallel_size=2, sequence_parallel=True,
+                                     expert_tensor_parallel_size=etp, data_parallel_size=4)) for etp in (1, 2))
+    assert one.expert[0] == 2 * two.expert[0] and one.dense[0] == two.dense[0]
+
+
+def test_distributed_optimizer_shards_experts_over_expert_data_parallel():
+    """8 GPUs, EP 4: dense state over DP 8, expert state over EDP 2 (12 bytes a parameter)."""
+    j = job(expert_model_parallel_size=4, data_parallel_size=8, use_distributed_optimizer=True)
+    params, stage = stage_parameters(j), estimate_memory(j, H100).stages[0]
+    assert stage.optimizer_bytes == -(-12 * params.dense[0] // 8) - (-12 * params.expert[0] // 2)
+    assert stage.parameters == params.dense[0] + params.expert[0]
+
+
+def test_routed_rows_and_dispatch_volume():
+    """T = b s / CP / TP tokens enter; each goes to k experts; ETP gathers its group's rows."""
+    j = job(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=4,
+            data_parallel_size=4, micro_batch_size=2)
+    t = 2 * 4096 / 2
+    assert experts.routed_rows(j) == t * 2 * 2
+    assert experts.dispatch_bytes(j) == {"a2a": t * 2 * 1024 * 2, "etp": t * 2 * 2 * 1024 * 2, "tp_ep": 0.0}
+    padded = dataclasses.replace(MOE, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    assert experts.routed_rows(job(padded, expert_model_parallel_size=4, data_parallel_size=4)) == 4096 * 2 * 1.5
+
+
+def test_all_to_all_adds_up_each_ranks_peers_per_link_kind():
+    """16 ranks over two 8-GPU nodes: each sends 1/16 of S to 7 NVLink peers and 8 over the NIC,
+    at once: the slower of 7 / B_nvlink and 8 / B_nic per byte of a share."""
+    c = preset_cluster("dgx-h100", num_nodes=2)
+    summary = all_to_all(np.arange(16)[None], c)
+    _, nv = c.link(np.array(0), np.array(1), two_way=True)
+    _, nic = c.link(np.array(0), np.array(8), two_way=True)
+    assert summary.inv_bw_s_per_B[0] == pytest.approx(max(7 / nv, 8 / nic))
+    assert summary.all_to_all_s(16e6)[0] == pytest.approx(summary.alpha_s[0] + 1e6 * max(7 / nv, 8 / nic))
+
+
+def test_dispatch_across_nodes_costs_more_than_inside_one():
+    """EP 8 inside a node against EP 8 spread over 8 nodes (the placement puts each expert group's
+    ranks on different nodes): the all-to-alls cross the NICs."""
+    c = preset_cluster("dgx-h100", num_nodes=8)
+    model = CostModel(c)
+    j = job(expert_model_parallel_size=8, data_parallel_size=64)
+    inside = model.time(j).breakdown.ep_comm_s
+    spread = np.arange(64).reshape(8, 8).T.ravel()            # logical rank r on node r % 8
+    across = model.time(j, spread).breakdown.ep_comm_s
+    assert 0 < inside < across / 3
+
+
+def test_moe_layers_without_shared_experts_have_no_mlp_tp_collectives():
+    """TP 2 with SP: a dense layer runs four TP collectives forward, an MoE layer without shared
+    experts only attention's two (its tokens reach the experts through the dispatcher)."""
+    dense = dataclasses.replace(MOE, num_experts=None, moe_layer_freq=1)
+    c = preset_cluster("dgx-h100", num_nodes=1)
+    model = CostModel(c)
+    base = dict(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=4)
+    t_dense = model.time(job(dense, **base)).breakdown.tp_comm_s
+    t_moe = model.time(job(**base)).breakdown.tp_comm_s
+    assert t_moe < t_dense * 0.7
+
+
+def test_context_parallelism_splits_tokens_and_activations():
+    """CP 2 halves the tokens a rank holds: the per-layer activations halve, the optimizer shards
+    over DP x CP, and the p2p ring's exchange hides behind long-sequence attention."""
+    w = workload_from_preset("llama3-8b", seq_length=32768, max_position_embeddings=32768, global_batch_size=8)
+    c = preset_cluster("dgx-h100", num_nodes=2)
+    model = CostModel(c)
+    base = dict(tensor_model_parallel_size=8, sequence_parallel=True, use_distributed_optimizer=True,
+                recompute_granularity="selective")
+    one = resolve_job(w, Layout(**base, data_parallel_size=2))
+    two = resolve_job(w, Layout(**base, context_parallel_size=2, data_parallel_size=1))
+    assert two.tokens_per_microbatch == one.tokens_per_microbatch // 2
+    m1, m2 = model.memory(one).stages[0], model.memory(two).stages[0]
+    assert m2.activation_bytes == pytest.approx(m1.activation_bytes / 2, rel=0.01)
+    assert m2.optimizer_bytes == m1.optimizer_bytes
+    assert model.time(two).breakdown.cp_comm_s == 0.0
+    gathered = resolve_job(w, Layout(**base, context_parallel_size=2, cp_comm_type="allgather", data_parallel_size=1))
+    assert model.time(gathered).breakdown.cp_comm_s > 0
+
+
+def test_context_parallel_ring_shows_when_attention_is_short():
+    """At 4k tokens over 4 ranks, each on its own node (TP 8 fills a node), the K/V blocks over the
+    NICs outlast the attention they hide behind; at 8k the attention (quadratic) covers them."""
+    w = workload_from_preset("llama3-8b", seq_length=4096, global_batch_size=8)
+    c = preset_cluster("dgx-a100", num_nodes=4)
+    model = CostModel(c)
+    j = resolve_job(w, Layout(tensor_model_parallel_size=8, sequence_parallel=True, context_parallel_size=4,
+                              data_parallel_size=1))
+    spread = group_links(8, 1, 1, c, cp=4).devices        # identity: each CP rank on its own node
+    assert spread.shape == (1, 4, 8)
+    assert model.time(j).breakdown.cp_comm_s > 0
+    longer = resolve_job(dataclasses.replace(w, seq_length=8192), j.layout)
+    assert model.time(longer).breakdown.cp_comm_s == 0
+
+
+def test_context_parallel_rules():
+    w = workload_from_preset("llama3-8b", seq_length=8192, global_batch_size=8)
+    with pytest.raises(Infeasible, match="a2a splits the heads"):
+        resolve_job(w, Layout(tensor_model_parallel_size=8, sequence_parallel=True, context_parallel_size=2,
+                              cp_comm_type="a2a", data_parallel_size=1))
+    with pytest.raises(Infeasible, match="divisible by 2 x --context-parallel-size"):
+        resolve_job(dataclasses.replace(w, seq_length=8190), Layout(context_parallel_size=4, data_parallel_size=1))
