@@ -181,7 +181,8 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     ep_f = ep_b = np.zeros_like(tp_f)
     if work.moe_layers.any():
         one = _dispatch(job, links)[None, :, None]
-        ep_f, ep_b = one * work.moe_layers, one * (work.moe_layers + work.moe_recomputed)
+        ep_f = ep_f + one * work.moe_layers                        # every replica of a stage alike
+        ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed)
     cp_f = cp_b = np.zeros_like(tp_f)
     if layout.cp > 1:
         one_f, one_b = _context_parallel(job, work, links, rate)

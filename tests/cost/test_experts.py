@@ -141,3 +141,13 @@ def test_context_parallel_rules():
                               cp_comm_type="a2a", data_parallel_size=1))
     with pytest.raises(Infeasible, match="divisible by 2 x --context-parallel-size"):
         resolve_job(dataclasses.replace(w, seq_length=8190), Layout(context_parallel_size=4, data_parallel_size=1))
+
+
+def test_moe_on_an_uneven_cluster_prices_every_replica():
+    """A slow GPU makes a later replica the critical one; the dispatch is priced for every replica."""
+    c = preset_cluster("dgx-a100", num_nodes=2)
+    rates = c.gemm_flops.copy()
+    rates[13] /= 2
+    c = dataclasses.replace(c, gemm_flops=rates)
+    t = CostModel(c).time(job(expert_model_parallel_size=4, data_parallel_size=16))
+    assert t.breakdown.ep_comm_s > 0 and t.iteration_time_s > 0
