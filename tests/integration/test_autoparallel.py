@@ -211,3 +211,20 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert sorted(before) == list(range(1, 7)) and sorted(after) == list(range(7, 11))
     assert all(v == v and v < float("inf") for v in after.values())
     assert after[7] < before[1] - 0.2 and after[10] < after[7], (before, after)
+
+
+@pytest.mark.torchrun
+def test_mixture_of_experts_trains_under_the_planned_expert_layout(run_bounded, tmp_path: Path, monkeypatch) -> None:
+    """Megatron's MoE layer with the all-to-all dispatcher, 4 experts over EP 2 (typed; the rest is
+    planned): the hook applies the plan, Megatron builds the expert groups the log names, and the
+    loss falls."""
+    monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
+    out = run_bounded(["bash", str(AUTO_GPT), "--train-iters", "6", "--num-experts", "4", "--moe-router-topk", "2",
+                       "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
+                       "--expert-model-parallel-size", "2"], timeout=240)
+    chosen = re.search(r"> auto-parallel: chosen layout ([^:\n]*)", out).group(1)
+    assert " ep2 " in f" {chosen} ", chosen
+    groups = re.search(r"> auto-parallel: expert-parallel groups \(torchrun ranks\): (.*)", out).group(1)
+    assert sorted(len(g.split(",")) for g in re.findall(r"\[([^\]]*)\]", groups)) == [2, 2], groups
+    losses = {int(i): float(v) for i, v in LOSS.findall(out)}
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.2, losses
