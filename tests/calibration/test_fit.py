@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from helpers.clusters import random_cluster
-from megatron_pipette.calibration.check import GiB, MemorySample, RankSample, compare
+from helpers.checks import samples_where
+from helpers.clusters import cpu_like
+from megatron_pipette.calibration.check import GiB, RankSample, compare
 from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, factors_from_json, fit
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
@@ -22,38 +23,13 @@ from megatron_pipette.spec.workload import workload_from_preset
 TINY = workload_from_preset("tiny-gpt")
 
 
-def cpu_like(nodes: int = 1, gpn: int = 4):
-    """A small random cluster whose links are slow enough against compute that they matter."""
-    c = random_cluster(seed=3, nodes=nodes, gpn=gpn, spread=3.0)
-    slow = calibrated(c, None, Factors(link_bandwidth={"intra_node": 1e-3, "inter_node": 1e-3})).cluster
-    return dataclasses.replace(slow, gemm_flops=c.gemm_flops / 2e4, memory_bandwidth_Bps=c.memory_bandwidth_Bps / 1e3)
-
-
-def measured(truth, job, placement: Placement, memory_excess: int | None = None):
-    """The check a job would give where the truth holds: every stage's ranks at its predicted times."""
-    est = truth.time(job, placement.logical_to_physical)
-    mem = truth.memory(job)
-    samples = []
-    for stage, (st, sm) in enumerate(zip(est.stage_times, mem.stages)):
-        memory = None
-        if memory_excess is not None:
-            state = sm.weight_bytes + sm.gradient_bytes + sm.optimizer_bytes
-            memory = MemorySample(before_step=state, peak_allocated=state + sm.activation_bytes,
-                                  peak_reserved=sm.total_bytes - sm.overhead_bytes,
-                                  outside_allocator=sm.overhead_bytes + memory_excess * (stage == 0))
-        samples.append(RankSample(rank=stage, stage=stage, iteration_s=est.iteration_time_s,
-                                  forward_backward_s=est.iteration_time_s - est.breakdown.optimizer_s,
-                                  compute_s=(st.forward_s + st.backward_s) * job.num_microbatches, memory=memory))
-    return samples
-
-
 def check_of(cluster, layout: Layout, truth_factors: Factors, memory_excess: int | None = None):
     job = resolve_job(TINY, layout)
     placement = Placement(tuple(range(cluster.num_nodes)), cluster.gpus_per_node)
     time, memory = evaluate(CostModel(cluster), job, placement)
     candidate = candidate_json(Candidate(layout=layout, placement=placement, time=time, memory=memory,
                                          default_order_time_s=time.iteration_time_s))
-    samples = measured(calibrated(cluster, None, truth_factors), job, placement, memory_excess)
+    samples = samples_where(calibrated(cluster, None, truth_factors), job, placement, memory_excess)
     return compare(candidate, samples, (2, 6)), placement
 
 
