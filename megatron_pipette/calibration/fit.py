@@ -60,8 +60,8 @@ measurement says the model is missing a term, not that a rate is off."""
 MIN_COMM_SHARE = 0.01
 """When halving or doubling the fitted link rate moves the schedule's time by less than this
 share, a timing error of that size would move the factor more than 2x: links are left as probed."""
-GRID = 49
-BISECTIONS = 40
+GRID = 25
+BISECTIONS = 30
 NEWTON_STEPS = 3
 
 

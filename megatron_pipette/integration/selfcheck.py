@@ -200,6 +200,8 @@ def _timed_step(original: Callable) -> Callable:
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         window = _active
+        if window is None:  # a reference kept from before the check ended
+            return original(*args, **kwargs)
         window.calls += 1
         if window.calls <= SKIPPED:
             _skip_if_too_short(kwargs.get("iteration"))
