@@ -2,15 +2,20 @@
 
 On every rank, before Megatron derives anything from the layout flags:
 
+0. without a GPU, turn on the CPU rehearsal and supply the settings it needs
+   that the command line leaves out; keep prebuilt dataset helpers (dropin);
 1. initialise torch.distributed from the torchrun environment (a probe group);
 2. identify the allocation; a plan cached for the same allocation and model
-   is reused, else probe the links and devices and profile one layer (rank 0);
+   is reused (planned again if a self-check calibrated the model since; a
+   cached probe without a plan is planned from: replan), else probe the links
+   and devices and profile one layer (rank 0);
 3. plan on rank 0, broadcast the plan, and agree through the store that every
    rank holds the same one (a failed rank says so instead of leaving the
    others waiting);
 4. re-initialise torch.distributed with the placement's ranks and rewrite
    Megatron's layout arguments; Megatron then continues as if the user had
-   typed the chosen flags.
+   typed the chosen flags;
+5. arm the self-check of the first iterations under the plan (selfcheck).
 
 If anything fails or runs past the budget, every rank falls back to the
 user's own flags with one warning (or stops, with --auto-parallel-strict).
@@ -227,7 +232,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         if opts.auto_parallel_check_iterations > 0 and not opts.auto_parallel_dry_run:
             selfcheck.arm(selfcheck.CheckSetup(
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
-                plan=doc, record=record, on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
+                plan=doc, record=record, concludes=rank == 0,
+                on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
     megatron_args.make_resumable_across_layouts(args)
     log("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items())
         + f"; total {phases.elapsed():.1f} s", args.rank)

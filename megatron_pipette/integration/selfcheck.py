@@ -12,7 +12,8 @@ around `train_step` (on CUDA, Megatron's step ends by reading the model-parallel
 `update_successful` with `.item()`, so the host waits for the device every step and the host
 time is the device time); its forward and backward passes by the host clock on CPU and by CUDA
 events on a GPU, read only at the check. At the check every rank posts one record to torchrun's
-store and only rank 0 reads them, waiting at most REPORT_WAIT_S: a rank that died holds no one.
+store and only torchrun's rank 0 (the process that planned and holds the cache) reads them,
+waiting at most REPORT_WAIT_S: a rank that died holds no one.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class CheckSetup:
     """The plan document in use (its candidates[0] is the chosen layout)."""
     record: Path | None
     """The cache directory whose plan.json is that plan (None: pinned with --auto-parallel-plan-file)."""
+    concludes: bool
+    """Whether this process reads the records and writes the cache: torchrun's rank 0, which planned
+    and wrote that cache (re-ranking may have made another process rank 0, on another node)."""
     on_gpu: bool
 
 
@@ -242,7 +246,7 @@ def _report(window: _Window) -> None:
     try:
         sample = window.sample(rank, parallel_state.get_pipeline_model_parallel_rank())
         setup.store.set(f"{setup.prefix}{rank}", json.dumps(sample.as_json()))
-        if rank == 0:
+        if setup.concludes:
             _conclude(setup, dist.get_world_size())
     except Exception as e:  # noqa: BLE001 (reported, and training goes on)
         print(f"> auto-parallel: self-check failed on rank {rank}: {type(e).__name__}: {e}", flush=True)

@@ -75,5 +75,6 @@ def cpu_like(nodes: int = 1, gpn: int = 4) -> Cluster:
         return dataclasses.replace(level, bandwidth_Bps=level.bandwidth_Bps * 1e-3,
                                    exchange_bandwidth_Bps=level.exchange_bandwidth_Bps * 1e-3)
 
-    return dataclasses.replace(c, intra_node=tuple(slow(level) for level in c.intra_node), inter_node=slow(c.inter_node),
-                               gemm_flops=c.gemm_flops / 2e4, memory_bandwidth_Bps=c.memory_bandwidth_Bps / 1e3)
+    return dataclasses.replace(c, intra_node=tuple(slow(level) for level in c.intra_node),
+                               inter_node=slow(c.inter_node), gemm_flops=c.gemm_flops / 2e4,
+                               memory_bandwidth_Bps=c.memory_bandwidth_Bps / 1e3)

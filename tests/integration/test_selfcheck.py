@@ -82,3 +82,32 @@ def test_the_next_start_plans_with_the_calibrated_model(run_torchrun, checked_jo
     replanned = json.loads((directory / "plan.json").read_text())
     assert replanned["calibration"]["id"] == calibration["id"]
     assert "self_check" not in replanned
+
+
+@pytest.mark.megatron
+def test_a_rank_that_never_reports_holds_the_check_only_briefly(monkeypatch, capsys) -> None:
+    """Rank 1 died before the check: torchrun's rank 0 waits out REPORT_WAIT_S for its record, then
+    compares the ranks that did report and says which did not."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_pipette.calibration.check import RankSample
+    from megatron_pipette.integration import selfcheck
+
+    monkeypatch.setattr(selfcheck, "REPORT_WAIT_S", 0.5)
+    store = dist.HashStore()
+    candidate = {"iteration_time_s": 1.0, "memory": {"stages": [
+        {"stage": 0, "weight_bytes": 1, "gradient_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1,
+         "transient_bytes": 1, "overhead_bytes": 1, "peak_bytes": 6}]}}
+    setup = selfcheck.CheckSetup(store=store, prefix="pipette/0/check/", iterations=3, plan={"candidates": [candidate]},
+                                 record=None, concludes=True, on_gpu=False)
+    mine = RankSample(rank=0, stage=0, iteration_s=1.2, forward_backward_s=1.1, compute_s=0.9, memory=None)
+    store.set("pipette/0/check/0", json.dumps(mine.as_json()))
+    start = time.monotonic()
+    selfcheck._conclude(setup, world=2)
+    assert time.monotonic() - start < 5
+    out = capsys.readouterr().out
+    assert "> auto-parallel: self-check, iterations 2-4: predicted 1 s/iteration, measured 1.2 s (+20.0%)" in out
+    assert "> auto-parallel: self-check: rank(s) 1 did not report; compared without them" in out
+    assert "self-check not recorded: the plan is pinned by --auto-parallel-plan-file" in out
