@@ -29,7 +29,7 @@ demo: venv
 # the probe's pure parts) with importing torch made an error; test-random is the same with
 # hypothesis drawing new examples; test-gpu runs the tests that need CUDA (they skip without it).
 FAST := -m "not torchrun and not slow and not gpu" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe \
-        tests/architecture
+        tests/architecture tests/calibration
 
 test: venv
 	$(PY) -m pytest -q

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
+
 from megatron_pipette.cost.compute import core_attention
 from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import gpu_catalog

@@ -58,8 +58,8 @@ def measured_seconds(run: dict) -> float:
     which counts the recomputation pass)."""
     if "iteration_s" in run:
         return run["iteration_s"]
-    b, l, h = run["global_batch_size"], run["num_layers"], run["hidden_size"]
-    flops = 96 * b * SEQ * l * h ** 2 * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
+    b, layers, h = run["global_batch_size"], run["num_layers"], run["hidden_size"]
+    flops = 96 * b * SEQ * layers * h ** 2 * (1 + SEQ / (6 * h) + VOCAB / (16 * layers * h))
     return flops / (run["tflops_per_gpu"] * 1e12 * run["gpus"])
 
 

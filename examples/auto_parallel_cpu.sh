@@ -2,12 +2,15 @@
 # `make demo`: Megatron's own training loop with --auto-parallel, 4 gloo processes on CPU (NPROC=N for N).
 # The hook probes the 4 processes' links, profiles one layer, plans the layout and rank
 # placement, re-ranks the processes, and hands over to Megatron, which trains a tiny GPT
-# for 20 iterations. No layout flag is given: the planner chooses them all.
+# for 20 iterations. No layout flag is given: the planner chooses them all. Nor is any CPU setting
+# (gloo, the local layer spec, ...): without a GPU the hook supplies them, and says so. After the
+# first iteration the self-check times 5 more, compares them with the plan and calibrates the
+# model for the next start (a second `make demo` plans with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# One thread per rank: 4 ranks share the cores. Megatron requires the second for TP > 1.
-export OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+# One thread per rank: 4 ranks share the cores.
+export OMP_NUM_THREADS=1
 
 exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-4}" \
   examples/pretrain_gpt.py \
@@ -16,8 +19,6 @@ exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run --standalone --nproc
   --global-batch-size 16 --train-iters 20 \
   --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --lr-warmup-iters 2 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --num-workers 0 \
-  --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion \
-  --distributed-backend gloo \
   --log-interval 1 --eval-iters 0 --eval-interval 1000 \
   --auto-parallel --auto-parallel-budget-s 60 --auto-parallel-cache-dir "${PIPETTE_CACHE_DIR:-out/pipette-cache}" \
   "$@"

@@ -1,8 +1,9 @@
 """Pretrain a GPT model with megatron.training, as Megatron-LM's pretrain_gpt.py does.
 
-Takes Megatron's usual flags and runs under torchrun. Without a GPU it switches on
-megatron-pipette's CPU rehearsal mode, so the same script (and the same parallel
-layout) can be rehearsed on CPU with gloo before it is run on GPUs.
+Takes Megatron's usual flags and runs under torchrun. With --auto-parallel it runs exactly as
+Megatron-LM's own script would, and the hook does the rest (CPU rehearsal without a GPU, the
+prebuilt dataset helpers). Without it, the script does those two itself, so the same script
+(and the same parallel layout) can be rehearsed on CPU with gloo before it is run on GPUs.
 """
 
 import os
@@ -14,14 +15,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_pipette.integration.dropin import use_prebuilt_dataset_helpers  # noqa: E402
+from megatron_pipette.integration.options import requested as auto_parallel_requested  # noqa: E402
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested  # noqa: E402
 
+AS_MEGATRON_LM = auto_parallel_requested(sys.argv)
+"""Under --auto-parallel the hook sets up what this script otherwise does itself."""
+
 # No GPU (or PIPETTE_CPU_REHEARSAL=1): rehearse on CPU, see docs/cpu-rehearsal.md.
-if rehearsal_requested():
+if rehearsal_requested() and not AS_MEGATRON_LM:
     enable_cpu_rehearsal()
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.datasets import utils as datasets_utils  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
     BlendedMegatronDatasetBuilder,
 )
@@ -156,22 +161,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def use_prebuilt_dataset_helpers() -> None:
-    """Skip `make` of the dataset index helpers when they ship prebuilt.
-
-    The megatron-core wheel carries helpers_cpp compiled but no Makefile, so
-    initialize_megatron's `make -C megatron/core/datasets` fails and exits rank 0.
-    """
-    if os.path.exists(os.path.join(os.path.dirname(datasets_utils.__file__), "Makefile")):
-        return
-    from megatron.core.datasets import helpers_cpp  # noqa: F401  (must exist: fail here if not)
-
-    datasets_utils.compile_helpers = lambda: None
-
-
 def main() -> None:
     """Parse Megatron's flags and train."""
-    use_prebuilt_dataset_helpers()
+    if not AS_MEGATRON_LM:
+        # The wheel's dataset helpers are prebuilt; initialize_megatron's `make` would fail on rank 0.
+        use_prebuilt_dataset_helpers()
     # Flags of extensions (e.g. pipette's --auto-parallel) come in through extra_args_provider.
     args = parse_and_validate_args(extra_args_provider=None)
     pretrain(

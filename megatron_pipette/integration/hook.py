@@ -2,15 +2,20 @@
 
 On every rank, before Megatron derives anything from the layout flags:
 
+0. without a GPU, turn on the CPU rehearsal and supply the settings it needs
+   that the command line leaves out; keep prebuilt dataset helpers (dropin);
 1. initialise torch.distributed from the torchrun environment (a probe group);
 2. identify the allocation; a plan cached for the same allocation and model
-   is reused, else probe the links and devices and profile one layer (rank 0);
+   is reused (planned again if a self-check calibrated the model since; a
+   cached probe without a plan is planned from: replan), else probe the links
+   and devices and profile one layer (rank 0);
 3. plan on rank 0, broadcast the plan, and agree through the store that every
    rank holds the same one (a failed rank says so instead of leaving the
    others waiting);
 4. re-initialise torch.distributed with the placement's ranks and rewrite
    Megatron's layout arguments; Megatron then continues as if the user had
-   typed the chosen flags.
+   typed the chosen flags;
+5. arm the self-check of the first iterations under the plan (selfcheck).
 
 If anything fails or runs past the budget, every rank falls back to the
 user's own flags with one warning (or stops, with --auto-parallel-strict).
@@ -23,9 +28,8 @@ import hashlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,16 +40,14 @@ import torch.distributed as dist
 from megatron_pipette import __version__
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import atomic_path
-from megatron_pipette.integration import megatron_args
+from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
+from megatron_pipette.integration.common import CLUSTER, PLAN, PROFILE, Phases, candidate_digest, log, write_json
 from megatron_pipette.integration.groups import expected_groups, group_sizes
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
-from megatron_pipette.plan.planner import plan
 from megatron_pipette.probe.identity import node_name
-from megatron_pipette.report.plan_document import chosen_from_json, plan_json
-from megatron_pipette.report.plans import plan_report
+from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
@@ -60,30 +62,6 @@ MIN_WAIT_S = 30.0
 """Shortest timeout of a pre-launch wait (process start-up skew across nodes)."""
 
 
-def log(message: str, rank: int) -> None:
-    """Megatron-style rank-0 log line."""
-    if rank == 0:
-        print(f"> auto-parallel: {message}", flush=True)
-
-
-@dataclass
-class Phases:
-    """Wall time of each pre-launch phase, for the log and the plan file."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    _start: float = field(default_factory=time.perf_counter)
-
-    def run(self, name: str, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.seconds[name] = round(time.perf_counter() - t, 3)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._start
-
-
 def allocation_fingerprint(identities: list[dict], workload: Workload, constraints: dict) -> str:
     """Key of the plan cache: the hosts and devices in rank order, the model and the constraints."""
     key = {"pipette": __version__, "devices": [(i["host"], i["device"]) for i in identities],
@@ -96,12 +74,6 @@ def _identity() -> dict:
     return {"host": node_name(), "device": device}
 
 
-def _write_json(path: Path, doc: dict, flag: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, flag) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1))
-
-
 def _broadcast(obj: Any, rank: int) -> Any:
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -109,8 +81,9 @@ def _broadcast(obj: Any, rank: int) -> Any:
 
 
 def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
-                   timeout: timedelta) -> dict:
-    """Collective: return the plan document, identical on every rank."""
+                   timeout: timedelta) -> tuple[dict, Path | None]:
+    """Collective: the plan document, identical on every rank, and the cache directory whose plan.json
+    it is (None when it is pinned with --auto-parallel-plan-file)."""
     workload = megatron_args.workload_from_args(args)
     constraints = {**megatron_args.constraints_from_args(args, argv), **megatron_args.checkpoint_constraints(args)}
     identities: list[dict] = [{} for _ in range(world)]
@@ -118,15 +91,25 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     key = allocation_fingerprint(identities, workload, constraints)
     cache = Path(opts.auto_parallel_cache_dir) / key
     if opts.auto_parallel_plan_file is not None:
-        source = str(opts.auto_parallel_plan_file)
+        source = "pinned"
+    elif (cache / PLAN).exists():
+        source = "plan"
+    elif (cache / CLUSTER).exists() and (cache / PROFILE).exists():
+        source = "probe"
     else:
-        source = "cache" if (cache / "plan.json").exists() else None
+        source = None
     source = _broadcast(source if rank == 0 else None, rank)
-    if source is not None:
-        path = cache / "plan.json" if source == "cache" else Path(source)
+    if source == "pinned":
+        path = Path(opts.auto_parallel_plan_file)
         doc = _on_rank0_then_broadcast(lambda: json.loads(path.read_text()), rank)
         log(f"using the plan in {path} (allocation {key}); probe and profile skipped", rank)
-        return doc
+        return doc, None
+    if source == "plan":
+        return _on_rank0_then_broadcast(lambda: replan.cached_plan(
+            workload, constraints, opts.auto_parallel_replan_if_slower, cache, key, phases), rank), cache
+    if source == "probe":
+        return _on_rank0_then_broadcast(lambda: replan.plan_from_cache(
+            workload, constraints, cache, key, phases), rank), cache
     from megatron_pipette.probe import run_probe
 
     if rank == 0:
@@ -136,7 +119,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     cluster_doc = phases.run("probe", lambda: run_probe(
         budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
         small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
-        out=cache / "cluster.json", timeout_s=timeout.total_seconds()))   # the document: rank 0 only
+        out=cache / CLUSTER, timeout_s=timeout.total_seconds()))   # the document: rank 0 only
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
@@ -144,7 +127,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     parallel_state.initialize_model_parallel(1, 1)
     try:
         return _on_rank0_then_broadcast(lambda: _profile_and_plan(
-            workload, cluster_doc, constraints, opts, cache, phases, on_gpu, budget), rank)
+            workload, cluster_doc, constraints, cache, phases, on_gpu, budget), rank), cache
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -164,7 +147,7 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
     return result
 
 
-def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Path, phases: Phases, on_gpu: bool,
+def _profile_and_plan(workload, cluster_doc: dict, constraints, cache: Path, phases: Phases, on_gpu: bool,
                       budget: float) -> dict:
     from megatron_pipette.profile import profile_layers
 
@@ -179,20 +162,9 @@ def _profile_and_plan(workload, cluster_doc: dict, constraints, opts, cache: Pat
     profile_doc = phases.run("profile", lambda: profile_layers(
         workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
         budget_s=budget * PROFILE_SHARE, rank=0))
-    _write_json(cache / "layer_profile.json", profile_doc, "--auto-parallel-cache-dir")
+    write_json(cache / PROFILE, profile_doc, "--auto-parallel-cache-dir")
     profile = profile_from_json(profile_doc, where="layer profile")
-    result = phases.run("plan", lambda: plan(workload, CostModel(cluster, profile=profile), constraints=constraints,
-                                             top_k=5))
-    if not result.candidates:
-        rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
-                                                                              key=lambda kv: -kv[1])[:3])
-        raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
-                           f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
-                           f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
-    print(plan_report(result), flush=True)
-    doc = {**plan_json(result), "phases_s": phases.seconds}
-    _write_json(cache / "plan.json", doc, "--auto-parallel-cache-dir")
-    return doc
+    return replan.plan_and_write(workload, CostModel(cluster, profile=profile), constraints, cache, phases)
 
 
 def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, timeout: timedelta) -> list[str]:
@@ -206,8 +178,11 @@ def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, t
 def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     """Choose the layout and placement, re-rank the processes, and rewrite `args` (all ranks)."""
     phases = Phases()
+    supplied = []
     if rehearsal_requested():
         enable_cpu_rehearsal()
+        supplied = dropin.cpu_rehearsal_settings(args, argv)
+    dropin.use_prebuilt_dataset_helpers()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     backend = args.distributed_backend
     user_timeout = timedelta(minutes=args.distributed_timeout_minutes)
@@ -216,14 +191,15 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     probe_timeout = timedelta(seconds=min(user_timeout.total_seconds(),
                                           max(MIN_WAIT_S, 1.5 * opts.auto_parallel_budget_s)))
     store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    if supplied:
+        log("CPU rehearsal: " + ", ".join(supplied), rank)
     fallback = megatron_args.layout_from_args(args, world)
     try:
-        doc = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout)
+        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout)
         layout, placement = chosen_from_json(doc, where="plan")
         if placement.logical_to_physical.size != world:
             raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
-        digest = hashlib.sha256(json.dumps(doc["candidates"][0], sort_keys=True).encode()).hexdigest()
-        status = f"ok:{digest}"
+        status = f"ok:{candidate_digest(doc['candidates'][0])}"
     except Exception as e:  # any failure falls back (or stops) on every rank, together
         why = str(e) if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
         doc, status = None, f"failed:{why}".replace("\n", " ")[:500]
@@ -249,12 +225,17 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         megatron_args.apply_layout(args, layout)
         _log_groups(layout, placement, args.rank)
         if args.rank == 0 and getattr(args, "save", None):
-            _write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc, "--save")
+            write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc, "--save")
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = doc["candidates"][0]
         log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
             f"{best['memory']['peak_bytes'] / GiB:.2f} GiB of {best['memory']['capacity_bytes'] / GiB:.2f} "
             f"GiB per device", args.rank)
+        if opts.auto_parallel_check_iterations > 0 and not opts.auto_parallel_dry_run:
+            selfcheck.arm(selfcheck.CheckSetup(
+                store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
+                plan=doc, record=record, concludes=rank == 0,
+                on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
     megatron_args.make_resumable_across_layouts(args)
     log("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items())
         + f"; total {phases.elapsed():.1f} s", args.rank)

@@ -9,6 +9,23 @@ from pathlib import Path
 ENV_VAR = "PIPETTE_AUTO_PARALLEL"
 DEFAULT_BUDGET_S = 120.0
 DEFAULT_CACHE_DIR = Path(os.environ.get("PIPETTE_CACHE_DIR", Path.home() / ".cache" / "megatron-pipette"))
+DEFAULT_CHECK_ITERATIONS = 5
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number of 0 or more, got {text!r}")
+    return int(text)
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a percentage of 0 or more, got {text!r}")
+    return value
 
 
 def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,4 +46,13 @@ def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--auto-parallel-strict", action="store_true",
                        help="stop with an error if probing or planning fails, instead of training with "
                             "the flags as given")
+    group.add_argument("--auto-parallel-check-iterations", type=_count, default=DEFAULT_CHECK_ITERATIONS,
+                       metavar="N",
+                       help="after the first iteration, time N more, compare them with the plan's predictions and "
+                            "calibrate the model for the next start on this allocation "
+                            f"(default {DEFAULT_CHECK_ITERATIONS}; 0: no self-check)")
+    group.add_argument("--auto-parallel-replan-if-slower", type=_percent, default=None, metavar="PCT",
+                       help="when a start finds a calibration of this allocation, switch to the layout the calibrated "
+                            "model finds more than PCT%% faster than the cached plan's (default: keep the cached "
+                            "layout and log what the calibrated model would choose)")
     return parser

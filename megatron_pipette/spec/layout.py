@@ -97,7 +97,8 @@ class Layout:
         return self.world_size // (self.etp * self.ep * self.pp)
 
     def describe(self) -> str:
-        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt rc=full/uniform1."""
+        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (+opg:
+        --overlap-param-gather)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
                  *([f"ep{self.ep}"] if self.ep > 1 else []),
                  *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
@@ -111,7 +112,7 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         if self.use_distributed_optimizer:
-            parts.append("dopt")
+            parts.append("dopt" + ("+opg" if self.overlap_param_gather else ""))
         if self.recompute_granularity == "selective":
             parts.append("rc=sel")
         elif self.recompute_granularity == "full":

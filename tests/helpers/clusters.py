@@ -65,3 +65,16 @@ def with_slow_node(cluster: Cluster, node: int, factor: float) -> Cluster:
     classes[node] = len(cluster.intra_node)
     return dataclasses.replace(cluster, intra_node=(*cluster.intra_node, slow_intra), node_class=classes,
                                inter_node=slowed_nodes(cluster.inter_node, [node], factor))
+
+
+def cpu_like(nodes: int = 1, gpn: int = 4) -> Cluster:
+    """A small random cluster with a CPU's proportions: links slow enough against compute to matter."""
+    c = random_cluster(seed=3, nodes=nodes, gpn=gpn, spread=3.0)
+
+    def slow(level: LinkLevel) -> LinkLevel:
+        return dataclasses.replace(level, bandwidth_Bps=level.bandwidth_Bps * 1e-3,
+                                   exchange_bandwidth_Bps=level.exchange_bandwidth_Bps * 1e-3)
+
+    return dataclasses.replace(c, intra_node=tuple(slow(level) for level in c.intra_node),
+                               inter_node=slow(c.inter_node), gemm_flops=c.gemm_flops / 2e4,
+                               memory_bandwidth_Bps=c.memory_bandwidth_Bps / 1e3)

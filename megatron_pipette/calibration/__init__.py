@@ -1,0 +1,1 @@
+"""Predictions held against the job: the self-check's comparison and the model's calibration (torch-free)."""

@@ -1,0 +1,292 @@
+"""The in-job self-check: time the first iterations Megatron trains under the plan, hold them
+against the plan's predictions, and calibrate the model for the next start on this allocation.
+
+`arm()` is called by the hook once it chose a plan. It wraps megatron.training.training's
+`train_step`, which Megatron's `train()` calls by its module-global name every iteration, and
+megatron.core.pipeline_parallel.schedules' `forward_step` and `backward_step`, which every
+schedule calls the same way: the user's script is not touched. The first step is left alone
+(compilation, lazy allocations); the next `iterations` are timed; then the originals go back.
+
+Nothing added on the training path is a collective. Each rank times itself: the host clock
+around `train_step` (on CUDA, Megatron's step ends by reading the model-parallel all-reduce of
+`update_successful` with `.item()`, so the host waits for the device every step and the host
+time is the device time); its forward and backward passes by the host clock on CPU and by CUDA
+events on a GPU, read only at the check. At the check every rank posts one record to torchrun's
+store and only torchrun's rank 0 (the process that planned and holds the cache) reads them,
+waiting at most REPORT_WAIT_S: a rank that died holds no one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_pipette.calibration.check import CheckResult, MemorySample, RankSample, compare, sample_from_json
+from megatron_pipette.calibration.fit import calibration_json, fit
+from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, candidate_digest, log, write_json
+from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.workload import Workload
+
+REPORT_WAIT_S = 30.0
+"""Longest rank 0 waits for the others' records: they post theirs at the end of the same step."""
+SKIPPED = 1
+"""Steps before the timed ones: the first compiles, allocates optimizer state and fills caches."""
+FORWARD_BACKWARD_ARG = 6
+"""Position of forward_backward_func in train_step(forward_step_func, data_iterator, model, optimizer,
+opt_param_scheduler, config, forward_backward_func, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckSetup:
+    """What the hook hands over: where to report, and what was predicted."""
+
+    store: dist.Store
+    """torchrun's store, which outlives a broken process group."""
+    prefix: str
+    """Store key prefix of this attempt's records."""
+    iterations: int
+    """Steps to time after the first."""
+    plan: dict
+    """The plan document in use (its candidates[0] is the chosen layout)."""
+    record: Path | None
+    """The cache directory whose plan.json is that plan (None: pinned with --auto-parallel-plan-file)."""
+    concludes: bool
+    """Whether this process reads the records and writes the cache: torchrun's rank 0, which planned
+    and wrote that cache (re-ranking may have made another process rank 0, on another node)."""
+    on_gpu: bool
+
+
+PASSES = "passes"
+"""Forward and backward passes (schedules.forward_step and backward_step)."""
+FORWARD_BACKWARD = "forward_backward"
+"""The whole forward_backward_func: passes, pipeline exchanges and bubbles, gradient synchronisation."""
+
+
+class _HostSpans:
+    """Seconds per step in each category, by the host clock (exact on CPU)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._current: dict[str, float] = {}
+        self._start: dict[str, float] = {}
+
+    def start(self, category: str) -> None:
+        self._start[category] = time.perf_counter()
+
+    def stop(self, category: str) -> None:
+        self._current[category] = self._current.get(category, 0.0) + time.perf_counter() - self._start[category]
+
+    def end_step(self) -> None:
+        self.steps.append(self._current)
+        self._current = {}
+
+    def seconds(self, category: str) -> list[float]:
+        return [step.get(category, 0.0) for step in self.steps]
+
+
+class _CudaSpans:
+    """The same by CUDA events on the current stream: the host only queues work, so its clock would
+    measure launches. Read once, at the check."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, torch.cuda.Event, torch.cuda.Event]]] = []
+        self._current: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: dict[str, torch.cuda.Event] = {}
+
+    def start(self, category: str) -> None:
+        self._start[category] = torch.cuda.Event(enable_timing=True)
+        self._start[category].record()
+
+    def stop(self, category: str) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._current.append((category, self._start[category], end))
+
+    def end_step(self) -> None:
+        self.steps.append(self._current)
+        self._current = []
+
+    def seconds(self, category: str) -> list[float]:
+        torch.cuda.synchronize()
+        return [sum(a.elapsed_time(b) for c, a, b in step if c == category) / 1e3 for step in self.steps]
+
+
+class _Window:
+    """This process's measurements, from arming to the check."""
+
+    def __init__(self, setup: CheckSetup, originals: dict[tuple[Any, str], Callable]) -> None:
+        self.setup = setup
+        self.originals = originals
+        self.calls = 0
+        self.in_step = False
+        self.step_s: list[float] = []
+        self.before_bytes: list[int] = []
+        self.spans = _CudaSpans() if setup.on_gpu else _HostSpans()
+
+    def begin_step(self) -> None:
+        if self.setup.on_gpu:
+            if not self.step_s:
+                torch.cuda.reset_peak_memory_stats()
+            self.before_bytes.append(torch.cuda.memory_allocated())
+        self.in_step = True
+
+    def end_step(self, seconds: float) -> None:
+        self.in_step = False
+        self.step_s.append(seconds)
+        self.spans.end_step()
+
+    def sample(self, rank: int, stage: int) -> RankSample:
+        memory = None
+        if self.setup.on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            memory = MemorySample(before_step=min(self.before_bytes), peak_allocated=torch.cuda.max_memory_allocated(),
+                                  peak_reserved=torch.cuda.max_memory_reserved(),
+                                  outside_allocator=max(0, total - free - torch.cuda.memory_reserved()))
+        return RankSample(rank=rank, stage=stage, iteration_s=statistics.median(self.step_s),
+                          forward_backward_s=statistics.median(self.spans.seconds(FORWARD_BACKWARD)),
+                          compute_s=statistics.median(self.spans.seconds(PASSES)), memory=memory)
+
+
+def _timed(original: Callable, category: str) -> Callable:
+    """`original`, timed under `category` while a checked step runs."""
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        window = _active
+        if window is None or not window.in_step:
+            return original(*args, **kwargs)
+        window.spans.start(category)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            window.spans.stop(category)
+
+    return timed
+
+
+_active: _Window | None = None
+
+
+def arm(setup: CheckSetup) -> None:
+    """Wrap Megatron's step and passes for this process (every rank calls it)."""
+    global _active
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.training import training
+
+    originals = {(training, "train_step"): training.train_step, (schedules, "forward_step"): schedules.forward_step,
+                 (schedules, "backward_step"): schedules.backward_step}
+    _active = _Window(setup, originals)
+    training.train_step = _timed_step(training.train_step)
+    schedules.forward_step = _timed(schedules.forward_step, PASSES)
+    schedules.backward_step = _timed(schedules.backward_step, PASSES)
+
+
+def _disarm() -> _Window:
+    global _active
+    window, _active = _active, None
+    for (module, name), original in window.originals.items():
+        setattr(module, name, original)
+    return window
+
+
+def _timed_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        window = _active
+        if window is None:  # a reference kept from before the check ended
+            return original(*args, **kwargs)
+        window.calls += 1
+        if window.calls <= SKIPPED:
+            _skip_if_too_short(kwargs.get("iteration"))
+            return original(*args, **kwargs)
+        # Megatron passes its schedule as the 7th argument; time it too.
+        if len(args) > FORWARD_BACKWARD_ARG:
+            args = (*args[:FORWARD_BACKWARD_ARG], _timed(args[FORWARD_BACKWARD_ARG], FORWARD_BACKWARD),
+                    *args[FORWARD_BACKWARD_ARG + 1:])
+        else:
+            kwargs["forward_backward_func"] = _timed(kwargs["forward_backward_func"], FORWARD_BACKWARD)
+        window.begin_step()
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        window.end_step(time.perf_counter() - start)
+        if window.calls == SKIPPED + window.setup.iterations:
+            _report(_disarm())
+        return out
+
+    return train_step
+
+
+def _skip_if_too_short(iteration: int | None) -> None:
+    from megatron.training import get_args
+
+    total, needed = get_args().train_iters, SKIPPED + _active.setup.iterations
+    if total is not None and iteration is not None and total - iteration < needed:
+        _disarm()
+        log(f"self-check skipped: it needs {needed} iterations, {total - iteration} remain to train "
+            "(--auto-parallel-check-iterations)", dist.get_rank())
+
+
+def _report(window: _Window) -> None:
+    """Post this rank's record; rank 0 then compares, logs, records and calibrates. Failures are
+    logged, never raised: the check must not stop the training it checks."""
+    from megatron.core import parallel_state
+
+    setup, rank = window.setup, dist.get_rank()
+    try:
+        sample = window.sample(rank, parallel_state.get_pipeline_model_parallel_rank())
+        setup.store.set(f"{setup.prefix}{rank}", json.dumps(sample.as_json()))
+        if setup.concludes:
+            _conclude(setup, dist.get_world_size())
+    except Exception as e:  # noqa: BLE001 (reported, and training goes on)
+        print(f"> auto-parallel: self-check failed on rank {rank}: {type(e).__name__}: {e}", flush=True)
+
+
+def _conclude(setup: CheckSetup, world: int) -> None:
+    keys = [f"{setup.prefix}{r}" for r in range(world)]
+    with contextlib.suppress(RuntimeError):  # some rank did not report in time (DistStoreError): compare the others
+        setup.store.wait(keys, timedelta(seconds=REPORT_WAIT_S))
+    present = [k for k in keys if setup.store.check([k])]
+    samples = [sample_from_json(json.loads(v)) for v in setup.store.multi_get(present)]
+    missing = sorted(set(range(world)) - {s.rank for s in samples})
+    candidate = setup.plan["candidates"][0]
+    result = compare(candidate, samples, (SKIPPED + 1, SKIPPED + setup.iterations), missing)
+    for line in result.lines():
+        log(line, 0)
+    if setup.record is None:
+        log("self-check not recorded: the plan is pinned by --auto-parallel-plan-file", 0)
+        return
+    path = setup.record / PLAN
+    doc = json.loads(path.read_text())
+    if candidate_digest(doc["candidates"][0]) != candidate_digest(candidate):
+        log(f"self-check not recorded: {path} holds another plan now", 0)
+        return
+    write_json(path, {**doc, "self_check": result.as_json()}, "--auto-parallel-cache-dir")
+    log(f"self-check written to {path}", 0)
+    _calibrate(setup, doc, result)
+
+
+def _calibrate(setup: CheckSetup, doc: dict, result: CheckResult) -> None:
+    """Fit the model's factors to the check and store them for the next start."""
+    cluster_path, profile_path = setup.record / CLUSTER, setup.record / PROFILE
+    if not cluster_path.exists() or not profile_path.exists():
+        log(f"not calibrated: {setup.record} has no probe and layer profile of this allocation", 0)
+        return
+    layout, placement = chosen_from_json(doc, where=str(setup.record / PLAN))
+    fitted = fit(Workload(**doc["model"]), cluster_from_json(json.loads(cluster_path.read_text()), str(cluster_path)),
+                 profile_from_json(json.loads(profile_path.read_text()), str(profile_path)), layout, placement, result)
+    path = setup.record / CALIBRATION
+    write_json(path, calibration_json(fitted, layout, placement, result), "--auto-parallel-cache-dir")
+    log(fitted.line(), 0)
+    log(f"calibration stored in {path}: the next start on this allocation plans with it", 0)

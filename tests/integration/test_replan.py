@@ -1,0 +1,94 @@
+"""A start plans from what the cache holds: the cached probe, and the calibration a self-check fitted
+(torch-free: rank 0's part of the hook, on a cluster whose links the truth makes 30x slower)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.checks import samples_where
+from helpers.clusters import cpu_like
+from megatron_pipette.calibration.check import compare
+from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, fit
+from megatron_pipette.integration import replan
+from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, Phases
+from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.spec.cluster_file import cluster_to_json
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
+from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.workload import workload_from_preset
+
+TINY = workload_from_preset("tiny-gpt")
+TRUTH = Factors(compute_rate=0.5, link_bandwidth={"intra_node": 0.03})
+CONSTRAINTS = {"sequence_parallel": False}
+PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
+               "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
+                           "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2, 4)]}
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    """A cache directory holding a probe (links 30x faster than the truth's) and a layer profile."""
+    (tmp_path / CLUSTER).write_text(json.dumps(cluster_to_json(cpu_like(), "fp32")))
+    (tmp_path / PROFILE).write_text(json.dumps(PROFILE_DOC))
+    return tmp_path
+
+
+def self_check(cache: Path) -> dict:
+    """What the self-check of the cached plan stores: the truth's times, fitted."""
+    doc = json.loads((cache / PLAN).read_text())
+    layout, placement = chosen_from_json(doc, "plan")
+    cluster, profile = cpu_like(), profile_from_json(PROFILE_DOC)
+    samples = samples_where(calibrated(cluster, profile, TRUTH), resolve_job(TINY, layout), placement)
+    check = compare(doc["candidates"][0], samples, (2, 6))
+    fitted = fit(TINY, cluster, profile, layout, placement, check)
+    calibration = calibration_json(fitted, layout, placement, check)
+    (cache / CALIBRATION).write_text(json.dumps(calibration))
+    return calibration
+
+
+def describe(doc: dict) -> str:
+    return chosen_from_json(doc, "plan")[0].describe()
+
+
+def test_a_cached_probe_is_planned_from_without_probing(cache: Path, capsys) -> None:
+    doc = replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+    assert "planning from the probe and layer profile cached in" in capsys.readouterr().out
+    assert json.loads((cache / PLAN).read_text()) == doc and "calibration" not in doc
+    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+
+
+def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Path, capsys) -> None:
+    """The truth's links are 30x slower: the calibrated model predicts the cached layout at the
+    measured time and finds a pipeline layout faster, but keeps the cached one by default."""
+    replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+    calibration = self_check(cache)
+    capsys.readouterr()
+    doc = replan.cached_plan(TINY, CONSTRAINTS, None, cache, "k", Phases())
+    out = capsys.readouterr().out
+    assert "calibrated model: compute x0.5, memory-bound work x1, intra-node links x0.03 of the modelled rates" in out
+    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+    assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(calibration["fitted_on"]["measured_s"])
+    assert "the calibrated model's best is tp1 pp4 dp1" in out
+    assert "keeping the cached layout; --auto-parallel-replan-if-slower PCT switches" in out
+    assert doc["calibration"]["id"] == calibration["id"]
+    again = replan.cached_plan(TINY, CONSTRAINTS, None, cache, "k", Phases())
+    assert again == doc and "using the plan in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pct, switched", [(5.0, True), (95.0, False)])
+def test_replan_if_slower_switches_past_its_threshold(cache: Path, capsys, pct: float, switched: bool) -> None:
+    replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+    self_check(cache)
+    doc = replan.cached_plan(TINY, CONSTRAINTS, pct, cache, "k", Phases())
+    out = capsys.readouterr().out
+    best = calibrated(cpu_like(), profile_from_json(PROFILE_DOC), TRUTH)
+    if switched:
+        assert describe(doc).startswith("tp1 pp4 dp1") and f"(--auto-parallel-replan-if-slower {pct:g})" in out
+        job = resolve_job(TINY, chosen_from_json(doc, "plan")[0])
+        truth_s = best.time(job, chosen_from_json(doc, "plan")[1].logical_to_physical).iteration_time_s
+        assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(truth_s)
+    else:
+        assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+        assert f"keeping the cached layout: not more than {pct:g}% faster" in out
