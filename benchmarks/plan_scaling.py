@@ -1,4 +1,5 @@
-"""Time and peak memory to plan a 96-layer GPT-3-175B-sized model at growing scale, placement included.
+"""Time and peak memory to plan a model (GPT-3 175B; --model mixtral-8x22b for mixture of experts,
+whose search adds expert-parallel sizes) at growing scale, placement included.
 
 Two clusters per size, both DGX H100 nodes: the preset (uniform links) and a non-uniform
 one whose every node gets a random NIC speed factor in [0.3, 1.0] (seeded), a node pair's
@@ -41,8 +42,8 @@ def cluster(gpus: int, kind: str, seed: int = 0):
                                inter_node=LinkLevel(bandwidth_Bps=bw, latency_s=base.inter_node.latency_s))
 
 
-def one(gpus: int, kind: str) -> dict:
-    workload = workload_from_preset("gpt3-175b")
+def one(gpus: int, kind: str, model: str) -> dict:
+    workload = workload_from_preset(model)
     t0 = time.perf_counter()
     c = cluster(gpus, kind)
     t1 = time.perf_counter()
@@ -62,16 +63,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[64, 1024, 8192, 16384, 131072])
     parser.add_argument("--kinds", nargs="+", default=["uniform", "nonuniform"], choices=["uniform", "nonuniform"])
+    parser.add_argument("--model", default="gpt3-175b", help="a model preset (default gpt3-175b)")
     parser.add_argument("--one", nargs=2, metavar=("GPUS", "KIND"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.one:
-        print(json.dumps(one(int(ns.one[0]), ns.one[1])))
+        print(json.dumps(one(int(ns.one[0]), ns.one[1], ns.model)))
         return
+    print(f"model {ns.model}")
     print(f"{'GPUs':>7} {'links':>10} {'build s':>8} {'plan s':>8} {'peak GiB':>9} {'layouts':>8} {'fit':>6} "
           f"{'bar':>12}  best layout (s/iter, placement gain)")
     for gpus in ns.gpus:
         for kind in ns.kinds:
-            proc = subprocess.run([sys.executable, __file__, "--one", str(gpus), kind], capture_output=True,
+            proc = subprocess.run([sys.executable, __file__, "--one", str(gpus), kind, "--model", ns.model],
+                                  capture_output=True,
                                   text=True, check=True)
             r = json.loads(proc.stdout)
             seconds, gib = BARS.get(gpus, (None, None))

@@ -9,7 +9,7 @@ from memory-bound seconds, so one array operation prices every device at its own
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
@@ -20,6 +20,9 @@ from megatron_pipette.spec.hardware import GPU
 TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
 """The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
 rate; fp32 has no measurement and borrows bf16's shape dependence)."""
+
+
+MAX_REMEMBERED_SHAPES = 100_000
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,11 +38,20 @@ class GemmCurve:
     """log2 of the grid's first node."""
     half_dim: float = 0.0
     """The parametric curve's constant (0: every GEMM at the large-GEMM rate)."""
+    _seen: dict = field(default_factory=dict, repr=False)
+    """Efficiencies already looked up: a search prices the same few shapes for thousands of jobs."""
 
     def __call__(self, m: float, n: float, k: float) -> float:
-        if self.log_table is None:
-            return float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
-        return _interpolate(self.log_table, self.lo, (m, n, k))
+        hit = self._seen.get((m, n, k))
+        if hit is None:
+            if self.log_table is None:
+                hit = float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
+            else:
+                hit = _interpolate(self.log_table, self.lo, (m, n, k))
+            if len(self._seen) >= MAX_REMEMBERED_SHAPES:
+                self._seen.clear()
+            self._seen[(m, n, k)] = hit
+        return hit
 
 
 def _interpolate(log_table: np.ndarray, lo: int, coords) -> float:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
+
+from megatron_pipette.integration.options import requested
 
 TARGETS = ("megatron.training.arguments", "megatron.training.initialize")
 
@@ -44,8 +45,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 def activate() -> None:
-    wanted = "--auto-parallel" in sys.argv or os.environ.get("PIPETTE_AUTO_PARALLEL") == "1"
-    if wanted and not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+    if requested(sys.argv) and not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchAfterImport())
 
 

@@ -28,6 +28,11 @@ def _percent(text: str) -> float:
     return value
 
 
+def requested(argv: list[str]) -> bool:
+    """Whether this launch asks for auto-parallel (flag or environment)."""
+    return "--auto-parallel" in argv or os.environ.get(ENV_VAR) == "1"
+
+
 def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's `extra_args_provider` shape: take the parser, add a group, return it."""
     group = parser.add_argument_group("megatron-pipette auto-parallel")

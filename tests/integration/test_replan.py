@@ -1,5 +1,5 @@
 """A start plans from what the cache holds: the cached probe, and the calibration a self-check fitted
-(torch-free: rank 0's part of the hook, on a cluster whose links the truth makes 30x slower)."""
+(torch-free: rank 0's part of the hook, on a cluster whose links the truth makes 100x slower)."""
 
 import json
 from pathlib import Path
@@ -20,7 +20,7 @@ from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.workload import workload_from_preset
 
 TINY = workload_from_preset("tiny-gpt")
-TRUTH = Factors(compute_rate=0.5, link_bandwidth={"intra_node": 0.03})
+TRUTH = Factors(compute_rate=0.5, link_bandwidth={"intra_node": 0.01})
 CONSTRAINTS = {"sequence_parallel": False}
 PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
                "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
@@ -29,7 +29,7 @@ PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "de
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Path:
-    """A cache directory holding a probe (links 30x faster than the truth's) and a layer profile."""
+    """A cache directory holding a probe (links 100x faster than the truth's) and a layer profile."""
     (tmp_path / CLUSTER).write_text(json.dumps(cluster_to_json(cpu_like(), "fp32")))
     (tmp_path / PROFILE).write_text(json.dumps(PROFILE_DOC))
     return tmp_path
@@ -56,19 +56,19 @@ def test_a_cached_probe_is_planned_from_without_probing(cache: Path, capsys) -> 
     doc = replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
     assert "planning from the probe and layer profile cached in" in capsys.readouterr().out
     assert json.loads((cache / PLAN).read_text()) == doc and "calibration" not in doc
-    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
 
 
 def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Path, capsys) -> None:
-    """The truth's links are 30x slower: the calibrated model predicts the cached layout at the
+    """The truth's links are 100x slower: the calibrated model predicts the cached layout at the
     measured time and finds a pipeline layout faster, but keeps the cached one by default."""
     replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
     calibration = self_check(cache)
     capsys.readouterr()
     doc = replan.cached_plan(TINY, CONSTRAINTS, None, cache, "k", Phases())
     out = capsys.readouterr().out
-    assert "calibrated model: compute x0.5, memory-bound work x1, intra-node links x0.03 of the modelled rates" in out
-    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+    assert "calibrated model: compute x0.5, memory-bound work x1, intra-node links x0.01 of the modelled rates" in out
+    assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
     assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(calibration["fitted_on"]["measured_s"])
     assert "the calibrated model's best is tp1 pp4 dp1" in out
     assert "keeping the cached layout; --auto-parallel-replan-if-slower PCT switches" in out
@@ -90,5 +90,5 @@ def test_replan_if_slower_switches_past_its_threshold(cache: Path, capsys, pct: 
         truth_s = best.time(job, chosen_from_json(doc, "plan")[1].logical_to_physical).iteration_time_s
         assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(truth_s)
     else:
-        assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt"
+        assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
         assert f"keeping the cached layout: not more than {pct:g}% faster" in out
