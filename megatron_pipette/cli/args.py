@@ -67,7 +67,7 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
     options = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
     base = str if str in options else options[0]   # `int | str` (--moe-layer-freq): the field parses the text
     nargs = "+" if field.name in PER_LAYER_FLAGS else None
-    group.add_argument(megatron_flag(field.name), type=base, nargs=nargs, default=argparse.SUPPRESS,
+    group.add_argument(megatron_flag(field.name), dest=field.name, type=base, nargs=nargs, default=argparse.SUPPRESS,
                        metavar=base.__name__.upper(), help=doc)
 
 

@@ -37,6 +37,8 @@ from megatron_pipette.cost.gemm import (
     PartWork,
     Work,
     attention_curve,
+    fp8_cast_bytes,
+    fp8_curve,
     gemm_curve,
     gemm_work,
     linear_work,
@@ -94,10 +96,12 @@ def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_ker
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
-                   attention: AttentionCurve | None = None, *, moe: bool = False) -> PartWork:
+                   attention: AttentionCurve | None = None, *, moe: bool = False,
+                   linear: GemmCurve | None = None) -> PartWork:
     """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named);
     `attention`: the causal kernel's measured curve, where the GPU has one; `moe`: an MoE layer,
-    whose MLP is cost.experts.moe_mlp."""
+    whose MLP is cost.experts.moe_mlp; `linear`: the curve of the layer's linears where it differs
+    from `gemm` (FP8: cost.gemm.fp8_curve)."""
     w, layout, x = job.workload, job.layout, _shape(job)
     n, b, s, h, a, g, d, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "d", "f", "e", "sp", "cp"))
     gemm = gemm or gemm_curve(None, w.precision)
@@ -105,7 +109,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     shapes = _layer_linears(job)
     if moe:
         shapes = {name: shapes[name] for name in ("qkv", "proj")}
-    linears = [linear_work(gemm, n, out, inp) for out, inp in shapes.values()]
+    linear = linear or gemm
+    linears = [linear_work(linear, n, out, inp) for out, inp in shapes.values()]
+    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, [(n, out, inp) for out, inp in shapes.values()])
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
@@ -114,11 +120,11 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     if w.attention_backend not in FLASH_BACKENDS:
         scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
     mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
-    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem)
+    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + cast_f / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
-                    mem_s=BACKWARD_MEMORY_FACTOR * mem)
+                    mem_s=BACKWARD_MEMORY_FACTOR * mem + cast_b / memory_bandwidth_Bps)
     if moe:
-        mlp = moe_mlp(job, memory_bandwidth_Bps, gemm)
+        mlp = moe_mlp(job, memory_bandwidth_Bps, gemm, linear)
         forward, backward = forward + mlp.forward, backward + mlp.backward
     if layout.recompute_granularity == "full":
         recompute = forward
@@ -229,11 +235,12 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
     layout, v, w = job.layout, job.virtual_stages, job.workload
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
+    linear = fp8_curve(cluster.gpu, w.precision) if w.fp8 else gemm
     attention = attention_curve(cluster.gpu, w.attention_backend)
-    profile = profile if layout.cp == 1 else None      # it timed whole sequences
+    profile = profile if layout.cp == 1 and w.fp8 is None else None      # it timed whole sequences in 16 bits
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
-    layer = layer or roofline_layer(job, bw, gemm, attention)
+    layer = layer or roofline_layer(job, bw, gemm, attention, linear=linear)
     rate = profiled_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_embedding(job, bw)
@@ -244,7 +251,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe, moe_rc = _moe_counts(job, layers)
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
-    sparse = roofline_layer(job, bw, gemm, attention, moe=True) if moe.any() else layer
+    sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
     fwd, bwd, rc = (_as_array(getattr(layer, part))[:, None, None] * (count - moe_count)
                     + _as_array(getattr(sparse, part))[:, None, None] * moe_count
                     for part, count, moe_count in (("forward", layers, moe), ("backward", layers, moe),
@@ -255,8 +262,8 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bwd[:, -1, -1] += _as_array(out.backward)
     x, linears = _shape(job), _layer_linears(job)
     output = (job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"])
-    overlap = np.array([linear_work(gemm, x["n"], *shape)[1:]
-                        for shape in [linears[name] for name in COLUMN_PARALLEL] + [output]])
+    overlap = np.array([linear_work(linear, x["n"], *linears[name])[1:] for name in COLUMN_PARALLEL]
+                       + [linear_work(gemm, x["n"], *output)[1:]])
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["d"],
                           x["cp"])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,

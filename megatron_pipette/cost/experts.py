@@ -19,8 +19,9 @@ Megatron requires for MoE with TP > 1):
 
 from __future__ import annotations
 
-from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, gemm_work, linear_work
+from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, fp8_cast_bytes, gemm_work, linear_work
 from megatron_pipette.spec.job import Job
+from megatron_pipette.spec.workload import Workload
 
 ROUTER_BYTES_PER_SCORE = 12
 """Router softmax/top-k per token and expert: fp32 logits written, read and the scores written."""
@@ -52,22 +53,27 @@ def _expert_widths(job: Job) -> tuple[int, int]:
     return w.moe_ffn * (2 if w.swiglu else 1) // etp, w.moe_ffn // etp
 
 
-def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve) -> PartWork:
+def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: GemmCurve | None = None) -> PartWork:
     """The MLP half of an MoE layer on one rank: router, routed experts (grouped GEMMs over the
-    local experts), the shared experts' dense MLP, and the memory-bound permutations and activation."""
+    local experts), the shared experts' dense MLP, and the memory-bound permutations and activation.
+    `linear`: the experts' curve where it is not `gemm` (FP8; the router stays in 16 bits)."""
     w, layout = job.workload, job.layout
     t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
     local = w.num_experts // layout.ep
     fc1, fc2 = _expert_widths(job)
     per_expert = rows / local
-    grouped = [(gemm_work(gemm, per_expert, out, inp, local), gemm_work(gemm, per_expert, inp, out, local),
-                gemm_work(gemm, out, inp, per_expert, local)) for out, inp in ((fc1, h), (h, fc2))]
+    linear = linear or gemm
+    grouped = [(gemm_work(linear, per_expert, out, inp, local), gemm_work(linear, per_expert, inp, out, local),
+                gemm_work(linear, out, inp, per_expert, local)) for out, inp in ((fc1, h), (h, fc2))]
     dense = [linear_work(gemm, t, w.num_experts, h)]                             # the router, replicated
     shared = w.moe_shared_expert_intermediate_size
     n = job.tokens_per_microbatch
+    fp8_gemms = [(rows, fc1, h), (rows, h, fc2)]
     if shared is not None:
         width = shared // layout.tp
-        dense += [linear_work(gemm, n, width * (2 if w.swiglu else 1), h), linear_work(gemm, n, h, width)]
+        fp8_gemms += [(n, width * (2 if w.swiglu else 1), h), (n, h, width)]
+        dense += [linear_work(linear, rows_, out, inp) for rows_, out, inp in fp8_gemms[2:]]
+    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
     mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
            + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
@@ -75,8 +81,8 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve) -> PartWork:
            + ((3 if w.swiglu else 2) * e * n * (shared // layout.tp) if shared is not None else 0)
            + ROUTER_BYTES_PER_SCORE * t * w.num_experts) / memory_bandwidth_Bps
     parts = grouped + dense
-    return PartWork(forward=Work(flops=sum(f for f, _, _ in parts), mem_s=mem),
-                    backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem))
+    return PartWork(forward=Work(flops=sum(f for f, _, _ in parts), mem_s=mem + cast_f / memory_bandwidth_Bps),
+                    backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem + cast_b / memory_bandwidth_Bps))
 
 
 def dispatch_bytes(job: Job) -> dict[str, float]:
@@ -103,7 +109,14 @@ def moe_activation_bytes(job: Job) -> int:
     shared = w.moe_shared_expert_intermediate_size
     shared_bytes = 0 if shared is None else e * job.tokens_per_microbatch * (shared // layout.tp) * (
         3 if w.swiglu else 2)
-    return round(8 * t * w.num_experts + e * rows * (2 * h + fc1 + fc2) + shared_bytes)
+    lin = fp8_input_bytes(w)
+    return round(8 * t * w.num_experts + rows * (lin * h + e * h + e * fc1 + lin * fc2) + shared_bytes)
+
+
+def fp8_input_bytes(workload: Workload) -> int:
+    """Bytes per element a linear keeps of its input for the weight gradient: Transformer Engine
+    keeps the FP8 cast under --fp8-format, else the training dtype's."""
+    return 1 if workload.fp8 is not None else workload.bytes_per_element
 
 
 def moe_backward_bytes(job: Job) -> int:

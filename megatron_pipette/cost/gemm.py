@@ -8,6 +8,7 @@ from memory-bound seconds, so one array operation prices every device at its own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cache
@@ -15,7 +16,8 @@ from importlib import resources
 
 import numpy as np
 
-from megatron_pipette.spec.hardware import GPU
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU
 
 TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
 """The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
@@ -38,7 +40,10 @@ class GemmCurve:
     """log2 of the grid's first node."""
     half_dim: float = 0.0
     """The parametric curve's constant (0: every GEMM at the large-GEMM rate)."""
-    _seen: dict = field(default_factory=dict, repr=False)
+    speedup: float = 1.0
+    """The large GEMM's rate in this curve's dtype over the rate `cluster.gemm_flops` holds (FP8
+    GEMMs priced against the training dtype's rate); 1 for the training dtype itself."""
+    _seen: dict = field(default_factory=dict, init=False, repr=False)
     """Efficiencies already looked up: a search prices the same few shapes for thousands of jobs."""
 
     def __call__(self, m: float, n: float, k: float) -> float:
@@ -48,6 +53,7 @@ class GemmCurve:
                 hit = float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
             else:
                 hit = _interpolate(self.log_table, self.lo, (m, n, k))
+            hit *= self.speedup
             if len(self._seen) >= MAX_REMEMBERED_SHAPES:
                 self._seen.clear()
             self._seen[(m, n, k)] = hit
@@ -117,6 +123,36 @@ def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     if entry is None or dtype not in entry["tables"]:
         return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
     return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
+
+
+@cache
+def fp8_curve(gpu: GPU | None, precision: str) -> GemmCurve:
+    """FP8 GEMMs (Transformer Engine's, under --fp8-format) against the training dtype's large-GEMM
+    rate: the fp8 table's efficiency by shape, times the large FP8 GEMM's rate over the training
+    dtype's (the catalog's peaks and large-GEMM efficiencies; the probe measures the training
+    dtype's). A cluster of GPUs the catalog does not know is taken at twice the rate (Hopper's and
+    Blackwell's dense FP8 over BF16 peak)."""
+    speedup = 2.0
+    if gpu is not None:
+        if "fp8" not in gpu.peak_flops:
+            raise PipetteError(f"--fp8-format: {gpu.name} has no FP8 tensor cores")
+        speedup = (gpu.peak("fp8") * gpu.large_gemm_efficiency.get("fp8", DEFAULT_GEMM_EFFICIENCY)
+                   / (gpu.peak(precision) * gpu.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)))
+    return dataclasses.replace(gemm_curve(gpu, "fp8"), speedup=speedup)
+
+
+FP8_CAST_BYTES = 3
+"""Casting one element to FP8 for a GEMM: the 16-bit value read, the 8-bit one written."""
+
+
+def fp8_cast_bytes(fp8: bool, gemms: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(forward, backward) bytes Transformer Engine moves casting FP8 GEMM operands, for linears given
+    as (rows, out, in): each input in the forward, each output gradient in the backward (weights are
+    cast once an iteration and kept)."""
+    if not fp8:
+        return 0.0, 0.0
+    return (FP8_CAST_BYTES * sum(rows * inp for rows, _, inp in gemms),
+            FP8_CAST_BYTES * sum(rows * out for rows, out, _ in gemms))
 
 
 def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> float:

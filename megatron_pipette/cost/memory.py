@@ -17,7 +17,7 @@ from functools import cache, lru_cache
 import numpy as np
 
 from megatron_pipette.cost import simulator
-from megatron_pipette.cost.experts import moe_activation_bytes, moe_backward_bytes, routed_rows
+from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
@@ -26,6 +26,8 @@ from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB, MiB
 
 UNFUSED_ATTENTION = ("unfused", "local")
+FP8_WEIGHT_COPY_BYTES = 2
+"""Transformer Engine's FP8 copy of a linear's weight and of its transpose, per parameter."""
 """--attention-backend values that materialise the s*s attention scores."""
 
 
@@ -74,7 +76,8 @@ class StageMemory:
     """Parameters on one device of this stage: its layers TP-sharded, plus the word/position
     embedding on stage 0, the output layer and final norm on the last stage."""
     weight_bytes: int
-    """Bytes: parameters in the training dtype (2 for bf16/fp16, 4 for fp32)."""
+    """Bytes: parameters in the training dtype (2 for bf16/fp16, 4 for fp32), and under FP8 the
+    layers' FP8 weight copies and transposes."""
     gradient_bytes: int
     """Bytes: the DDP gradient buffer (fp32 for bf16 and fp32 training, fp16 for fp16)."""
     optimizer_bytes: int
@@ -164,13 +167,15 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
     if granularity == "full":
         return e * tokens * h // sp  # the checkpointed layer's input
     masks = 2 if workload.hidden_dropout > 0 else 0
-    # Norm inputs, QKV and fc1 (or router) inputs (4 x e) and the two hidden-dropout masks: sharded only by SP.
-    norm_side = tokens * h * (4 * e + masks) // sp
+    lin = fp8_input_bytes(workload)       # what a linear keeps of its input: 1 byte under FP8
+    # Norm inputs (2 x e), QKV and fc1 (or the router's) inputs and the two hidden-dropout masks:
+    # sharded only by SP.
+    norm_side = tokens * h * (2 * e + lin + (e if moe else lin) + masks) // sp
     query, kv = _attention_widths(workload)
     # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP; an MoE
     # layer's MLP keeps what cost.experts.moe_activation_bytes counts instead.
-    mlp = moe_activation_bytes(job) if moe else e * tokens * (_fc1_width(workload) + workload.ffn) // t
-    tp_side = e * tokens * (2 * query + 2 * kv) // t + mlp
+    mlp = moe_activation_bytes(job) if moe else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
+    tp_side = tokens * (e * (query + 2 * kv) + lin * query) // t + mlp
     scores = 0 if granularity == "selective" else _score_bytes(job)
     return norm_side + tp_side + scores
 
@@ -186,7 +191,7 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
     """Measured bytes when the profile has this shape (a dense layer over whole sequences), else the formula."""
     layout = job.layout
     entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel, granularity) \
-        if profile is not None and not moe and layout.cp == 1 else None
+        if profile is not None and not moe and layout.cp == 1 and job.workload.fp8 is None else None
     return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity, moe)
 
 
@@ -390,7 +395,10 @@ def _stage_memory(job: Job, stage: int, layers: int, params: StageParameters, pr
 
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
-    return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert),
+    # Under FP8, Transformer Engine keeps each layer linear's FP8 weight and its transpose (Hopper's
+    # FP8 GEMMs take one operand layout) from the first micro-batch on: 2 bytes a parameter.
+    fp8_copies = FP8_WEIGHT_COPY_BYTES * (int(params.dense_in_layers[stage]) + expert) if workload.fp8 else 0
+    return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert) + fp8_copies,
                        gradient_bytes=gradient * (dense + expert), optimizer_bytes=sharded(optimizer),
                        activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,
                        step_bytes=sharded(step))

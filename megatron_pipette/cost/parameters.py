@@ -23,6 +23,8 @@ class StageParameters:
     """(pp,) dense parameters on one device of each stage."""
     expert: np.ndarray
     """(pp,) expert parameters on one device of each stage (zeros for a dense model)."""
+    dense_in_layers: np.ndarray
+    """(pp,) of the dense ones, those of the transformer layers (not the embeddings or output layer)."""
 
     @property
     def total(self) -> np.ndarray:
@@ -66,9 +68,10 @@ def stage_parameters(job: Job) -> StageParameters:
     if moe.any():
         dense += moe * dense_layer_parameters(workload, tp, moe=True)
         expert = moe * expert_layer_parameters(workload, layout.ep, layout.etp)
+    in_layers = dense.copy()
     words = workload.padded_vocab_size(tp) * h // tp
     dense[0] += words + workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
     dense[-1] += workload.norm_parameters()
     if workload.untie_embeddings_and_output_weights or pp > 1:
         dense[-1] += words
-    return StageParameters(dense=dense, expert=expert)
+    return StageParameters(dense=dense, expert=expert, dense_in_layers=in_layers)

@@ -69,7 +69,19 @@ def workload_from_args(args: Any) -> Workload:
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
-        **_moe_fields(args))
+        **_moe_fields(args), **_fp8_fields(args))
+
+
+def _fp8_fields(args: Any) -> dict[str, Any]:
+    """--fp8-format and its recipe; FP8 GEMMs are Transformer Engine's, so without it Megatron would
+    fail (or train without FP8) and the plan would be priced for the wrong kernels."""
+    fp8 = getattr(args, "fp8", None)
+    if fp8 is None:
+        return {}
+    if not transformer_engine_in_use(args):
+        raise PipetteError(f"--fp8-format {fp8} needs Transformer Engine (installed, and "
+                           f"--transformer-impl transformer_engine)")
+    return {"fp8": fp8, "fp8_recipe": args.fp8_recipe}
 
 
 def _moe_fields(args: Any) -> dict[str, Any]:

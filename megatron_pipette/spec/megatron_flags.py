@@ -22,6 +22,7 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.layout import CP_COMM_TYPES
 from megatron_pipette.spec.workload import (
     ATTENTION_BACKENDS,
+    FP8_RECIPES,
     MOE_DISPATCHERS,
     NORMALIZATIONS,
     POSITION_EMBEDDINGS,
@@ -37,6 +38,7 @@ ALLOWED_VALUES: dict[str, tuple[str, ...]] = {
     "rerun_mode": ("validate_results", "disabled"),
     "moe_token_dispatcher_type": MOE_DISPATCHERS,
     "cp_comm_type": CP_COMM_TYPES,
+    "fp8_recipe": FP8_RECIPES,
 }
 """Arguments whose value decides: the model describes these values only (Adam's state, one
 training step per iteration, Megatron's own layer implementations)."""

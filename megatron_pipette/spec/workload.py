@@ -24,13 +24,19 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 MOE_DISPATCHERS = ("allgather", "alltoall")
 """--moe-token-dispatcher-type values the cost model prices (flex runs DeepEP-style kernels it does not)."""
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise")
+"""--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
+per-block scales and kernels of their own)."""
+FLAGS = {"fp8": "--fp8-format"}
+"""Argument names whose Megatron flag is not the name with dashes."""
 MOE_LAYER_FREQ = re.compile(r"^[\d\s\[\]\(\)+*,]+$")
 """Megatron's list form of --moe-layer-freq is a Python expression of 0/1 lists: "([0]+[1]*23)"."""
 
 
 def megatron_flag(field: str) -> str:
     """The Megatron-LM flag of an argument name: hidden_size -> --hidden-size."""
-    return "--" + field.replace("_", "-")
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +85,11 @@ class Workload:
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
     precision: str = "bf16"
     """--bf16 / --fp16, else fp32: the dtype of parameters and activations."""
+    fp8: str | None = None
+    """--fp8-format: e4m3, or hybrid (e5m2 gradients): the transformer layers' linears run FP8 GEMMs
+    through Transformer Engine, the rest in the training dtype; None: no FP8."""
+    fp8_recipe: str = "delayed"
+    """--fp8-recipe: delayed or tensorwise (per-tensor) scaling."""
     num_experts: int | None = None
     """--num-experts: routed experts in each MoE layer; None: a dense model."""
     moe_router_topk: int = 2
@@ -130,6 +141,16 @@ class Workload:
                                    f"by --num-query-groups {self.num_query_groups}")
         if self.num_experts is not None:
             self._check_moe()
+        if self.fp8 is not None:
+            self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        if self.fp8 not in FP8_FORMATS:
+            raise PipetteError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise PipetteError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+        if self.precision not in ("bf16", "fp16"):
+            raise PipetteError(f"--fp8-format {self.fp8} needs --bf16 or --fp16 (FP8 GEMMs keep 16-bit weights)")
 
     def _check_moe(self) -> None:
         for field in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):

@@ -27,7 +27,7 @@ def megatron_namespace(**kw):
                 num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
                 moe_layer_freq=1, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
                 moe_token_dispatcher_type="allgather", context_parallel_size=1, cp_comm_type=["p2p"],
-                expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+                expert_model_parallel_size=1, expert_tensor_parallel_size=None, fp8=None, fp8_recipe="delayed")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -63,6 +63,16 @@ def test_workload_refuses_what_the_planner_cannot_price():
         "--hybrid-context-parallel: hierarchical or hybrid context parallelism is not modelled",
         "--use-checkpoint-args: the checkpoint's arguments would replace the planned ones"]
     assert ma.workload_from_args(megatron_namespace(num_experts=None, context_parallel_size=1)).num_layers == 4
+
+
+def test_fp8_needs_transformer_engine(monkeypatch):
+    """FP8 GEMMs are Transformer Engine's: without it the hook names the flag instead of planning."""
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: False)
+    with pytest.raises(PipetteError, match=r"^--fp8-format hybrid needs Transformer Engine"):
+        ma.workload_from_args(megatron_namespace(fp8="hybrid", fp8_recipe="delayed"))
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
+    w = ma.workload_from_args(megatron_namespace(fp8="hybrid", fp8_recipe="tensorwise"))
+    assert (w.fp8, w.fp8_recipe) == ("hybrid", "tensorwise")
 
 
 def test_moe_arguments_become_the_workload():

@@ -31,7 +31,8 @@ def test_megatron_defaults_are_never_refused():
     ({"moe_enable_deepep": True}, "--moe-enable-deepep: this mixture-of-experts option is not modelled"),
     ({"hierarchical_context_parallel_sizes": [2, 2]}, "--hierarchical-context-parallel-sizes 2 2: hierarchical"),
     ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex: only allgather, alltoall are"),
-    ({"fp8": "hybrid"}, "--fp8-format hybrid: FP8/FP4 training is not modelled"),
+    ({"fp8_param_gather": True}, "--fp8-param-gather: FP8 options other than --fp8-format with per-tensor"),
+    ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8: only delayed, tensorwise are modelled"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap: overlapping tensor-parallel communication"),
     ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
     ({"cp_comm_type": ["a2a+p2p"]}, "--cp-comm-type a2a+p2p: only p2p, a2a, allgather are modelled"),
@@ -64,8 +65,8 @@ def test_enum_values_count_by_name():
 
 
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
-    assert len(refused(moe_enable_deepep=True, tp_comm_overlap=True, fp8="e4m3")) == 3
-    assert refusals({"fp8": "e4m3"}) and not refusals({"save": "/ckpt", "auto_parallel": True})
+    assert len(refused(moe_enable_deepep=True, tp_comm_overlap=True, fp4="nvfp4")) == 3
+    assert refusals({"fp4": "nvfp4"}) and not refusals({"save": "/ckpt", "auto_parallel": True, "fp8": "e4m3"})
     with pytest.raises(PipetteError, match="^--moe-enable-deepep: this mixture-of-experts option is not modelled; "
                                            "--use-torch-fsdp2: fully sharded data parallelism"):
         check_priced({"moe_enable_deepep": True, "use_torch_fsdp2": True, "lr": 0.1})
