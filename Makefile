@@ -5,7 +5,7 @@ PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || 
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-fast test-random test-gpu clean
+.PHONY: venv demo test lint test-fast test-random test-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -31,8 +31,12 @@ demo: venv
 FAST := -m "not torchrun and not slow and not gpu" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe \
         tests/architecture tests/calibration
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q
+
+# Style and correctness checks (pyproject.toml's ruff settings), part of `make test`.
+lint: venv
+	$(VENV)/bin/ruff check .
 
 test-fast: venv
 	PIPETTE_TEST_NO_TORCH=1 $(PY) -m pytest -q $(FAST)

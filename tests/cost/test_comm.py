@@ -5,16 +5,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_pipette.cost.comm import group_links, rings
-from megatron_pipette.spec.hardware import Cluster, LinkLevel, make_cluster, preset_cluster
-
 from helpers.clusters import dense
+from megatron_pipette.cost.comm import group_links, rings
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, make_cluster
 
 
 def cluster(nodes=2, gpn=4, intra=100e9, inter=10e9, lat=1e-5, cross_rail=1.0) -> Cluster:
     return make_cluster(name="t", num_nodes=nodes, gpus_per_node=gpn, gpu=None, memory_bytes=80 * 2**30,
                         memory_bandwidth_Bps=2e12, gemm_flops=200e12,
-                        intra_node=LinkLevel(bandwidth_Bps=np.full((gpn, gpn), intra), latency_s=np.full((gpn, gpn), lat)),
+                        intra_node=LinkLevel(bandwidth_Bps=np.full((gpn, gpn), intra),
+                                             latency_s=np.full((gpn, gpn), lat)),
                         inter_node=LinkLevel(bandwidth_Bps=np.full((nodes, nodes), inter),
                                              latency_s=np.full((nodes, nodes), lat)),
                         cross_rail_bandwidth_factor=cross_rail)

@@ -10,10 +10,10 @@ from megatron_pipette.cost import compute
 from megatron_pipette.cost.compute import roofline_layer, stage_work
 from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
-from megatron_pipette.spec.job import resolve_job
 
 A100 = preset_cluster("dgx-a100", num_nodes=1)
 UNIT = GemmCurve(log_table=None, half_dim=0.0)
@@ -139,7 +139,8 @@ def test_tensor_parallelism_shards_the_layer():
 
 def test_sequence_parallel_shards_the_memory_bound_ops():
     w = workload_from_preset("gpt3-13b")
-    tp, sp = (roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=4, sequence_parallel=s)), 2e12) for s in (False, True))
+    tp, sp = (roofline_layer(resolve_job(w, Layout(tensor_model_parallel_size=4, sequence_parallel=s)), 2e12)
+              for s in (False, True))
     assert sp.forward.mem_s < tp.forward.mem_s and sp.forward.flops == tp.forward.flops
 
 
@@ -212,7 +213,8 @@ def test_devices_sharing_cores_run_the_profile_slower():
 
 def test_profiled_recompute_is_split_out_of_backward():
     w = workload_from_preset("gpt3-1.3b")
-    layout = Layout(data_parallel_size=8, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    layout = Layout(data_parallel_size=8, recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)
     part = compute.profile_layer(_profile(rc_bwd=0.031), resolve_job(w, layout), A100)
     rate = A100.gemm_flops[0]
     assert part.backward.flops / rate == pytest.approx(0.02)
@@ -223,4 +225,5 @@ def test_profiled_recompute_is_split_out_of_backward():
 
 def test_unprofiled_tensor_parallel_size_falls_back_to_the_roofline():
     w = workload_from_preset("gpt3-1.3b")
-    assert not stage_work(resolve_job(w, Layout(tensor_model_parallel_size=2, data_parallel_size=4)), A100, _profile()).profiled
+    job = resolve_job(w, Layout(tensor_model_parallel_size=2, data_parallel_size=4))
+    assert not stage_work(job, A100, _profile()).profiled

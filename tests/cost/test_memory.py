@@ -6,17 +6,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pipette.cost import simulator
-from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.memory import (
-    DEFAULT_OVERHEADS, GiB, MemoryEstimate, RuntimeOverheads, StageMemory, _in_flight_states,
-    activation_bytes_per_layer, communicators, estimate_memory, in_flight_microbatches, microbatches_in_flight,
-    misfit_reason, state_bytes_per_parameter)
+    DEFAULT_OVERHEADS,
+    GiB,
+    MemoryEstimate,
+    RuntimeOverheads,
+    StageMemory,
+    _in_flight_states,
+    activation_bytes_per_layer,
+    communicators,
+    estimate_memory,
+    in_flight_microbatches,
+    microbatches_in_flight,
+    misfit_reason,
+    state_bytes_per_parameter,
+)
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
-from megatron_pipette.spec.job import resolve_job
 
 H100 = lookup_gpu("H100").memory_bytes  # 81085 MiB, as torch reports it
 GPT3 = workload_from_preset("gpt3-175b")  # 96 layers, h 12288, 96 heads, s 2048, dropout 0.1
@@ -84,7 +95,8 @@ def test_stage_parameters_add_up_to_the_model(preset, pp):
 def test_tensor_parallel_shards_all_but_norms_and_row_biases():
     h = GPT3.hidden_size  # GPT-3 layer: 12h^2 + 13h; 2 LayerNorms (4h) and 2 row-parallel biases (2h) stay whole
     assert GPT3.layer_parameters() == 12 * h * h + 13 * h
-    middle = estimate_memory(resolve_job(GPT3, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)), H100).stages[3]
+    job = resolve_job(GPT3, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8))
+    middle = estimate_memory(job, H100).stages[3]
     assert middle.parameters == 12 * ((12 * h * h + 7 * h) // 8 + 6 * h)
 
 
@@ -133,7 +145,8 @@ def test_gqa_swiglu_layer_by_hand():
     # Unfused attention repeats K and V to every head before storing them, and keeps the scores.
     local = dataclasses.replace(w, attention_backend="local")
     scores = 2 * w.num_attention_heads * s * s * 2 // t
-    assert activation_bytes_per_layer(resolve_job(local, layout)) == norm_side + tp_side + 2 * sb * 2 * (h - g * d) // t + scores
+    repeated_kv = 2 * sb * 2 * (h - g * d) // t
+    assert activation_bytes_per_layer(resolve_job(local, layout)) == norm_side + tp_side + repeated_kv + scores
 
 
 # In-flight micro-batches: transcriptions of megatron-core 0.19 (pipeline_parallel/schedules.py).
@@ -329,7 +342,8 @@ def test_gpt3_175b_fits_with_sequence_parallel_and_selective_recompute():
     assert misfit_reason(est) is None
     assert est.worst_stage.stage == 0
     # Without either technique the activations no longer fit: the paper's reason for both.
-    bare = estimate_memory(resolve_job(GPT3_PAPER, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)), H100)
+    bare = estimate_memory(resolve_job(GPT3_PAPER, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=8)),
+                           H100)
     assert not bare.fits
 
 
@@ -413,7 +427,8 @@ def test_profile_replaces_the_formula():
     assert with_profile.activation_bytes - formula.activation_bytes == layers_in_flight * (
         measured - activation_bytes_per_layer(resolve_job(GPT3, layout)))
     unprofiled = dataclasses.replace(layout, sequence_parallel=False)  # no such entry: the formula
-    assert estimate_memory(resolve_job(GPT3, unprofiled), H100, profile=profile) == estimate_memory(resolve_job(GPT3, unprofiled), H100)
+    job = resolve_job(GPT3, unprofiled)
+    assert estimate_memory(job, H100, profile=profile) == estimate_memory(job, H100)
 
 
 # Bad inputs.

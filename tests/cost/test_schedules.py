@@ -7,8 +7,7 @@ from hypothesis import strategies as st
 
 from megatron_pipette.cost import simulator
 from megatron_pipette.cost.interleaved import interleaved_time
-from megatron_pipette.cost.schedules import (SCHEDULES, StageTimes, pipeline_time, schedule_name,
-                                             simulate_pipeline)
+from megatron_pipette.cost.schedules import SCHEDULES, StageTimes, pipeline_time, schedule_name, simulate_pipeline
 
 
 def times(f, b, phi=None, beta=None) -> StageTimes:

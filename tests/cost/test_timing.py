@@ -7,18 +7,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_pipette.cost import memory, timing
+from helpers.clusters import random_cluster, slow_node_cluster, with_slow_node
+from megatron_pipette.cost import timing
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.parameters import stage_parameters
 from megatron_pipette.cost.timing import iteration_time
 from megatron_pipette.errors import Infeasible
 from megatron_pipette.spec.hardware import Cluster, preset_cluster, uniform_level
+from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
-from megatron_pipette.cost.model import CostModel
-from megatron_pipette.cost.parameters import stage_parameters
-from megatron_pipette.spec.job import resolve_job
-
-from helpers.clusters import random_cluster, slow_node_cluster, with_slow_node
 
 GPT = workload_from_preset("gpt3-1.3b", global_batch_size=64)
 H100x4 = preset_cluster("dgx-h100", num_nodes=4)
@@ -36,7 +35,7 @@ LAYOUTS = [layout(8, 4, 1), layout(1, 1, 32), layout(2, 4, 4, sequence_parallel=
            layout(4, 8, 1, recompute_granularity="selective")]
 
 
-@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: l.describe())
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda layout: layout.describe())
 def test_breakdown_respects_the_grid(lay):
     validate_layout(GPT, lay, 32)
     est = CostModel(random_cluster(1)).time(resolve_job(GPT, lay))
@@ -107,7 +106,8 @@ def test_breakdown_charges_the_busiest_stage():
     is the last stage's."""
     c = preset_cluster("dgx-h100", num_nodes=4)
     lay = layout(1, 4, 8)
-    est = CostModel(free_links(c), profile=profiled_layers(float(c.gemm_flops[0]), output_s=(3.0, 6.0))).time(resolve_job(GPT, lay))
+    profile = profiled_layers(float(c.gemm_flops[0]), output_s=(3.0, 6.0))
+    est = CostModel(free_links(c), profile=profile).time(resolve_job(GPT, lay))
     layers, m = GPT.num_layers // lay.pp, resolve_job(GPT, lay).num_microbatches
     slot, last = layers * (F + B), layers * (F + B) + 9.0
     assert est.breakdown.compute_s == pytest.approx(m * last, rel=1e-9)
@@ -122,7 +122,8 @@ def test_whole_node_placements_cost_the_same_on_a_uniform_fabric():
     for _ in range(5):
         order = rng.permutation(4)
         placement = (order[:, None] * 8 + np.arange(8)[None, :]).reshape(-1)
-        assert CostModel(H100x4).time(resolve_job(GPT, lay), placement).iteration_time_s == pytest.approx(base, rel=1e-12)
+        moved = CostModel(H100x4).time(resolve_job(GPT, lay), placement).iteration_time_s
+        assert moved == pytest.approx(base, rel=1e-12)
 
 
 def test_a_slow_node_is_worth_moving_to_the_pipeline_end():

@@ -49,10 +49,10 @@ def test_constraints_fix_fields():
 def test_param_gather_overlap_is_searched_both_ways():
     """--overlap-param-gather can cost time (1F1B: cost.timing), so the search tries it off too."""
     layouts = layouts_of(GPT3, 1024, 8, {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 8})
-    dopt = {l for l in layouts if l.use_distributed_optimizer}
-    assert {l.overlap_param_gather for l in dopt} == {True, False}
-    assert all(l.overlap_grad_reduce for l in dopt)
-    assert not any(l.overlap_param_gather for l in layouts if not l.use_distributed_optimizer)
+    dopt = {lay for lay in layouts if lay.use_distributed_optimizer}
+    assert {lay.overlap_param_gather for lay in dopt} == {True, False}
+    assert all(lay.overlap_grad_reduce for lay in dopt)
+    assert not any(lay.overlap_param_gather for lay in layouts if not lay.use_distributed_optimizer)
 
 
 def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
