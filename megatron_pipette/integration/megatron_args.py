@@ -123,8 +123,11 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
         constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
     if "sequence_parallel" not in constraints and not sequence_parallel_supported(args):
         constraints["sequence_parallel"] = False
-    if "context_parallel_size" not in constraints and not transformer_engine_in_use(args):
-        constraints["context_parallel_size"] = 1   # only Transformer Engine's attention splits the sequence
+    if not transformer_engine_in_use(args):   # only Transformer Engine's attention splits the sequence
+        typed_cp = constraints.setdefault("context_parallel_size", 1)
+        if typed_cp > 1:
+            raise PipetteError(f"--context-parallel-size {typed_cp} needs Transformer Engine's attention "
+                               f"(installed, and --transformer-impl transformer_engine)")
     return constraints
 
 

@@ -46,11 +46,15 @@ def test_sequence_parallel_is_ruled_out_without_te_or_apex(monkeypatch):
 
 
 def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
-    """Only Transformer Engine's attention splits the sequence; a typed size stays the user's."""
+    """Only Transformer Engine's attention splits the sequence: without it CP stays 1, and a typed
+    CP > 1 is refused by name."""
     monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: False)
     args = megatron_namespace()
     assert ma.constraints_from_args(args, [])["context_parallel_size"] == 1
     args = megatron_namespace(context_parallel_size=2)
+    with pytest.raises(PipetteError, match="^--context-parallel-size 2 needs Transformer Engine's attention"):
+        ma.constraints_from_args(args, ["--context-parallel-size", "2"])
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     assert ma.constraints_from_args(args, ["--context-parallel-size", "2"])["context_parallel_size"] == 2
 
 
