@@ -35,6 +35,7 @@ from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.workload import Workload
+from megatron_pipette.units import GiB
 
 DATA = Path(__file__).with_name("published_runs.json")
 SPLIT_SEED = 0
@@ -99,7 +100,7 @@ def predict(run: dict, large_gemm_efficiency: float | None = None) -> dict:
             best = (fits, t, job)
     fits, t, job = best
     return {"predicted_s": t, "layout": job.layout.describe(), "fits": fits,
-            "peak_gib": model.memory(job).peak_bytes / 2**30}
+            "peak_gib": model.memory(job).peak_bytes / GiB}
 
 
 def calibrate(runs: list[dict], sets: dict[str, str]) -> float:

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-GiB = 1 << 30
+from megatron_pipette.units import GiB
+
 MEMORY_MARGIN = 0.05
 """A stage's measured peak may exceed its prediction by this fraction before it is a warning:
 allocator rounding and the few iterations measured move the peak by a few percent."""
