@@ -42,26 +42,33 @@ from megatron_pipette.spec.hardware import Cluster
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class Rings:
-    """Ring collectives over many groups of the same size at once."""
+class LinkSummary:
+    """Many groups of the same size at once, each summarised by a latency and a cost per byte."""
 
     size: int
     """Ranks per group."""
     alpha_s: np.ndarray
-    """Worst per-message latency over each group's ring links, seconds (group shape)."""
+    """Start-up latency of each group's collective, seconds (group shape)."""
     inv_bw_s_per_B: np.ndarray
-    """1 / the narrowest ring link's bandwidth, seconds per byte (group shape)."""
+    """Seconds per byte on each group's bottleneck (group shape)."""
 
-    def all_reduce_s(self, nbytes: float) -> np.ndarray:
+    def _seconds(self, bottleneck_bytes: float) -> np.ndarray:
+        """One collective that moves `bottleneck_bytes` over the bottleneck; free in a group of one."""
         if self.size == 1:
             return np.zeros_like(self.alpha_s)
-        return self.alpha_s + 2 * (self.size - 1) * nbytes / self.size * self.inv_bw_s_per_B
+        return self.alpha_s + bottleneck_bytes * self.inv_bw_s_per_B
+
+
+class Rings(LinkSummary):
+    """Ring collectives: alpha the worst latency over the ring's links, the cost per byte that of
+    its narrowest link."""
+
+    def all_reduce_s(self, nbytes: float) -> np.ndarray:
+        return self._seconds(2 * (self.size - 1) * nbytes / self.size)
 
     def reduce_scatter_s(self, nbytes: float) -> np.ndarray:
         """Also the all-gather time of the same (unsharded) size."""
-        if self.size == 1:
-            return np.zeros_like(self.alpha_s)
-        return self.alpha_s + (self.size - 1) * nbytes / self.size * self.inv_bw_s_per_B
+        return self._seconds((self.size - 1) * nbytes / self.size)
 
     all_gather_s = reduce_scatter_s
 
@@ -76,20 +83,12 @@ def rings(devices: np.ndarray, cluster: Cluster) -> Rings:
     return Rings(size=n, alpha_s=lat.max(axis=-1), inv_bw_s_per_B=(1.0 / bw).max(axis=-1))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class AllToAll:
-    """All-to-alls over many groups of the same size at once."""
-
-    size: int
-    alpha_s: np.ndarray
-    """Worst latency between any two ranks of each group, seconds."""
-    inv_bw_s_per_B: np.ndarray
-    """The busiest rank's seconds per byte sent to each peer (module docstring)."""
+class AllToAll(LinkSummary):
+    """All-to-alls: alpha the worst latency between two ranks of the group, the cost per byte the
+    busiest rank's sum over its peers (module docstring), per byte of one peer's share."""
 
     def all_to_all_s(self, nbytes: float) -> np.ndarray:
-        if self.size == 1:
-            return np.zeros_like(self.alpha_s)
-        return self.alpha_s + nbytes / self.size * self.inv_bw_s_per_B
+        return self._seconds(nbytes / self.size)
 
 
 def all_to_all(devices: np.ndarray, cluster: Cluster) -> AllToAll:
@@ -109,7 +108,7 @@ def all_to_all(devices: np.ndarray, cluster: Cluster) -> AllToAll:
     return AllToAll(size=n, alpha_s=alpha.max(axis=-1), inv_bw_s_per_B=np.maximum(near, far).max(axis=-1))
 
 
-def _worst_per_stage(summary, groups_axes: tuple[int, ...]):
+def _worst_per_stage(summary: LinkSummary, groups_axes: tuple[int, ...]) -> LinkSummary:
     """A ring or all-to-all summary reduced to (pp,): the slowest group of each stage sets the pace
     (an MoE layer's dispatch, or a stage's expert-gradient reduction, waits for all of them)."""
     return dataclasses.replace(summary, alpha_s=summary.alpha_s.max(axis=groups_axes),
