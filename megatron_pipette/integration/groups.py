@@ -31,18 +31,22 @@ def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp:
     `logical_to_physical[r]` is the physical (torchrun) rank that runs logical rank r; `etp`
     None is Megatron's default, the tensor-parallel size.
     """
-    world = tp * cp * dp * pp
-    physical = np.asarray(logical_to_physical)
-    if sorted(physical.tolist()) != list(range(world)):
-        raise ValueError(f"logical_to_physical must be a permutation of range({world}) for tp={tp} cp={cp} "
-                         f"dp={dp} pp={pp}, got {list(logical_to_physical)}")
+    physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
     groups: dict[int, GroupRanks] = {int(p): {} for p in physical}
-    _collect(groups, physical, {"tp": tp, "cp": cp, "dp": dp, "pp": pp}, DENSE_GROUPS)
-    etp = tp if etp is None else etp
-    if world % (etp * ep * pp):
-        raise ValueError(f"expert grid etp={etp} ep={ep} pp={pp} does not divide the world of {world}")
-    _collect(groups, physical, {"etp": etp, "ep": ep, "edp": world // (etp * ep * pp), "pp": pp}, EXPERT_GROUPS)
+    for sizes, kinds in grids:
+        for kind, along in kinds.items():
+            for row in _rows(physical, sizes, along).tolist():
+                for member in row:
+                    groups[member][kind] = row
     return groups
+
+
+def distinct_groups(logical_to_physical: Sequence[int], kind: str, *, tp: int, pp: int, dp: int, cp: int = 1,
+                    ep: int = 1, etp: int | None = None) -> list[list[int]]:
+    """Every group of one kind (as in `expected_groups`), each sorted, in physical ranks."""
+    physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
+    sizes, kinds = next((sizes, kinds) for sizes, kinds in grids if kind in kinds)
+    return _rows(physical, sizes, kinds[kind]).tolist()
 
 
 def group_sizes(layout: Layout) -> dict[str, int | None]:
@@ -51,14 +55,25 @@ def group_sizes(layout: Layout) -> dict[str, int | None]:
             "ep": layout.ep, "etp": layout.expert_tensor_parallel_size}
 
 
-def _collect(groups: dict[int, GroupRanks], physical: np.ndarray, sizes: dict[str, int],
-             kinds: dict[str, tuple[str, ...]]) -> None:
+def _grids(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int, ep: int,
+           etp: int | None) -> tuple[np.ndarray, list[tuple[dict[str, int], dict[str, tuple[str, ...]]]]]:
+    """The checked permutation, and the (axis sizes, group kinds) of the dense and the expert grid."""
+    world = tp * cp * dp * pp
+    physical = np.asarray(logical_to_physical)
+    if sorted(physical.tolist()) != list(range(world)):
+        raise ValueError(f"logical_to_physical must be a permutation of range({world}) for tp={tp} cp={cp} "
+                         f"dp={dp} pp={pp}, got {list(logical_to_physical)}")
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        raise ValueError(f"expert grid etp={etp} ep={ep} pp={pp} does not divide the world of {world}")
+    return physical, [({"tp": tp, "cp": cp, "dp": dp, "pp": pp}, DENSE_GROUPS),
+                      ({"etp": etp, "ep": ep, "edp": world // (etp * ep * pp), "pp": pp}, EXPERT_GROUPS)]
+
+
+def _rows(physical: np.ndarray, sizes: dict[str, int], along: tuple[str, ...]) -> np.ndarray:
+    """(groups, group size): the groups whose members differ along the axes `along`, each sorted."""
     axes = list(sizes)
     grid = physical.reshape([sizes[a] for a in reversed(axes)])      # C order: the first axis is last
-    for kind, along in kinds.items():
-        dims = [len(axes) - 1 - axes.index(a) for a in along]
-        rows = np.moveaxis(grid, dims, range(grid.ndim - len(dims), grid.ndim)).reshape(
-            -1, int(np.prod([sizes[a] for a in along])))
-        for row in np.sort(rows, axis=1).tolist():
-            for member in row:
-                groups[member][kind] = row
+    dims = [len(axes) - 1 - axes.index(a) for a in along]
+    rows = np.moveaxis(grid, dims, range(grid.ndim - len(dims), grid.ndim))
+    return np.sort(rows.reshape(-1, int(np.prod([sizes[a] for a in along]))), axis=1)

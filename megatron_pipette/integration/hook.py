@@ -42,7 +42,7 @@ from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
 from megatron_pipette.integration.common import CLUSTER, PLAN, PROFILE, Phases, candidate_digest, log, write_json
-from megatron_pipette.integration.groups import expected_groups, group_sizes
+from megatron_pipette.integration.groups import distinct_groups, group_sizes
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
@@ -264,12 +264,12 @@ def _rerank(store, placement: Placement | None, backend: str, timeout: timedelta
 
 def _log_groups(layout: Layout, placement: Placement, rank: int) -> None:
     """The groups Megatron will build, in torchrun's original ranks, so the re-ranking is visible."""
-    groups = expected_groups(placement.logical_to_physical.tolist(), **group_sizes(layout))
+    sizes, physical = group_sizes(layout), placement.logical_to_physical.tolist()
     for kind, name in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("dp", "data"), ("ep", "expert")):
-        if kind not in groups[0] or (kind in ("cp", "ep") and len(groups[0][kind]) == 1):
+        if kind in ("cp", "ep") and sizes[kind] == 1:
             continue
-        distinct = sorted({tuple(g[kind]) for g in groups.values()})
-        log(f"{name}-parallel groups (torchrun ranks): {' '.join(str(list(g)) for g in distinct)}", rank)
+        distinct = sorted(distinct_groups(physical, kind, **sizes))
+        log(f"{name}-parallel groups (torchrun ranks): {' '.join(str(g) for g in distinct)}", rank)
 
 
 def _close_quietly() -> None:
