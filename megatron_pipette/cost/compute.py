@@ -237,7 +237,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
     linear = fp8_curve(cluster.gpu, w.precision) if w.fp8 else gemm
     attention = attention_curve(cluster.gpu, w.attention_backend)
-    profile = profile if layout.cp == 1 and w.fp8 is None else None      # it timed whole sequences in 16 bits
+    profile = profile if profile is not None and profile.covers(job) else None
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
     layer = layer or roofline_layer(job, bw, gemm, attention, linear=linear)

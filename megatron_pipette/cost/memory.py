@@ -191,7 +191,7 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
     """Measured bytes when the profile has this shape (a dense layer over whole sequences), else the formula."""
     layout = job.layout
     entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel, granularity) \
-        if profile is not None and not moe and layout.cp == 1 and job.workload.fp8 is None else None
+        if profile is not None and not moe and profile.covers(job) else None
     return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity, moe)
 
 

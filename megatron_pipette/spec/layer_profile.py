@@ -34,6 +34,7 @@ from typing import Any
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import Cluster, gpu_catalog
+from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
 
 SCHEMA = "megatron-pipette/layer-profile"
@@ -67,6 +68,11 @@ class LayerProfile:
     embedding: tuple[ProfileEntry, ...]
     output_layer: tuple[ProfileEntry, ...]
     model: dict
+
+    def covers(self, job: Job) -> bool:
+        """Whether its dense-layer figures stand for this job's: the profiler times whole sequences
+        in the training dtype, so not under context parallelism or FP8."""
+        return job.layout.cp == 1 and job.workload.fp8 is None
 
     def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:
         return _lookup(self.layers, tp, mbs, sequence_parallel, recompute)
