@@ -6,9 +6,8 @@ registry so a new schedule touches only this file. The derivations are in
 docs/time-model.md; `cost.simulator` is the reference the tests hold them to.
 
 - "1f1b": megatron-core's forward_backward_pipelining_without_interleaving with
-  its blocking, batched p2p calls. Exact: a closed form for m >= 2p-1, a
-  dynamic programme over the same event lattice for p <= m < 2p-1, and the
-  simulator for m < p (where stages run all-warmup and the lattice changes).
+  its blocking, batched p2p calls. Exact: a closed form for m >= 2p-1 and a
+  dynamic programme over the same event lattice for m < 2p-1.
 - "interleaved": forward_backward_pipelining_with_interleaving (async p2p).
   Exact: a wave recurrence over the ranks (`cost.interleaved`) that skips the
   periodic steady-state groups; extrapolated (and flagged inexact) only for a
@@ -189,31 +188,37 @@ def _cooldown(e, b, beta, m):
 
 
 def _one_f_one_b_lattice(f, b, phi, beta, x, m):
-    """Exact longest path over the whole event lattice, column by column (p <= m)."""
+    """Exact longest path over the whole event lattice, column by column (m < 2p-1).
+
+    Column j holds forward j on every hop (j < m) and backward j-(p-1-h) on hop h where that
+    is a micro-batch: a full column, or in the cooldown a band of hops. An event waits for the
+    stage below it (the previous hop in its column, across that stage's forward) and the stage
+    above it (the next hop in the previous column, across its backward). A stage that runs
+    all-warmup (m < p) also waits for its own last forward send before its first backward, but
+    the stage above took part in that send, so the second edge already covers it."""
     batch, p = f.shape
     hops = np.arange(-1, p)
     fpad = np.concatenate([np.zeros((batch, 1)), f], axis=1)
     finish = np.empty((batch, p))
-    prev = None
+    prev = np.full((batch, p + 1), NEG)
+    had_backward = np.zeros(p + 1, dtype=bool)
     for j in range(m + p):
-        top = p - 1 if j < m else m + p - 2 - j
-        n = top + 2
-        u = hops[:n] + j
-        fw, bw = j < m, u >= p - 1
-        d = np.where(fw & bw, x[:, :n], phi[:, :n] if fw else beta[:, :n])
+        fw = j < m
+        backward = hops + j - (p - 1)
+        bw = (backward >= 0) & (backward < m)
+        d = np.where(bw, np.where(fw, x, beta), phi if fw else 0.0)
+        arrive = np.full((batch, p + 1), NEG)
+        arrive[:, :p] = prev[:, 1:] + b * had_backward[1:]
         if j == 0:
-            arrive = np.full((batch, n), NEG)
             arrive[:, 0] = 0.0
-        else:
-            k = min(n, prev.shape[1] - 1)
-            arrive = np.full((batch, n), NEG)
-            arrive[:, :k] = prev[:, 1:k + 1] + b[:, :k] * (hops[1:k + 1] + j - 1 >= p - 1)
-        s = np.cumsum(fpad[:, :n] * fw + d, axis=1)
-        prev = s + np.maximum.accumulate(arrive + d - s, axis=1)
-        if j >= m and 0 <= top <= p - 2:
-            finish[:, top] = prev[:, top + 1] + b[:, top]
+        s = np.cumsum(fpad * fw + d, axis=1)
+        prev = np.where(fw | bw, s + np.maximum.accumulate(arrive + d - s, axis=1), NEG)
+        had_backward = bw
         if j == m - 1:
             finish[:, p - 1] = prev[:, p] + b[:, p - 1]
+        top = m + p - 2 - j                      # hop of the last backward in this column
+        if j >= m and 0 <= top <= p - 2:
+            finish[:, top] = prev[:, top + 1] + b[:, top]
     return prev[:, 0], finish
 
 
@@ -222,9 +227,6 @@ def one_f_one_b(times: StageTimes, m: int) -> PipelineTime:
     batch, p, v = times.shape
     assert v == 1, "1F1B runs one model chunk per rank"
     busy, p2p = _busy_1f1b(times, m)
-    if m < p:
-        sim = simulate_pipeline("1f1b", times, m)
-        return PipelineTime(total_s=sim.total_s, finish_s=sim.finish_s, busy_s=busy, p2p_s=p2p, exact=True)
     f, b = times.forward_s[:, :, 0], times.backward_s[:, :, 0]
     phi, beta, x = _hops(times)
     if m >= 2 * p - 1:
