@@ -9,8 +9,8 @@ predicted iteration time that ranks layouts (`CostModel.time`), never a proxy.
 The search is a deterministic, bounded best-improvement local search over
 node swaps. It starts from Megatron's default order and accepts only strict
 improvements, so it is never worse than the default and returns the default
-on a uniform cluster. Swaps are tried for the nodes with the weakest links
-(by the harmonic mean of their inter-node bandwidths) against one node of
+on a uniform cluster; it stops after a round that gained less than MIN_GAIN.
+Swaps are tried for the nodes with the weakest links of their inter-node bandwidths) against one node of
 every distinct pipeline role, so a round costs O(pipeline stages) estimates
 rather than O(nodes^2).
 
@@ -36,8 +36,13 @@ WEAK_NODES_PER_ROUND = 3
 """How many of the weakest-linked nodes a round tries to move."""
 MAX_ROUNDS = 16
 """Upper bound on accepted swaps; each strictly improves the objective."""
-RELATIVE_IMPROVEMENT = 1e-9
+STRICT = 1e-9
 """A swap must beat the current time by this fraction, so float noise never counts as a gain."""
+MIN_GAIN = 1e-3
+"""The search stops after a round that saved less than this fraction of the iteration time. Smaller
+gains are below what the probe resolves (links measured to a few percent): on the probe twin's
+2048-node cluster, chasing them ran all MAX_ROUNDS rounds of full estimates for one layout
+(1,502 instead of 192) to gain 0.16%."""
 
 
 @dataclass(frozen=True)
@@ -139,13 +144,15 @@ def optimize_placement(model: CostModel, job: Job) -> tuple[Placement, TimeEstim
         movers = np.argsort(-block_weakness, kind="stable")[:WEAK_NODES_PER_ROUND].tolist()
         pairs = ([(a, b) for a in range(blocks) for b in range(a + 1, blocks)]
                  if exhaustive else [(a, b) for a in movers for b in targets if a != b])
-        found = None
+        found, before = None, best.iteration_time_s
         for a, b in pairs:
             trial = current.swapped(a, b, unit)
             estimate = model.time(job, trial.logical_to_physical)
-            if estimate.iteration_time_s < best.iteration_time_s * (1 - RELATIVE_IMPROVEMENT):
+            if estimate.iteration_time_s < best.iteration_time_s * (1 - STRICT):
                 found, best = trial, estimate
         if found is None:
             break
         current = found
+        if best.iteration_time_s > before * (1 - MIN_GAIN):
+            break
     return current, best
