@@ -10,9 +10,9 @@ The search is a deterministic, bounded best-improvement local search over
 node swaps. It starts from Megatron's default order and accepts only strict
 improvements, so it is never worse than the default and returns the default
 on a uniform cluster; it stops after a round that gained less than MIN_GAIN.
-Swaps are tried for the nodes with the weakest links of their inter-node bandwidths) against one node of
-every distinct pipeline role, so a round costs O(pipeline stages) estimates
-rather than O(nodes^2).
+Swaps are tried for the nodes with the weakest links (by the harmonic mean
+of their inter-node bandwidths) against one node of every distinct pipeline
+role, so a round costs O(pipeline stages) estimates rather than O(nodes^2).
 
 Example: 4 nodes, PP 4 (one stage per node), node 1's links 10x slower.
 Default order puts it mid-pipeline with two slow hops; the search moves it
