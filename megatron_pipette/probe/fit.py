@@ -4,14 +4,17 @@ Why: the budget measures every link inside a node but, at scale, only some node 
 rest is filled from a per-node model fitted on what was measured (a node's sending and
 receiving rate, the fabric's median): link(a, b) ~ min(out_a, in_b). One slow node shows in
 every round it ran, so a few rounds find it; a measured link far below what its two nodes
-predict is reported as a slow link. All array work is vectorised over nodes (no loop over
-pairs), so a 2048-node document builds in well under a second. Pure: numpy only.
+predict is reported as a slow link. Between nodes the fit works on (rounds, nodes) tables of
+what ran and writes each nodes x nodes matrix once; all array work is vectorised (no loop
+over pairs). A 2048-node document builds in 0.8-1.3 s on one core (benchmarks/probe_twin.py).
+Pure: numpy only.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -108,7 +111,7 @@ def _ran(phase: PhaseResult) -> list:
 def _median_or(values: np.ndarray, axis: int, default: float) -> np.ndarray:
     """Median of the non-NaN entries along `axis`, `default` where there are none. One sort of the
     whole array (NaN sorts last) instead of numpy's per-row nanmedian, which loops in Python."""
-    ordered = np.sort(np.moveaxis(values, axis, -1), axis=-1)
+    ordered = np.sort(np.ascontiguousarray(np.moveaxis(values, axis, -1)), axis=-1)   # a strided sort is slower
     if ordered.shape[-1] == 0:
         return np.full(ordered.shape[:-1], default)
     count = np.sum(~np.isnan(ordered), axis=-1)
@@ -195,56 +198,104 @@ class InterFit:
     cross_rail_latency_s: float
 
 
-def inter_times(m: Measurements, kind: str) -> dict[str, np.ndarray]:
-    """METRICS -> (nodes, nodes) sender-node times of the rounds of `kind` (slowest rail; NaN: not run)."""
-    nodes = m.num_nodes
-    out = {k: np.full((nodes, nodes), np.nan, dtype=np.float32) for k in METRICS}
-    for rnd, times in _ran(m.inter):
-        if rnd.kind != kind:
-            continue
-        a = np.flatnonzero(rnd.partner >= 0)
-        for i, key in enumerate(METRICS):
-            out[key][a, rnd.partner[a]] = times[a, i]
-    return out
+@dataclass(frozen=True)
+class RoundTable:
+    """The node-pair rounds of one kind that ran, as (rounds, nodes) arrays: row r holds each
+    node's link to its partner in round r, so the fit's per-node medians sort O(rounds x nodes)
+    numbers and finding a link's reverse stays inside its round's row. A tournament meets each
+    node pair in one round only, so every measured link is in exactly one cell."""
+
+    partner: np.ndarray
+    """(rounds, nodes) partner node; -1 sits out."""
+    times: dict[str, np.ndarray]
+    """METRICS -> (rounds, nodes) float32 sender-node times (slowest rail; NaN: not measured)."""
+
+    @classmethod
+    def of(cls, m: Measurements, kind: str) -> RoundTable:
+        ran = [(rnd, t) for rnd, t in _ran(m.inter) if rnd.kind == kind]
+        nodes = m.num_nodes
+        partner = np.array([rnd.partner[:nodes] for rnd, _ in ran], dtype=np.int64).reshape(-1, nodes)
+        stacked = np.array([t for _, t in ran], dtype=np.float32).reshape(-1, nodes, len(METRICS))
+        stacked[partner < 0] = np.nan
+        return cls(partner, {key: np.ascontiguousarray(stacked[:, :, i]) for i, key in enumerate(METRICS)})
+
+    @cached_property
+    def _cell(self) -> np.ndarray:
+        """(rounds, nodes) flat index of each link in a nodes x nodes matrix (0 where none)."""
+        nodes = self.partner.shape[1]
+        return np.where(self.partner >= 0, np.arange(nodes) * nodes + self.partner, 0)
+
+    def cells(self, where: np.ndarray) -> np.ndarray:
+        """Flat nodes x nodes indices of the links where `where` ((rounds, nodes) bool) holds."""
+        return self._cell[where]
+
+    def reverse(self, values: np.ndarray) -> np.ndarray:
+        """(rounds, nodes) values of the opposite links: partner -> node."""
+        got = np.take_along_axis(values, np.maximum(self.partner, 0), axis=1)
+        return np.where(self.partner >= 0, got, np.nan)
+
+    def at(self, matrix: np.ndarray) -> np.ndarray:
+        """(rounds, nodes) entries of a nodes x nodes matrix at each node's link to its partner."""
+        return np.where(self.partner >= 0, matrix.ravel()[self._cell], np.nan)
+
+    def write(self, values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+        """`matrix` (nodes x nodes, in place) with the known (non-NaN) values written at their links."""
+        known = ~np.isnan(values)
+        matrix.ravel()[self.cells(known)] = values[known]
+        return matrix
 
 
-def _fit_rates(values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
-    """(out, in, fabric, prediction) of a per-node model of a (nodes, nodes) figure."""
-    fabric = float(np.nanmedian(values))
-    out = _median_or(values, 1, fabric)
-    inn = _median_or(values, 0, fabric)
+def _fit_rates(table: RoundTable, values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """(out, in, fabric, prediction) of a per-node model of one figure known at `table`'s links:
+    a node's sending (receiving) rate is the median of its links out (in), else the fabric's."""
+    known = values[~np.isnan(values)]
+    fabric = float(np.median(known)) if known.size else np.nan
+    out = _median_or(values, 0, fabric)
+    inn = _median_or(table.reverse(values), 0, fabric)
     return out, inn, fabric, combine(out[:, None], inn[None, :])
+
+
+def _round_figures(table: RoundTable, small_bytes: int, large_bytes: int) -> Figures:
+    """`figures` at the table's links: the exchange times are paired with the partner's own."""
+    t = table.times
+    bw, lat = alpha_beta(t["small_s"], t["large_s"], small_bytes, large_bytes)
+    xbw, xlat = two_way_alpha_beta(np.fmin(t["exchange_medium_s"], table.reverse(t["exchange_medium_s"])),
+                                   np.fmin(t["exchange_large_s"], table.reverse(t["exchange_large_s"])),
+                                   medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)
+    return Figures(bw, lat, xbw, xlat)
 
 
 def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit:
     nodes = m.num_nodes
-    times = inter_times(m, "inter")
-    f = figures(times, small_bytes, large_bytes)
-    off = ~np.eye(nodes, dtype=bool)
-    measured = off & ~np.isnan(f.bandwidth_Bps)
-    if nodes > 1 and not measured.any():
+    table = RoundTable.of(m, "inter")
+    f = _round_figures(table, small_bytes, large_bytes)
+    measured_at = ~np.isnan(f.bandwidth_Bps)
+    if nodes > 1 and not measured_at.any():
         raise PipetteError("probe: no node pair was measured within the budget; raise --budget-s")
     if nodes == 1:
         one = np.zeros((1, 1))
         return InterFit(Figures(one + np.inf, one, one + np.inf, one), np.zeros((1, 1), bool), np.full(1, np.inf),
                         np.full(1, np.inf), math.inf, [], [], 1.0, 0.0)
-    out, inn, fabric, predicted = _fit_rates(f.bandwidth_Bps, np.minimum)
-    bw = np.where(measured, f.bandwidth_Bps, predicted)
-    lat = latency_from_small(times["small_s"], bw, small_bytes)
-    lat = np.where(np.isnan(lat), _fit_rates(lat, np.maximum)[3], lat)
-    xbw = np.where(np.isnan(f.exchange_bandwidth_Bps), _fit_rates(f.exchange_bandwidth_Bps, np.minimum)[3],
-                   f.exchange_bandwidth_Bps)
-    xlat = np.where(np.isnan(f.exchange_latency_s), _fit_rates(f.exchange_latency_s, np.maximum)[3],
-                    f.exchange_latency_s)
-    xbw, xlat = np.fmin(xbw, bw), np.fmax(xlat, lat)
+    out, inn, fabric, predicted = _fit_rates(table, f.bandwidth_Bps, np.minimum)
+    # The nodes x nodes matrices are each the prediction with the measured links written in:
+    # one array apiece, no other nodes x nodes temporaries.
+    bw = table.write(f.bandwidth_Bps, predicted.copy())
+    lat_at = latency_from_small(table.times["small_s"], table.at(bw), small_bytes)
+    lat = table.write(lat_at, _fit_rates(table, lat_at, np.maximum)[3])
+    xbw = table.write(f.exchange_bandwidth_Bps, _fit_rates(table, f.exchange_bandwidth_Bps, np.minimum)[3])
+    xlat = table.write(f.exchange_latency_s, _fit_rates(table, f.exchange_latency_s, np.maximum)[3])
+    np.fmin(xbw, bw, out=xbw)
+    np.fmax(xlat, lat, out=xlat)
     for matrix, diagonal in ((bw, np.inf), (lat, 0.0), (xbw, np.inf), (xlat, 0.0)):
         np.fill_diagonal(matrix, diagonal)
-    slow = measured & (bw < SLOW_LINK_FRACTION * predicted)
-    slow_links = [{"nodes": [int(a), int(b)], "bandwidth_Bps": float(bw[a, b]),
-                   "predicted_Bps": float(predicted[a, b]),
+    measured = np.zeros((nodes, nodes), dtype=bool)
+    measured.ravel()[table.cells(measured_at)] = True
+    slow_at = measured_at & (f.bandwidth_Bps < SLOW_LINK_FRACTION * table.at(predicted))
+    slow = sorted(zip(np.nonzero(slow_at)[1].tolist(), table.partner[slow_at].tolist()))
+    slow_links = [{"nodes": [a, b], "bandwidth_Bps": float(bw[a, b]), "predicted_Bps": float(predicted[a, b]),
                    "reason": f"node {a} -> node {b}: {bw[a, b] / 1e9:.3g} GB/s measured, "
                              f"{bw[a, b] / predicted[a, b]:.0%} of what the two nodes' rates predict"}
-                  for a, b in zip(*np.nonzero(slow))]
+                  for a, b in slow]
     rate = np.minimum(out, inn)
     slow_nodes = [{"node": int(k), "rate_Bps": float(rate[k]),
                    "reason": f"node {k}: its links run at {rate[k] / 1e9:.3g} GB/s, {rate[k] / fabric:.0%} of "
@@ -256,13 +307,13 @@ def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit
 def _cross_rail(m: Measurements, bw: np.ndarray, lat: np.ndarray, small_bytes: int,
                 large_bytes: int) -> tuple[float, float]:
     """(bandwidth factor, extra latency) of cross-rail pairs against the rail pairs of the same nodes."""
-    times = inter_times(m, "cross_rail")
-    cross_bw, cross_lat = alpha_beta(times["small_s"], times["large_s"], small_bytes, large_bytes)
+    table = RoundTable.of(m, "cross_rail")
+    cross_bw, cross_lat = alpha_beta(table.times["small_s"], table.times["large_s"], small_bytes, large_bytes)
     has = ~np.isnan(cross_bw)
     if not has.any():
         return 1.0, 0.0
-    factor = float(min(1.0, np.median(cross_bw[has] / bw[has])))
-    extra = float(max(0.0, np.median(cross_lat[has] - lat[has])))
+    factor = float(min(1.0, np.median(cross_bw[has] / table.at(bw)[has])))
+    extra = float(max(0.0, np.median(cross_lat[has] - table.at(lat)[has])))
     return factor, extra
 
 
