@@ -20,6 +20,7 @@ import numpy as np
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.probe.engine import METRICS, Measurements, PhaseResult
+from megatron_pipette.probe.schedule import round_partners
 
 WELL_CONDITIONED = 0.5
 """Fit beta from the size difference only when t(L) - t(S) >= this fraction of t(L)."""
@@ -214,7 +215,7 @@ class RoundTable:
     def of(cls, m: Measurements, kind: str) -> RoundTable:
         ran = [(rnd, t) for rnd, t in _ran(m.inter) if rnd.kind == kind]
         nodes = m.num_nodes
-        partner = np.array([rnd.partner[:nodes] for rnd, _ in ran], dtype=np.int64).reshape(-1, nodes)
+        partner = round_partners(nodes, [rnd.index for rnd, _ in ran]).reshape(-1, nodes)
         stacked = np.array([t for _, t in ran], dtype=np.float32).reshape(-1, nodes, len(METRICS))
         stacked[partner < 0] = np.nan
         return cls(partner, {key: np.ascontiguousarray(stacked[:, :, i]) for i, key in enumerate(METRICS)})

@@ -33,20 +33,21 @@ def rounds_in_tournament(n: int) -> int:
     return 0 if n <= 1 else n - 1 if n % 2 == 0 else n
 
 
-def round_partners(n: int, r: int) -> np.ndarray:
-    """(n,) partner of each of 0..n-1 in round r of the circle-method tournament; -1 sits out.
+def round_partners(n: int, r: int | np.ndarray) -> np.ndarray:
+    """(n,) partner of each of 0..n-1 in round r of the circle-method tournament; -1 sits out
+    ((len(r), n) for an array of rounds).
 
     With m = n rounded up to even (a phantom m-1 for odd n), m-1 stays fixed and meets r; the
-    others pair as (r + i, r - i) mod (m - 1) for i = 1 .. m/2 - 1. O(n) per round, vectorised.
+    others pair as (r + i, r - i) mod (m - 1), i.e. a meets 2r - a. O(n) per round, vectorised.
     """
-    assert 0 <= r < rounds_in_tournament(n)
+    rounds = np.asarray(r, dtype=np.int64)
+    assert np.all((rounds >= 0) & (rounds < rounds_in_tournament(n)))
     m = n + n % 2
-    partner = np.empty(m, dtype=np.int64)
-    i = np.arange(1, m // 2)
-    a, b = (r + i) % (m - 1), (r - i) % (m - 1)
-    partner[a], partner[b] = b, a
-    partner[m - 1], partner[r] = r, m - 1
-    partner = partner[:n]
+    a = np.arange(m)
+    partner = (2 * rounds[..., None] - a) % (m - 1)
+    partner = np.where(a == rounds[..., None], m - 1, partner)
+    partner[..., m - 1] = rounds
+    partner = partner[..., :n]
     partner[partner == n] = -1      # drawn against the phantom: sits out
     return partner
 
