@@ -1,7 +1,9 @@
 """The planner: every valid layout, pruned by memory, ranked by predicted time, placed.
 
 1. Enumerate the layouts Megatron accepts (plan.search), honouring constraints.
-2. Drop every layout whose worst pipeline stage does not fit (cost.memory).
+2. Drop every layout whose worst pipeline stage does not fit (cost.memory). Where full
+   recomputation of every layer fits, recompute only as many as the memory needs
+   (`--recompute-method block`, the fewest layers per model chunk that fit).
 3. Rank the rest by the closed-form iteration time in Megatron's default order.
 4. For the best few, search a node placement that minimises the same time
    (plan.placement) and re-rank; the event-driven simulator re-checks them.
@@ -22,7 +24,7 @@ from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import Cluster
-from megatron_pipette.spec.job import Job
+from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB
@@ -74,11 +76,15 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     closest: tuple[float, Layout, MemoryEstimate] | None = None
     heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
     keep = max(top_k, placement_top)
+    tune_recompute = not any(k in (constraints or {}) for k in ("recompute_granularity", "recompute_method",
+                                                                "recompute_num_layers"))
     for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
                                  allow_tp_across_nodes=allow_tp_across_nodes,
                                  gpus_per_domain=cluster.gpus_per_domain, rejected=rejected):
         considered += 1
         memory = model.memory(job)
+        if memory.fits and tune_recompute:
+            job, memory = least_recompute(model, job, memory)
         if not memory.fits:
             oom += 1
             ratio = memory.peak_bytes / memory.capacity_bytes
@@ -108,6 +114,29 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
                 candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected),
                 closest_misfit=None if closest is None else (closest[1], closest[2]))
+
+
+def least_recompute(model: CostModel, job: Job, memory: MemoryEstimate) -> tuple[Job, MemoryEstimate]:
+    """For a job that recomputes every layer (`--recompute-method uniform --recompute-num-layers 1`)
+    and fits: the same job recomputing only the first k layers of each model chunk (`block k`),
+    with the smallest k that fits, when one below every layer does. Memory falls and time rises
+    with k (each recomputed layer stores its input instead of its activations and runs its
+    forward again), so the smallest fitting k is the fastest; a bisection finds it."""
+    layout = job.layout
+    if (layout.recompute_granularity, layout.recompute_method, layout.recompute_num_layers) != ("full", "uniform", 1):
+        return job, memory
+    chunk = min(len(c) for stage in job.chunk_layers() for c in stage)
+    best = (job, memory)
+    low, high = 1, chunk - 1                  # block `chunk` recomputes every layer, as uniform 1 does
+    while low <= high:
+        k = (low + high) // 2
+        trial = resolve_job(job.workload, replace(layout, recompute_method="block", recompute_num_layers=k))
+        estimate = model.memory(trial)
+        if estimate.fits:
+            best, high = (trial, estimate), k - 1
+        else:
+            low = k + 1
+    return best
 
 
 def evaluate(model: CostModel, job: Job, placement: Placement | None = None) -> tuple[TimeEstimate, MemoryEstimate]:

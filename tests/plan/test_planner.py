@@ -1,13 +1,16 @@
+from dataclasses import replace
+
 import pytest
 
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.placement import default_placement
-from megatron_pipette.plan.planner import misfit_advice, plan
+from megatron_pipette.plan.planner import least_recompute, misfit_advice, plan
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.report.plan_document import chosen_from_json, plan_json
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
 
@@ -70,3 +73,32 @@ def test_plan_document_round_trips_the_choice(slow_node_cluster):
     first = doc["candidates"][0]
     assert {"iteration_time_s", "tflops_per_gpu", "memory", "placement", "megatron_args"} <= set(first)
     assert all("peak_bytes" in s for s in first["memory"]["stages"])
+
+
+def test_full_recomputation_is_cut_to_the_fewest_layers_that_fit():
+    """GPT-3 13B on one DGX A100, tp1 pp2 dp4 mbs2: nothing fits without recomputation, every layer
+    recomputed fits; the planner recomputes the first k layers of each stage (block k) with k the
+    smallest that fits, which is faster than recomputing all."""
+    w = workload_from_preset("gpt3-13b", global_batch_size=64)
+    model = CostModel(preset_cluster("dgx-a100", num_nodes=1))
+    layout = Layout(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, data_parallel_size=4,
+                    micro_batch_size=2, use_distributed_optimizer=True, recompute_granularity="full",
+                    recompute_method="uniform", recompute_num_layers=1)
+    every = resolve_job(w, layout)
+    assert model.memory(every).fits
+    assert not model.memory(resolve_job(w, replace(layout, recompute_granularity=None, recompute_method=None,
+                                                   recompute_num_layers=None))).fits
+    job, memory = least_recompute(model, every, model.memory(every))
+    k = job.layout.recompute_num_layers
+    assert job.layout.recompute_method == "block" and 1 < k < min(every.stage_layers) and memory.fits
+    assert not model.memory(resolve_job(w, replace(job.layout, recompute_num_layers=k - 1))).fits
+    assert model.time(job).iteration_time_s < model.time(every).iteration_time_s
+
+
+def test_recomputation_the_user_fixed_is_kept():
+    w = workload_from_preset("gpt3-13b", global_batch_size=64)
+    fixed = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    result = plan(w, CostModel(preset_cluster("dgx-a100", num_nodes=1)), constraints=fixed, top_k=3)
+    assert result.candidates
+    assert all((c.layout.recompute_granularity, c.layout.recompute_method, c.layout.recompute_num_layers)
+               == ("full", "uniform", 1) for c in result.candidates)
