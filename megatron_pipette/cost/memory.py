@@ -123,14 +123,17 @@ class MemoryEstimate:
         return all(s.total_bytes <= self.capacity_bytes for s in self.stages)
 
 
-def state_bytes_per_parameter(precision: str) -> tuple[int, int, int, int]:
+def state_bytes_per_parameter(workload: Workload) -> tuple[int, int, int, int]:
     """(weight, gradient, optimizer, step) bytes per parameter, unsharded; Megatron's
     distributed-optimizer table: bf16 2+4+12 = 18, fp16 2+2+12+4 = 20, fp32 4+4+8 = 16. fp16's 4
     are the fp32 main gradients, which exist only in the optimizer step: step() creates them
     (Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: main_param.grad =
     main_grad.float(); the distributed optimizer per shard) and zero_grad(set_to_none=True), at the
-    start of the next train_step, frees them before any forward."""
-    return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[precision]
+    start of the next train_step, frees them before any forward. bf16 with --grad-reduce-in-bf16
+    keeps bf16 gradient buffers, so it is fp16's case: 2+2+12+4."""
+    if workload.precision == "bf16" and workload.grad_reduce_in_bf16:
+        return 2, 2, 12, 4
+    return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[workload.precision]
 
 
 def _attention_widths(workload: Workload) -> tuple[int, int]:
@@ -385,7 +388,7 @@ def _stage_memory(job: Job, stage: int, layers: int, params: StageParameters, pr
     transient = buffer + max(logits, recomputed + backward)
 
     dense, expert = int(params.dense[stage]), int(params.expert[stage])
-    weight, gradient, optimizer, step = state_bytes_per_parameter(workload.precision)
+    weight, gradient, optimizer, step = state_bytes_per_parameter(workload)
     # The distributed optimizer shards dense state over data x context parallel, experts' over expert DP.
     dense_shards, expert_shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) \
         if layout.use_distributed_optimizer else (1, 1)

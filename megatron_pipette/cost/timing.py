@@ -222,8 +222,11 @@ def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool
 
 
 def _grad_bytes(workload: Workload) -> int:
-    """Megatron reduces gradients in fp32 for bf16 (accumulate_allreduce_grads_in_fp32), else in the param dtype."""
-    return 4 if workload.precision in ("bf16", "fp32") else 2
+    """Megatron reduces gradients in fp32 for bf16 (accumulate_allreduce_grads_in_fp32) unless
+    --grad-reduce-in-bf16, else in the param dtype."""
+    if workload.precision == "bf16":
+        return 2 if workload.grad_reduce_in_bf16 else 4
+    return 4 if workload.precision == "fp32" else 2
 
 
 def _overlapped(total: float, window: float, buckets: int) -> float:

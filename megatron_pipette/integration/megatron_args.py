@@ -69,6 +69,7 @@ def workload_from_args(args: Any) -> Workload:
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
+        grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         **_moe_fields(args), **_fp8_fields(args))
 
 

@@ -85,6 +85,9 @@ class Workload:
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
     precision: str = "bf16"
     """--bf16 / --fp16, else fp32: the dtype of parameters and activations."""
+    grad_reduce_in_bf16: bool = False
+    """--grad-reduce-in-bf16: with --bf16, gradients are accumulated and reduced in bf16 instead of
+    fp32 (half the gradient buffer and the data-parallel traffic); no effect otherwise, as in Megatron."""
     fp8: str | None = None
     """--fp8-format: e4m3, or hybrid (e5m2 gradients): the transformer layers' linears run FP8 GEMMs
     through Transformer Engine, the rest in the training dtype; None: no FP8."""

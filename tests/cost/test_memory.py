@@ -42,11 +42,15 @@ def L(**kw) -> Layout:
 
 # Model state: Megatron's distributed-optimizer table (docs/source/api-guide/dist_optimizer.md).
 
-@pytest.mark.parametrize("precision, replicated, sharded", [("bf16", 6, 12), ("fp16", 4, 16), ("fp32", 8, 8)])
+@pytest.mark.parametrize("precision, bf16_grads, replicated, sharded",
+                         [("bf16", False, 6, 12), ("fp16", False, 4, 16), ("fp32", False, 8, 8),
+                          ("bf16", True, 4, 16), ("fp32", True, 8, 8)])
 @pytest.mark.parametrize("dp", [1, 2, 8, 64])
-def test_bytes_per_parameter_match_megatron_table(precision, replicated, sharded, dp):
-    assert sum(state_bytes_per_parameter(precision)) == replicated + sharded  # 18, 20, 16
-    w = dataclasses.replace(workload_from_preset("gpt3-1.3b"), precision=precision)
+def test_bytes_per_parameter_match_megatron_table(precision, bf16_grads, replicated, sharded, dp):
+    """18, 20, 16; --grad-reduce-in-bf16 makes bf16 fp16's case (bf16 gradient buffers, fp32 main
+    gradients in the step) and leaves fp32 alone, as Megatron's validate_args does."""
+    w = dataclasses.replace(workload_from_preset("gpt3-1.3b"), precision=precision, grad_reduce_in_bf16=bf16_grads)
+    assert sum(state_bytes_per_parameter(w)) == replicated + sharded
     for dist, expected in ((False, replicated + sharded), (True, replicated + sharded / dp)):
         est = estimate_memory(resolve_job(w, L(data_parallel_size=dp, use_distributed_optimizer=dist)), H100)
         (stage,) = est.stages

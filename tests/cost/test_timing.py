@@ -279,3 +279,16 @@ def test_links_are_reusable_across_layouts_of_one_grid():
     other = resolve_job(GPT, layout(4, 2, 4))
     with pytest.raises(AssertionError):
         iteration_time(other, c, model.work(other), links)
+
+
+def test_grad_reduce_in_bf16_halves_the_data_parallel_reduction():
+    """Without overlap the whole reduction shows; --grad-reduce-in-bf16 sends 2 bytes a gradient
+    instead of 4, so the exposed time is the start-up costs plus half the bandwidth term."""
+    lay = layout(1, 1, 32)
+    model = CostModel(H100x4)
+    fp32 = model.time(resolve_job(GPT, lay)).breakdown.dp_comm_exposed_s
+    bf16 = model.time(resolve_job(dataclasses.replace(GPT, grad_reduce_in_bf16=True), lay)).breakdown.dp_comm_exposed_s
+    assert 0.45 * fp32 < bf16 < 0.6 * fp32
+    fp16 = dataclasses.replace(GPT, precision="fp16")
+    assert model.time(resolve_job(dataclasses.replace(fp16, grad_reduce_in_bf16=True), lay)).iteration_time_s \
+        == model.time(resolve_job(fp16, lay)).iteration_time_s      # Megatron ignores it outside bf16
