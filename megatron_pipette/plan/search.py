@@ -129,6 +129,10 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
     if "decoder_first_pipeline_num_layers" in constraints or "decoder_last_pipeline_num_layers" in constraints:
         splits = [(constraints.get("decoder_first_pipeline_num_layers"),
                    constraints.get("decoder_last_pipeline_num_layers"))]
+    accounted = {k: True for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                 if constraints.get(k)}
+    if accounted:     # the user's split rule: the stage sizes follow from PP (Layout's stage_layers)
+        splits = [(None, None)]
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
     if any(k in constraints for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")):
         g = constraints.get("recompute_granularity")
@@ -148,7 +152,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
                           **sizes, micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                           recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
                           decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                          overlap_grad_reduce=overlap, overlap_param_gather=gather)
+                          overlap_grad_reduce=overlap, overlap_param_gather=gather, **accounted)
             yield from _jobs(workload, base, constraints, rejected)
 
 
@@ -165,7 +169,8 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:
     if "num_layers_per_virtual_pipeline_stage" in constraints:
         return [constraints["num_layers_per_virtual_pipeline_stage"]]
-    if layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers:
+    if (layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers
+            or layout.account_for_embedding_in_pipeline_split or layout.account_for_loss_in_pipeline_split):
         return [None]
     per_stage = workload.num_layers // layout.pp
     return [None] + [d for d in divisors(per_stage) if d < per_stage]

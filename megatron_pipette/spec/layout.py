@@ -49,6 +49,12 @@ class Layout:
     """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
     decoder_last_pipeline_num_layers: int | None = None
     """--decoder-last-pipeline-num-layers: layers on the last stage, when uneven."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """--account-for-embedding-in-pipeline-split: the embedding counts as a layer when splitting,
+    so the first stage holds one transformer layer fewer."""
+    account_for_loss_in_pipeline_split: bool = False
+    """--account-for-loss-in-pipeline-split: the output layer and loss count as a layer, so the
+    last stage holds one transformer layer fewer."""
     overlap_grad_reduce: bool = False
     """--overlap-grad-reduce: DP gradient reduction overlaps the backward pass."""
     overlap_param_gather: bool = False
@@ -98,7 +104,7 @@ class Layout:
 
     def describe(self) -> str:
         """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (+opg:
-        --overlap-param-gather)."""
+        --overlap-param-gather; +emb, +loss: the embedding or the loss counted in the pipeline split)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
                  *([f"ep{self.ep}"] if self.ep > 1 else []),
                  *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
@@ -109,6 +115,10 @@ class Layout:
             parts.append(f"first{self.decoder_first_pipeline_num_layers}")
         if self.decoder_last_pipeline_num_layers is not None:
             parts.append(f"last{self.decoder_last_pipeline_num_layers}")
+        if self.account_for_embedding_in_pipeline_split:
+            parts.append("+emb")
+        if self.account_for_loss_in_pipeline_split:
+            parts.append("+loss")
         if self.sequence_parallel:
             parts.append("sp")
         if self.use_distributed_optimizer:
@@ -139,7 +149,9 @@ class Layout:
         switches = (("--sequence-parallel", self.sequence_parallel),
                     ("--use-distributed-optimizer", self.use_distributed_optimizer),
                     ("--overlap-grad-reduce", self.overlap_grad_reduce),
-                    ("--overlap-param-gather", self.overlap_param_gather))
+                    ("--overlap-param-gather", self.overlap_param_gather),
+                    ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split),
+                    ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split))
         return args + [flag for flag, on in switches if on]
 
 
@@ -161,15 +173,42 @@ def check_user_layout(layout: Layout) -> None:
         raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
     if layout.cp_comm_type not in CP_COMM_TYPES:
         raise PipetteError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {layout.cp_comm_type!r}")
+    accounted = _accounted_flags(layout)
+    if accounted and layout.num_layers_per_virtual_pipeline_stage is not None:
+        raise PipetteError(f"{accounted[0]} with --num-layers-per-virtual-pipeline-stage is not modelled "
+                           f"(it leaves model chunks of unequal size)")
+
+
+def _accounted_flags(layout: Layout) -> list[str]:
+    return [flag for flag, on in (("--account-for-embedding-in-pipeline-split",
+                                   layout.account_for_embedding_in_pipeline_split),
+                                  ("--account-for-loss-in-pipeline-split", layout.account_for_loss_in_pipeline_split))
+            if on]
 
 
 def stage_layers(workload: Workload, layout: Layout) -> list[int]:
     """Transformer layers on each pipeline stage, as Megatron splits them.
 
-    Example: 30 layers, PP 4, first 6, last 6 -> [6, 9, 9, 6].
+    Example: 30 layers, PP 4, first 6, last 6 -> [6, 9, 9, 6]. With the embedding and the loss
+    counted as layers (megatron-core's get_num_layers_to_build): 126 layers, PP 8 -> 128 / 8,
+    [15, 16, 16, 16, 16, 16, 16, 15].
     """
     pp, layers = layout.pp, workload.num_layers
     first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
+    accounted = _accounted_flags(layout)
+    if accounted:
+        if first is not None or last is not None:
+            raise Infeasible(f"{accounted[0]} cannot be combined with --decoder-first/last-pipeline-num-layers")
+        counted = layers + len(accounted)
+        if counted % pp:
+            raise Infeasible(f"--num-layers {layers} plus the {len(accounted)} layer(s) of {' and '.join(accounted)} "
+                             f"is not divisible by --pipeline-model-parallel-size {pp}")
+        split = [counted // pp] * pp
+        split[0] -= layout.account_for_embedding_in_pipeline_split
+        split[-1] -= layout.account_for_loss_in_pipeline_split
+        if min(split) < 0:
+            raise Infeasible(f"{accounted[0]}: a pipeline stage is left with fewer than no layers")
+        return split
     if first is None and last is None:
         if layers % pp:
             raise Infeasible(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}")

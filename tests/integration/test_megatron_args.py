@@ -125,3 +125,24 @@ def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
     assert ma.checkpoint_constraints(args) == {"use_distributed_optimizer": True}
     ma.make_resumable_across_layouts(args)
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
+
+
+@pytest.mark.parametrize("layers, pp, embedding, loss", [(126, 8, True, True), (127, 8, False, True),
+                                                         (127, 8, True, False), (31, 4, True, False),
+                                                         (30, 2, True, True), (7, 8, True, False)])
+def test_pipeline_split_with_embedding_and_loss_is_megatrons(layers, pp, embedding, loss):
+    """stage_layers against megatron-core's own get_num_layers_to_build, rank by rank."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_pipette.spec.layout import stage_layers
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    config = SimpleNamespace(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+                             num_layers_in_last_pipeline_stage=None, num_layers=layers,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+                             account_for_embedding_in_pipeline_split=embedding,
+                             account_for_loss_in_pipeline_split=loss)
+    ours = stage_layers(workload_from_preset("tiny-gpt", num_layers=layers),
+                        Layout(pipeline_model_parallel_size=pp, account_for_embedding_in_pipeline_split=embedding,
+                               account_for_loss_in_pipeline_split=loss))
+    assert ours == [get_num_layers_to_build(config, pp_rank=r) for r in range(pp)]

@@ -69,3 +69,23 @@ def test_nonsense_values_are_user_errors():
         validate_layout(W, L(micro_batch_size=0))
     with pytest.raises(PipetteError, match="--recompute-granularity"):
         validate_layout(W, L(recompute_granularity="some"))
+
+
+def test_embedding_and_loss_counted_in_the_pipeline_split():
+    """megatron-core's get_num_layers_to_build: (layers + counted) / PP per stage, one fewer on the
+    first (embedding) and last (loss) stage; Megatron's own split is checked in tests/integration."""
+    w = workload_from_preset("llama3-70b", num_layers=126)
+    both = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    assert stage_layers(w, L(pipeline_model_parallel_size=8, **both)) == [15] + [16] * 6 + [15]
+    assert stage_layers(w, L(pipeline_model_parallel_size=127, account_for_loss_in_pipeline_split=True)) \
+        == [1] * 126 + [0]
+    with pytest.raises(Infeasible, match="--account-for-embedding-in-pipeline-split is not divisible"):
+        stage_layers(w, L(pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True))
+    with pytest.raises(Infeasible, match="cannot be combined"):
+        stage_layers(w, L(pipeline_model_parallel_size=8, decoder_last_pipeline_num_layers=14, **both))
+    with pytest.raises(PipetteError, match="--account-for-loss-in-pipeline-split with "
+                                           "--num-layers-per-virtual-pipeline-stage is not modelled"):
+        validate_layout(w, L(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=4,
+                             account_for_loss_in_pipeline_split=True))
+    flags = L(pipeline_model_parallel_size=8, **both).megatron_args()
+    assert "--account-for-embedding-in-pipeline-split" in flags and "--account-for-loss-in-pipeline-split" in flags
