@@ -233,7 +233,7 @@ def _as_array(work: Work) -> np.ndarray:
 
 def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
-    layout, v, w = job.layout, job.virtual_stages, job.workload
+    layout, w = job.layout, job.workload
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
     linear = fp8_curve(cluster.gpu, w.precision) if w.fp8 else gemm
     attention = attention_curve(cluster.gpu, w.attention_backend)
@@ -246,7 +246,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
         or roofline_embedding(job, bw)
     out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \
         or roofline_output(job, bw, gemm)
-    layers = np.array(job.stage_layers, dtype=float)[:, None] / v * np.ones(v)
+    layers = np.array(job.chunk_sizes, dtype=float)
     recomputed = _recomputed_layers(layout, layers)
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe, moe_rc = _moe_counts(job, layers)

@@ -367,8 +367,9 @@ def _stage_memory(job: Job, stage: int, layers: int, params: StageParameters, pr
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
     moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
-    # Chunks of a stage differ only in how many MoE layers they hold: the heaviest stands for all.
-    chunk, recomputed = max(_chunk_activations(job, layers // vpp, m, profile) for m in set(moe))
+    # The heaviest chunk of a stage (by its layers, and MoE layers among them) stands for all: an
+    # upper bound by one layer where the embedding or the loss counted in the split shortens one.
+    chunk, recomputed = max(_chunk_activations(job, n, m, profile) for n, m in set(zip(job.chunk_sizes[stage], moe)))
     # Stage 0, chunk 0: the embedding's dropout mask. Last stage, last chunk: the final norm's and
     # output layer's inputs, and the fp32 softmax the vocab-parallel cross entropy saves.
     embedding = tokens * h // sp if first and workload.hidden_dropout > 0 else 0

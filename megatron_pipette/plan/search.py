@@ -169,8 +169,9 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:
     if "num_layers_per_virtual_pipeline_stage" in constraints:
         return [constraints["num_layers_per_virtual_pipeline_stage"]]
-    if (layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers
-            or layout.account_for_embedding_in_pipeline_split or layout.account_for_loss_in_pipeline_split):
+    if layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers:
         return [None]
-    per_stage = workload.num_layers // layout.pp
+    counted = (workload.num_layers + layout.account_for_embedding_in_pipeline_split
+               + layout.account_for_loss_in_pipeline_split)      # the layers the split divides
+    per_stage = counted // layout.pp
     return [None] + [d for d in divisors(per_stage) if d < per_stage]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
-from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.layout import Layout, chunk_sizes, validate_layout
 from megatron_pipette.spec.workload import Workload
 
 
@@ -25,10 +26,9 @@ class Job:
 
     workload: Workload
     layout: Layout
-    stage_layers: tuple[int, ...]
-    """Transformer layers on each pipeline stage (uneven first/last stages included)."""
-    virtual_stages: int
-    """Model chunks per pipeline rank (1 without interleaving)."""
+    chunk_sizes: tuple[tuple[int, ...], ...]
+    """Transformer layers in each (pipeline stage, model chunk): uneven first/last stages, and the
+    embedding's or loss's place in the split, included."""
     num_microbatches: int
     """Micro-batches per iteration and data-parallel replica: global batch / (micro-batch x DP)."""
     moe_layers: tuple[tuple[int, ...], ...] = ()
@@ -39,25 +39,36 @@ class Job:
         """Tokens one rank of a tensor-parallel group sees per micro-batch: its context-parallel share."""
         return self.layout.micro_batch_size * self.workload.seq_length // self.layout.cp
 
+    @cached_property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Transformer layers on each pipeline stage."""
+        return tuple(sum(chunks) for chunks in self.chunk_sizes)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        return len(self.chunk_sizes[0])
+
     def chunk_layers(self) -> list[list[int]]:
-        """Global layer indices of each (stage, chunk), as Megatron assigns them: stage r's chunk c of
-        an interleaved pipeline holds layers from (c x PP + r) x per-chunk on."""
+        """Global layer indices of each (stage, chunk), as Megatron assigns them: chunk c of every
+        stage in turn, then chunk c+1 (get_transformer_layer_offset), each after the ones before."""
         pp, v = self.layout.pp, self.virtual_stages
-        if v == 1:
-            starts = [sum(self.stage_layers[:r]) for r in range(pp)]
-            return [[list(range(starts[r], starts[r] + self.stage_layers[r]))] for r in range(pp)]
-        per = self.stage_layers[0] // v
-        return [[list(range((c * pp + r) * per, (c * pp + r + 1) * per)) for c in range(v)] for r in range(pp)]
+        out: list[list[list[int]]] = [[[] for _ in range(v)] for _ in range(pp)]
+        start = 0
+        for c in range(v):
+            for r in range(pp):
+                n = self.chunk_sizes[r][c]
+                out[r][c] = list(range(start, start + n))
+                start += n
+        return out
 
 
 def resolve_job(workload: Workload, layout: Layout, world_size: int | None = None) -> Job:
     """The job of `layout` for `workload`; raises Infeasible (naming the flags) where Megatron
     would reject the layout, and when `world_size` is given and the layout does not fill it."""
     validate_layout(workload, layout, world_size)
-    layers = tuple(stage_layers(workload, layout))
-    lpv = layout.num_layers_per_virtual_pipeline_stage
-    job = Job(workload=workload, layout=layout, stage_layers=layers,
-              virtual_stages=1 if lpv is None else layers[0] // lpv,
+    job = Job(workload=workload, layout=layout,
+              chunk_sizes=tuple(tuple(chunks) for chunks in chunk_sizes(workload, layout)),
               num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))
     if workload.num_experts is None:
         return job

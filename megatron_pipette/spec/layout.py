@@ -173,10 +173,6 @@ def check_user_layout(layout: Layout) -> None:
         raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
     if layout.cp_comm_type not in CP_COMM_TYPES:
         raise PipetteError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {layout.cp_comm_type!r}")
-    accounted = _accounted_flags(layout)
-    if accounted and layout.num_layers_per_virtual_pipeline_stage is not None:
-        raise PipetteError(f"{accounted[0]} with --num-layers-per-virtual-pipeline-stage is not modelled "
-                           f"(it leaves model chunks of unequal size)")
 
 
 def _accounted_flags(layout: Layout) -> list[str]:
@@ -229,6 +225,31 @@ def stage_layers(workload: Workload, layout: Layout) -> list[int]:
     return split
 
 
+def chunk_sizes(workload: Workload, layout: Layout) -> list[list[int]]:
+    """Transformer layers in each (pipeline stage, model chunk), as megatron-core builds them
+    (get_num_layers_to_build): one chunk per stage without interleaving; with it, every chunk
+    --num-layers-per-virtual-pipeline-stage layers, less the embedding's on the first stage's
+    first chunk and the loss's on the last stage's last chunk where they count in the split.
+
+    Example: 126 layers, PP 8, 4 layers a chunk, embedding and loss counted: 128 / 8 = 16 per
+    stage, 4 chunks each, stage 0 [3, 4, 4, 4], stage 7 [4, 4, 4, 3]."""
+    layers = stage_layers(workload, layout)
+    lpv = layout.num_layers_per_virtual_pipeline_stage
+    if lpv is None:
+        return [[n] for n in layers]
+    if layout.pp == 1:
+        raise Infeasible("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    embedding, loss = layout.account_for_embedding_in_pipeline_split, layout.account_for_loss_in_pipeline_split
+    counted = [n + (r == 0) * embedding + (r == layout.pp - 1) * loss for r, n in enumerate(layers)]
+    if len(set(counted)) != 1 or counted[0] % lpv or counted[0] == lpv:
+        raise Infeasible(f"--num-layers-per-virtual-pipeline-stage {lpv} must divide the {counted[0]} layers "
+                         f"of every pipeline stage into two or more chunks")
+    sizes = [[lpv] * (counted[0] // lpv) for _ in layers]
+    sizes[0][0] -= embedding
+    sizes[-1][-1] -= loss
+    return sizes
+
+
 def validate_layout(workload: Workload, layout: Layout, world_size: int | None = None) -> None:
     """Raise Infeasible, naming the flags, if Megatron would reject this layout."""
     check_user_layout(layout)
@@ -256,13 +277,8 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
     if min(layers) == 0:
         raise Infeasible("a pipeline stage would hold no transformer layer")
     _validate_recompute(layout, layers)
-    lpv = layout.num_layers_per_virtual_pipeline_stage
-    if lpv is not None:
-        if pp == 1:
-            raise Infeasible("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        if len(set(layers)) != 1 or layers[0] % lpv or layers[0] == lpv:
-            raise Infeasible(f"--num-layers-per-virtual-pipeline-stage {lpv} must divide the {layers[0]} layers "
-                             f"of every pipeline stage into two or more chunks")
+    if layout.num_layers_per_virtual_pipeline_stage is not None:
+        chunk_sizes(workload, layout)
         m = workload.global_batch_size // (mbs * dp)
         if m % pp:
             raise Infeasible(f"the interleaved schedule needs the number of micro-batches ({m}) to be a "

@@ -127,22 +127,33 @@ def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
 
 
-@pytest.mark.parametrize("layers, pp, embedding, loss", [(126, 8, True, True), (127, 8, False, True),
-                                                         (127, 8, True, False), (31, 4, True, False),
-                                                         (30, 2, True, True), (7, 8, True, False)])
-def test_pipeline_split_with_embedding_and_loss_is_megatrons(layers, pp, embedding, loss):
-    """stage_layers against megatron-core's own get_num_layers_to_build, rank by rank."""
+@pytest.mark.parametrize("layers, pp, lpv, embedding, loss",
+                         [(126, 8, None, True, True), (127, 8, None, False, True), (127, 8, None, True, False),
+                          (31, 4, None, True, False), (30, 2, None, True, True), (15, 8, None, True, False),
+                          (126, 8, 4, True, True), (126, 8, 2, True, True), (127, 4, 8, False, True),
+                          (31, 4, 2, True, False), (32, 4, 2, False, False), (24, 4, 3, False, False)])
+def test_pipeline_split_is_megatrons(layers, pp, lpv, embedding, loss):
+    """Layers per (stage, chunk) and each chunk's first layer against megatron-core's own
+    get_num_layers_to_build and get_transformer_layer_offset, chunk by chunk."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_pipette.spec.layout import stage_layers
+    from megatron_pipette.spec.job import resolve_job
     from megatron_pipette.spec.workload import workload_from_preset
 
+    layout = Layout(pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=lpv,
+                    account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss)
+    job = resolve_job(workload_from_preset("tiny-gpt", num_layers=layers, global_batch_size=8 * pp), layout)
+    vp = job.virtual_stages if lpv else None
     config = SimpleNamespace(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                              num_layers_in_last_pipeline_stage=None, num_layers=layers,
-                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
                              account_for_embedding_in_pipeline_split=embedding,
                              account_for_loss_in_pipeline_split=loss)
-    ours = stage_layers(workload_from_preset("tiny-gpt", num_layers=layers),
-                        Layout(pipeline_model_parallel_size=pp, account_for_embedding_in_pipeline_split=embedding,
-                               account_for_loss_in_pipeline_split=loss))
-    assert ours == [get_num_layers_to_build(config, pp_rank=r) for r in range(pp)]
+    chunks = job.chunk_layers()
+    for r in range(pp):
+        for c in range(job.virtual_stages):
+            stage = c if vp else None
+            assert job.chunk_sizes[r][c] == get_num_layers_to_build(config, vp_stage=stage, pp_rank=r)
+            if chunks[r][c]:
+                assert chunks[r][c][0] == get_transformer_layer_offset(config, vp_stage=stage, pp_rank=r)

@@ -92,13 +92,16 @@ def test_unknown_constraint_is_a_user_error():
 
 
 def test_embedding_and_loss_in_the_split_are_kept_and_set_the_stages():
-    """--account-for-loss-in-pipeline-split given: every layout keeps it, splits by its rule (so only
-    PP dividing layers + 1), and offers no interleaving (unequal chunks are not modelled)."""
+    """--account-for-loss-in-pipeline-split given: every layout keeps it and splits by its rule (so
+    only PP dividing layers + 1), interleaved ones too (the last stage's last chunk one shorter)."""
     w = workload_from_preset("gpt3-1.3b", num_layers=23, global_batch_size=64)
     jobs = list(enumerate_layouts(w, 32, 8, {"account_for_loss_in_pipeline_split": True}))
     assert jobs
     for job in jobs:
         lay = job.layout
-        assert lay.account_for_loss_in_pipeline_split and lay.num_layers_per_virtual_pipeline_stage is None
+        assert lay.account_for_loss_in_pipeline_split
         assert 24 % lay.pp == 0 and job.stage_layers[-1] == 24 // lay.pp - 1
+        if lay.num_layers_per_virtual_pipeline_stage:
+            assert job.chunk_sizes[-1][-1] == lay.num_layers_per_virtual_pipeline_stage - 1
     assert {job.layout.pp for job in jobs} >= {1, 2, 4, 8}
+    assert any(job.virtual_stages > 1 for job in jobs)

@@ -2,7 +2,7 @@ import pytest
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layout import Layout, stage_layers, validate_layout
+from megatron_pipette.spec.layout import Layout, chunk_sizes, stage_layers, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
 
 W = workload_from_preset("gpt3-175b")  # 96 layers, 96 heads, gbs 1536
@@ -83,9 +83,13 @@ def test_embedding_and_loss_counted_in_the_pipeline_split():
         stage_layers(w, L(pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True))
     with pytest.raises(Infeasible, match="cannot be combined"):
         stage_layers(w, L(pipeline_model_parallel_size=8, decoder_last_pipeline_num_layers=14, **both))
-    with pytest.raises(PipetteError, match="--account-for-loss-in-pipeline-split with "
-                                           "--num-layers-per-virtual-pipeline-stage is not modelled"):
-        validate_layout(w, L(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=4,
-                             account_for_loss_in_pipeline_split=True))
+    interleaved = L(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=4, **both)
+    sizes = chunk_sizes(w, interleaved)
+    assert sizes[0] == [3, 4, 4, 4] and sizes[-1] == [4, 4, 4, 3] and all(s == [4] * 4 for s in sizes[1:-1])
+    job = resolve_job(w, interleaved)
+    assert job.virtual_stages == 4 and job.stage_layers == (15,) + (16,) * 6 + (15,)
+    assert [c[0] for c in job.chunk_layers()[1]] == [3, 35, 67, 99]        # after stage 0's chunk c
+    with pytest.raises(Infeasible, match="--num-layers-per-virtual-pipeline-stage 5 must divide the 16"):
+        chunk_sizes(w, L(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=5, **both))
     flags = L(pipeline_model_parallel_size=8, **both).megatron_args()
     assert "--account-for-embedding-in-pipeline-split" in flags and "--account-for-loss-in-pipeline-split" in flags
