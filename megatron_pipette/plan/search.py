@@ -40,19 +40,39 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pipeline_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None]]:
-    """(decoder_first, decoder_last) options: the even split, and the two nearest splits with a
-    lighter last stage and with lighter first and last stages (Megatron needs the middle stages
-    equal), which offset the output layer with loss and the embedding."""
+Split = tuple[int | None, int | None, bool]
+"""(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, embedding and loss
+counted in the split: --account-for-embedding/loss-in-pipeline-split)."""
+
+
+def _pipeline_splits(num_layers: int, pp: int) -> list[Split]:
+    """Split options: the even split, the two nearest splits with a lighter last stage and with
+    lighter first and last stages (Megatron needs the middle stages equal), which offset the
+    output layer with loss and the embedding, and the embedding and loss counted as layers, the
+    one uneven split an interleaved pipeline can have (`_jobs` tries it interleaved only)."""
     if pp == 1:
-        return [(None, None)]
-    splits: list[tuple[int | None, int | None]] = [(None, None)] if num_layers % pp == 0 else []
+        return [(None, None, False)]
+    splits: list[Split] = [(None, None, False)] if num_layers % pp == 0 else []
     ceiling = -(-num_layers // pp)
-    lighter_last = [(None, k) for k in range(ceiling - 1, 0, -1)
+    lighter_last = [(None, k, False) for k in range(ceiling - 1, 0, -1)
                     if (num_layers - k) % (pp - 1) == 0 and (num_layers - k) // (pp - 1) > k]
-    lighter_ends = [(k, k) for k in range(ceiling - 1, 0, -1)
+    lighter_ends = [(k, k, False) for k in range(ceiling - 1, 0, -1)
                     if pp > 2 and (num_layers - 2 * k) % (pp - 2) == 0 and (num_layers - 2 * k) // (pp - 2) > k]
-    return splits + lighter_last[:UNEVEN_SPLITS] + lighter_ends[:UNEVEN_SPLITS]
+    counted = [(None, None, True)] if (num_layers + 2) % pp == 0 else []
+    return splits + lighter_last[:UNEVEN_SPLITS] + lighter_ends[:UNEVEN_SPLITS] + counted
+
+
+SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _user_split(constraints: Mapping[str, Any]) -> list[Split] | None:
+    """The split the user's flags fix, if any (the account flags themselves reach the layout
+    from the constraints; the Layout validates the combination)."""
+    if not any(k in constraints for k in SPLIT_FLAGS):
+        return None
+    return [(constraints.get("decoder_first_pipeline_num_layers"),
+             constraints.get("decoder_last_pipeline_num_layers"), False)]
 
 
 def _check_constraints(constraints: Mapping[str, Any]) -> None:
@@ -125,21 +145,14 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
     if workload.global_batch_size % dp:
         return
     per_replica = workload.global_batch_size // dp
-    splits = _pipeline_splits(workload.num_layers, pp)
-    if "decoder_first_pipeline_num_layers" in constraints or "decoder_last_pipeline_num_layers" in constraints:
-        splits = [(constraints.get("decoder_first_pipeline_num_layers"),
-                   constraints.get("decoder_last_pipeline_num_layers"))]
-    accounted = {k: True for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-                 if constraints.get(k)}
-    if accounted:     # the user's split rule: the stage sizes follow from PP (Layout's stage_layers)
-        splits = [(None, None)]
+    splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
     if any(k in constraints for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")):
         g = constraints.get("recompute_granularity")
         recomputes = [(g, constraints.get("recompute_method", "uniform" if g == "full" else None),
                        constraints.get("recompute_num_layers", 1 if g == "full" else None))]
     overlap = constraints.get("overlap_grad_reduce", dp > 1)
-    for (first, last), mbs, (rg, rm, rn), sp, dopt in product(
+    for (first, last, counted), mbs, (rg, rm, rn), sp, dopt in product(
             splits,
             choices("micro_batch_size", (d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH_SIZE)),
             recomputes,
@@ -152,13 +165,21 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
                           **sizes, micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                           recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
                           decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                          overlap_grad_reduce=overlap, overlap_param_gather=gather, **accounted)
+                          overlap_grad_reduce=overlap, overlap_param_gather=gather,
+                          account_for_embedding_in_pipeline_split=constraints.get(
+                              "account_for_embedding_in_pipeline_split", counted),
+                          account_for_loss_in_pipeline_split=constraints.get("account_for_loss_in_pipeline_split",
+                                                                             counted))
             yield from _jobs(workload, base, constraints, rejected)
 
 
 def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[Job]:
-    """The job of `base` with every interleaving option; rejections counted by kind."""
-    for lpv in _virtual_options(workload, base, constraints):
+    """The job of `base` with every interleaving option (interleaved only where the search itself
+    counted the embedding and loss in the split); rejections counted by kind."""
+    virtual = _virtual_options(workload, base, constraints)
+    if base.account_for_embedding_in_pipeline_split and not any(k in constraints for k in SPLIT_FLAGS):
+        virtual = [lpv for lpv in virtual if lpv]
+    for lpv in virtual:
         try:
             yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv))
         except Infeasible as e:

@@ -75,15 +75,14 @@ def test_tensor_parallel_across_nodes_only_when_allowed():
 
 def test_uneven_pipeline_splits_use_megatron_flags():
     w = workload_from_preset("gpt3-175b", num_layers=30)
-    splits = {stage_layers(w, lay) and (lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers)
-              for lay in layouts_of(w, 32, 8, {"pipeline_model_parallel_size": 4})}
-    assert (None, None) not in splits  # 30 is not divisible by 4
-    assert splits and all(sum(stage_layers(w, Layout(pipeline_model_parallel_size=4,
-                                                     decoder_first_pipeline_num_layers=f,
-                                                     decoder_last_pipeline_num_layers=lay))) == 30
-                          for f, lay in splits)
+    layouts = list(layouts_of(w, 32, 8, {"pipeline_model_parallel_size": 4}))
+    splits = {(lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers,
+               lay.account_for_embedding_in_pipeline_split) for lay in layouts}
+    assert (None, None, False) not in splits  # 30 is not divisible by 4; 32 is, with embedding and loss counted
+    assert splits and all(sum(stage_layers(w, lay)) == 30 for lay in layouts)
+    assert (None, None, True) in splits
     # A lighter last stage offsets the output layer.
-    assert (None, 5) in _pipeline_splits(96, 8) and (6, 6) in _pipeline_splits(96, 8)
+    assert (None, 5, False) in _pipeline_splits(96, 8) and (6, 6, False) in _pipeline_splits(96, 8)
 
 
 def test_unknown_constraint_is_a_user_error():
@@ -105,3 +104,17 @@ def test_embedding_and_loss_in_the_split_are_kept_and_set_the_stages():
             assert job.chunk_sizes[-1][-1] == lay.num_layers_per_virtual_pipeline_stage - 1
     assert {job.layout.pp for job in jobs} >= {1, 2, 4, 8}
     assert any(job.virtual_stages > 1 for job in jobs)
+
+
+def test_interleaved_layouts_are_also_tried_with_embedding_and_loss_in_the_split():
+    """Left to the search, every interleaved layout comes also with the embedding and loss counted
+    in the split (lighter first and last chunks), non-interleaved ones never (first/last-stage
+    splits cover them); a split the user gives stops both."""
+    w = workload_from_preset("gpt3-1.3b", num_layers=30, global_batch_size=64)
+    jobs = list(enumerate_layouts(w, 32, 8, {"tensor_model_parallel_size": 8}))
+    counted = [j for j in jobs if j.layout.account_for_embedding_in_pipeline_split]
+    assert counted and all(j.layout.account_for_loss_in_pipeline_split and j.virtual_stages > 1 for j in counted)
+    assert {(j.layout.pp, j.layout.num_layers_per_virtual_pipeline_stage) for j in counted} >= {(4, 2), (2, 8)}
+    assert all(j.chunk_sizes[0][0] == j.layout.num_layers_per_virtual_pipeline_stage - 1 for j in counted)
+    fixed = enumerate_layouts(w, 32, 8, {"tensor_model_parallel_size": 8, "decoder_last_pipeline_num_layers": 6})
+    assert not any(j.layout.account_for_embedding_in_pipeline_split for j in fixed)
