@@ -58,6 +58,16 @@ class CostModel:
             self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid)
         return self._default_links[key]
 
+    def time_bound(self, job: Job) -> float:
+        """A lower bound on `time(job)` under any placement, without pricing a link: the busiest
+        stage's own compute for every micro-batch on the cluster's fastest GPU (every schedule
+        runs a stage's passes one after another, and the rest of the iteration only adds)."""
+        work = self.work(job)
+        rate = float(self.cluster.gemm_flops.max())
+        parts = (work.forward, work.backward, work.recompute)
+        per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
+        return job.num_microbatches * float(per_chunk.sum(axis=1).max())
+
     def time(self, job: Job, devices: np.ndarray | None = None, *, simulate: bool = False) -> TimeEstimate:
         """Predicted iteration time under the placement `devices` (None: the default order)."""
         return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate)

@@ -4,7 +4,8 @@
 2. Drop every layout whose worst pipeline stage does not fit (cost.memory). Where full
    recomputation of every layer fits, recompute only as many as the memory needs
    (`--recompute-method block`, the fewest layers per model chunk that fit).
-3. Rank the rest by the closed-form iteration time in Megatron's default order.
+3. Rank the rest by the closed-form iteration time in Megatron's default order, skipping a job
+   whose compute alone (CostModel.time_bound) is slower than the slowest one kept.
 4. For the best few, search a node placement that minimises the same time
    (plan.placement) and re-rank; the event-driven simulator re-checks them.
 Pure: no torch, no I/O.
@@ -91,6 +92,8 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
             if closest is None or ratio < closest[0]:
                 closest = (ratio, job.layout, memory)
             continue
+        if len(heap) == keep and model.time_bound(job) > -heap[0][0]:
+            continue                      # slower than the slowest kept, whatever its links
         time = model.time(job)
         entry = (-time.iteration_time_s, considered, job, time, memory)
         if len(heap) < keep:

@@ -292,3 +292,21 @@ def test_grad_reduce_in_bf16_halves_the_data_parallel_reduction():
     fp16 = dataclasses.replace(GPT, precision="fp16")
     assert model.time(resolve_job(dataclasses.replace(fp16, grad_reduce_in_bf16=True), lay)).iteration_time_s \
         == model.time(resolve_job(fp16, lay)).iteration_time_s      # Megatron ignores it outside bf16
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_time_bound_never_exceeds_the_time(seed):
+    """The planner skips a job whose bound is past its slowest kept candidate, so the bound must hold
+    for every layout and placement (random clusters: slow devices, uneven links); on a uniform
+    cluster it is not vacuous: at least the compute and recompute of the breakdown's busiest stage."""
+    cluster = random_cluster(seed)
+    model = CostModel(cluster)
+    rng = np.random.default_rng(seed)
+    for lay in LAYOUTS:
+        job = resolve_job(GPT, lay)
+        bound = model.time_bound(job)
+        for devices in (None, rng.permutation(cluster.num_nodes).repeat(8) * 8 + np.tile(np.arange(8), 4)):
+            assert bound <= model.time(job, devices).iteration_time_s
+        uniform = CostModel(H100x4)
+        parts = uniform.time(job).breakdown
+        assert uniform.time_bound(job) >= (parts.compute_s + parts.recompute_s) * (1 - 1e-9)
