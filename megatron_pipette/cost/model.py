@@ -58,13 +58,14 @@ class CostModel:
             self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid)
         return self._default_links[key]
 
-    def time_bound(self, job: Job) -> float:
+    def time_bound(self, job: Job, *, recompute: bool = True) -> float:
         """A lower bound on `time(job)` under any placement, without pricing a link: the busiest
         stage's own compute for every micro-batch on the cluster's fastest GPU (every schedule
-        runs a stage's passes one after another, and the rest of the iteration only adds)."""
+        runs a stage's passes one after another, and the rest of the iteration only adds).
+        `recompute` False leaves recomputation out: a bound for the job under any recomputation."""
         work = self.work(job)
         rate = float(self.cluster.gemm_flops.max())
-        parts = (work.forward, work.backward, work.recompute)
+        parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
         per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
         return job.num_microbatches * float(per_chunk.sum(axis=1).max())
 

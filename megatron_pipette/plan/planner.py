@@ -85,6 +85,8 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
         considered += 1
         memory = model.memory(job)
         if memory.fits and tune_recompute:
+            if len(heap) == keep and model.time_bound(job, recompute=False) > -heap[0][0]:
+                continue                  # slower than the slowest kept under any recomputation
             job, memory = least_recompute(model, job, memory)
         if not memory.fits:
             oom += 1
