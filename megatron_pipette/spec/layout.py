@@ -3,8 +3,9 @@
 `Layout` holds the choices (`--tensor-model-parallel-size` ...); `validate_layout`
 applies the rules Megatron enforces for a given workload and world size, and
 raises `Infeasible` naming the flags when Megatron would reject the layout.
-`stage_layers` gives the layers of each pipeline stage, uneven first/last
-stages included.
+`stage_layers` gives the layers of each pipeline stage and `chunk_sizes` those
+of each model chunk, uneven first/last stages and the embedding's or loss's
+place in the split included.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def stage_layers(workload: Workload, layout: Layout) -> list[int]:
         split[0] -= layout.account_for_embedding_in_pipeline_split
         split[-1] -= layout.account_for_loss_in_pipeline_split
         if min(split) < 0:
-            raise Infeasible(f"{accounted[0]}: a pipeline stage is left with fewer than no layers")
+            raise Infeasible(f"--num-layers {layers} with {accounted[0]} is too few layers for "
+                             f"--pipeline-model-parallel-size {pp}")
         return split
     if first is None and last is None:
         if layers % pp:
