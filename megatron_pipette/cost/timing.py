@@ -189,7 +189,10 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
         redone = work.layers if layout.recompute_granularity == "selective" else work.recomputed_layers
         cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
-        ce = 3 * ring.all_reduce_s(4 * tokens).T   # max, predicted logit, sum of exps
+        # The cross entropy's all-reduces of fp32 per-token values: the max, then the predicted logit
+        # and the sum of exponentials (fused: both in one message).
+        ce = (ring.all_reduce_s(4 * tokens) + (ring.all_reduce_s(8 * tokens) if workload.cross_entropy_loss_fusion
+                                                else 2 * ring.all_reduce_s(4 * tokens))).T
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]

@@ -70,6 +70,7 @@ def workload_from_args(args: Any) -> Workload:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
+        cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
         **_moe_fields(args), **_fp8_fields(args))
 
 

@@ -198,10 +198,14 @@ def output_step(workload: Workload, tp: int, mbs: int, env: Any, te: bool) -> St
     x = torch.randn(s, mbs, h, device=device, dtype=DTYPES[workload.precision], requires_grad=True)
     labels = torch.randint(0, cols, (s, mbs), device=device)
 
+    if workload.cross_entropy_loss_fusion:    # Megatron's choice in compute_language_model_loss
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as cross_entropy
+    else:
+        cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
+
     def forward() -> torch.Tensor:
         logits, _ = module.output_layer(module.final_layernorm(x))
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels, tp_group=env.pg_collection.tp)
-        return loss.sum()
+        return cross_entropy(logits, labels, tp_group=env.pg_collection.tp).sum()
 
     def reset() -> None:
         x.grad = None

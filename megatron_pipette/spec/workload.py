@@ -85,6 +85,9 @@ class Workload:
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
     precision: str = "bf16"
     """--bf16 / --fp16, else fp32: the dtype of parameters and activations."""
+    cross_entropy_loss_fusion: bool = False
+    """--cross-entropy-loss-fusion: megatron-core's fused vocab-parallel cross entropy (native): the
+    same fp32 softmax kept for the backward, two tensor-parallel all-reduces instead of three."""
     grad_reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: with --bf16, gradients are accumulated and reduced in bf16 instead of
     fp32 (half the gradient buffer and the data-parallel traffic); no effect otherwise, as in Megatron."""

@@ -310,3 +310,24 @@ def test_time_bound_never_exceeds_the_time(seed):
         uniform = CostModel(H100x4)
         parts = uniform.time(job).breakdown
         assert uniform.time_bound(job) >= (parts.compute_s + parts.recompute_s) * (1 - 1e-9)
+
+
+def test_fused_cross_entropy_sends_two_all_reduces_instead_of_three():
+    """--cross-entropy-loss-fusion (native) joins the predicted logits and the sums of exponentials in
+    one all-reduce: the last stage's forward loses one small TP all-reduce and gains one of twice the
+    size; nothing changes without TP."""
+    fused = dataclasses.replace(GPT, cross_entropy_loss_fusion=True)
+    model = CostModel(H100x4)
+    lay = layout(4, 2, 4)
+    job, fused_job = resolve_job(GPT, lay), resolve_job(fused, lay)
+    links = model.links(job)
+    tokens = job.tokens_per_microbatch
+    ring = links.tensor
+    step = float((ring.all_reduce_s(8 * tokens) - 2 * ring.all_reduce_s(4 * tokens)).max())
+    assert step < 0
+    plain_f = model.time(job).stage_times[-1].forward_s
+    fused_f = model.time(fused_job).stage_times[-1].forward_s
+    assert fused_f - plain_f == pytest.approx(step, rel=1e-9)
+    assert model.time(fused_job).stage_times[0] == model.time(job).stage_times[0]
+    one = layout(1, 2, 16)
+    assert model.time(resolve_job(fused, one)).iteration_time_s == model.time(resolve_job(GPT, one)).iteration_time_s
