@@ -246,14 +246,21 @@ class RoundTable:
         return matrix
 
 
-def _fit_rates(table: RoundTable, values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
-    """(out, in, fabric, prediction) of a per-node model of one figure known at `table`'s links:
-    a node's sending (receiving) rate is the median of its links out (in), else the fabric's."""
+def _fabric(values: np.ndarray) -> float:
+    """The median of every known (non-NaN) value of one figure: the fabric's."""
     known = values[~np.isnan(values)]
-    fabric = float(np.median(known)) if known.size else np.nan
-    out = _median_or(values, 0, fabric)
-    inn = _median_or(table.reverse(values), 0, fabric)
-    return out, inn, fabric, combine(out[:, None], inn[None, :])
+    return float(np.median(known)) if known.size else np.nan
+
+
+def _fit_rates(table: RoundTable, values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(out, in, prediction) of a per-node model of one figure known at `table`'s links: a node's
+    sending (receiving) rate is the median of its links out (in), else the fabric's (computed
+    only when some node needs it)."""
+    out, inn = _median_or(values, 0, np.nan), _median_or(table.reverse(values), 0, np.nan)
+    if np.isnan(out).any() or np.isnan(inn).any():
+        fabric = _fabric(values)
+        out, inn = np.where(np.isnan(out), fabric, out), np.where(np.isnan(inn), fabric, inn)
+    return out, inn, combine(out[:, None], inn[None, :])
 
 
 def _round_figures(table: RoundTable, small_bytes: int, large_bytes: int) -> Figures:
@@ -277,14 +284,15 @@ def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit
         one = np.zeros((1, 1))
         return InterFit(Figures(one + np.inf, one, one + np.inf, one), np.zeros((1, 1), bool), np.full(1, np.inf),
                         np.full(1, np.inf), math.inf, [], [], 1.0, 0.0)
-    out, inn, fabric, predicted = _fit_rates(table, f.bandwidth_Bps, np.minimum)
+    fabric = _fabric(f.bandwidth_Bps)
+    out, inn, predicted = _fit_rates(table, f.bandwidth_Bps, np.minimum)
     # The nodes x nodes matrices are each the prediction with the measured links written in:
     # one array apiece, no other nodes x nodes temporaries.
     bw = table.write(f.bandwidth_Bps, predicted.copy())
     lat_at = latency_from_small(table.times["small_s"], table.at(bw), small_bytes)
-    lat = table.write(lat_at, _fit_rates(table, lat_at, np.maximum)[3])
-    xbw = table.write(f.exchange_bandwidth_Bps, _fit_rates(table, f.exchange_bandwidth_Bps, np.minimum)[3])
-    xlat = table.write(f.exchange_latency_s, _fit_rates(table, f.exchange_latency_s, np.maximum)[3])
+    lat = table.write(lat_at, _fit_rates(table, lat_at, np.maximum)[2])
+    xbw = table.write(f.exchange_bandwidth_Bps, _fit_rates(table, f.exchange_bandwidth_Bps, np.minimum)[2])
+    xlat = table.write(f.exchange_latency_s, _fit_rates(table, f.exchange_latency_s, np.maximum)[2])
     np.fmin(xbw, bw, out=xbw)
     np.fmax(xlat, lat, out=xlat)
     for matrix, diagonal in ((bw, np.inf), (lat, 0.0), (xbw, np.inf), (xlat, 0.0)):
