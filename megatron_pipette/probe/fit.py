@@ -6,7 +6,7 @@ receiving rate, the fabric's median): link(a, b) ~ min(out_a, in_b). One slow no
 every round it ran, so a few rounds find it; a measured link far below what its two nodes
 predict is reported as a slow link. Between nodes the fit works on (rounds, nodes) tables of
 what ran and writes each nodes x nodes matrix once; all array work is vectorised (no loop
-over pairs). A 2048-node document builds in 0.8-1.3 s on one core (benchmarks/probe_twin.py).
+over pairs). A 2048-node document builds in 0.7-1.1 s on one core (benchmarks/probe_twin.py).
 Pure: numpy only.
 """
 
