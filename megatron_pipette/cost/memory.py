@@ -357,7 +357,7 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
     return checkpointed * stored + kept, full
 
 
-def _stage_memory(job: Job, stage: int, layers: int, params: StageParameters, profile: LayerProfile | None,
+def _stage_memory(job: Job, stage: int, params: StageParameters, profile: LayerProfile | None,
                   overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
@@ -419,8 +419,7 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
     params = stage_parameters(job)
-    stages = tuple(_stage_memory(job, r, n, params, profile, overheads, nvls_domain)
-                   for r, n in enumerate(job.stage_layers))
+    stages = tuple(_stage_memory(job, r, params, profile, overheads, nvls_domain) for r in range(job.layout.pp))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 
