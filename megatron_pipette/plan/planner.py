@@ -23,7 +23,7 @@ from megatron_pipette.cost.memory import MemoryEstimate
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
-from megatron_pipette.plan.search import enumerate_layouts
+from megatron_pipette.plan.search import RECOMPUTE_FLAGS, enumerate_layouts
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -77,8 +77,7 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     closest: tuple[float, Layout, MemoryEstimate] | None = None
     heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
     keep = max(top_k, placement_top)
-    tune_recompute = not any(k in (constraints or {}) for k in ("recompute_granularity", "recompute_method",
-                                                                "recompute_num_layers"))
+    tune_recompute = not any(k in (constraints or {}) for k in RECOMPUTE_FLAGS)
     for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
                                  allow_tp_across_nodes=allow_tp_across_nodes,
                                  gpus_per_domain=cluster.gpus_per_domain, rejected=rejected):

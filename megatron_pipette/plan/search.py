@@ -62,6 +62,8 @@ def _pipeline_splits(num_layers: int, pp: int) -> list[Split]:
     return splits + lighter_last[:UNEVEN_SPLITS] + lighter_ends[:UNEVEN_SPLITS] + counted
 
 
+RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+"""Given any of these, the user fixed the recomputation: the search and the planner keep it."""
 SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
@@ -147,7 +149,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
     per_replica = workload.global_batch_size // dp
     splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
-    if any(k in constraints for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")):
+    if any(k in constraints for k in RECOMPUTE_FLAGS):
         g = constraints.get("recompute_granularity")
         recomputes = [(g, constraints.get("recompute_method", "uniform" if g == "full" else None),
                        constraints.get("recompute_num_layers", 1 if g == "full" else None))]
