@@ -4,15 +4,17 @@ Why: the budget measures every link inside a node but, at scale, only some node 
 rest is filled from a per-node model fitted on what was measured (a node's sending and
 receiving rate, the fabric's median): link(a, b) ~ min(out_a, in_b). One slow node shows in
 every round it ran, so a few rounds find it; a measured link far below what its two nodes
-predict is reported as a slow link. Between nodes the fit works on (rounds, nodes) tables of
-what ran and writes each nodes x nodes matrix once; all array work is vectorised (no loop
-over pairs). A 2048-node document builds in 0.7-1.1 s on one core (benchmarks/probe_twin.py).
-Pure: numpy only.
+predict is reported as a slow link. Between nodes the fit works on (nodes, rounds) tables of
+what ran and writes each nodes x nodes matrix once; all array work is vectorised (no loop over
+pairs), and the exchange figures are fitted on a second thread. A 2048-node document builds in
+about half a second on this project's two-core machine (benchmarks/probe_twin.py). Pure: numpy
+and the standard library's threads.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -109,16 +111,18 @@ def _ran(phase: PhaseResult) -> list:
     return list(zip(phase.rounds, phase.times))
 
 
-def _median_or(values: np.ndarray, axis: int, default: float) -> np.ndarray:
-    """Median of the non-NaN entries along `axis`, `default` where there are none. One sort of the
-    whole array (NaN sorts last) instead of numpy's per-row nanmedian, which loops in Python."""
-    ordered = np.sort(np.ascontiguousarray(np.moveaxis(values, axis, -1)), axis=-1)   # a strided sort is slower
-    if ordered.shape[-1] == 0:
-        return np.full(ordered.shape[:-1], default)
+def _median_or(values: np.ndarray, default: float) -> np.ndarray:
+    """Median of the non-NaN entries of each row (last axis), `default` where there are none. One
+    sort of the whole array (NaN sorts last) instead of numpy's per-row nanmedian, which loops in
+    Python."""
+    if values.shape[-1] == 0:
+        return np.full(values.shape[:-1], default)
+    ordered = np.sort(values, axis=-1)
     count = np.sum(~np.isnan(ordered), axis=-1)
-    middle = [np.take_along_axis(ordered, np.minimum(k, ordered.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-              for k in (np.maximum(count - 1, 0) // 2, count // 2)]
-    return np.where(count > 0, (middle[0] + middle[1]) / 2, default)
+    last = ordered.shape[-1] - 1
+    lower = np.take_along_axis(ordered, np.minimum(np.maximum(count - 1, 0) // 2, last)[..., None], axis=-1)[..., 0]
+    upper = np.take_along_axis(ordered, np.minimum(count // 2, last)[..., None], axis=-1)[..., 0]
+    return np.where(count > 0, (lower + upper) / 2, default)
 
 
 # Inside the nodes.
@@ -144,7 +148,7 @@ def _fill_per_node(values: np.ndarray) -> np.ndarray:
     flat = values[:, off]
     if np.isnan(flat).all():
         raise PipetteError("probe: no link inside a node was measured within the budget; raise --budget-s")
-    per_node = _median_or(flat, -1, float(np.nanmedian(flat)))
+    per_node = _median_or(flat, float(np.nanmedian(flat)))
     flat = np.where(np.isnan(flat), per_node[:, None], flat)
     out = values.copy()
     out[:, off] = flat
@@ -153,24 +157,22 @@ def _fill_per_node(values: np.ndarray) -> np.ndarray:
 
 def intra_levels(m: Measurements, small_bytes: int, large_bytes: int) -> tuple[list[Figures], np.ndarray]:
     """(one Figures per class of nodes that measured alike, each node's class)."""
-    f = figures(intra_times(m), small_bytes, large_bytes)
+    times = intra_times(m)
+    f = figures(times, small_bytes, large_bytes)
     bw = _fill_per_node(f.bandwidth_Bps)
-    lat = _fill_per_node(latency_from_small(intra_times(m)["small_s"], bw, small_bytes))
+    lat = _fill_per_node(latency_from_small(times["small_s"], bw, small_bytes))
     xbw = np.fmin(_fill_per_node(f.exchange_bandwidth_Bps), bw)
     xlat = np.fmax(_fill_per_node(f.exchange_latency_s), lat)
-    g = m.gpus_per_node
-    off = ~np.eye(g, dtype=bool)
+    # A node joins the first class whose first node (its seed) it measured alike; the first node
+    # alike none seeds the next class. One pass per class, not per node.
+    links = bw[:, ~np.eye(m.gpus_per_node, dtype=bool)]
+    node_class = np.full(m.num_nodes, -1, dtype=np.int64)
     seeds: list[int] = []
-    node_class = np.empty(m.num_nodes, dtype=np.int64)
-    for node in range(m.num_nodes):
-        if seeds:
-            ratio = np.abs(np.log(bw[node][off][None, :] / bw[seeds][:, off]))
-            alike = np.flatnonzero(ratio.max(axis=1) <= math.log(CLASS_TOLERANCE))
-            if alike.size:
-                node_class[node] = alike[0]
-                continue
-        seeds.append(node)
-        node_class[node] = len(seeds) - 1
+    while (free := np.flatnonzero(node_class < 0)).size:
+        seed = int(free[0])
+        alike = np.abs(np.log(links[free] / links[seed])).max(axis=1) <= math.log(CLASS_TOLERANCE)
+        node_class[free[alike]] = len(seeds)
+        seeds.append(seed)
     classes = []
     for k in range(len(seeds)):
         members = node_class == k
@@ -201,49 +203,77 @@ class InterFit:
 
 @dataclass(frozen=True)
 class RoundTable:
-    """The node-pair rounds of one kind that ran, as (rounds, nodes) arrays: row r holds each
-    node's link to its partner in round r, so the fit's per-node medians sort O(rounds x nodes)
-    numbers and finding a link's reverse stays inside its round's row. A tournament meets each
-    node pair in one round only, so every measured link is in exactly one cell."""
+    """The node-pair rounds of one kind that ran, as (nodes, rounds) arrays: entry (n, r) is node
+    n's link to its partner in round r. Node-major, so a node's links are one contiguous row:
+    the fit's per-node medians sort rows of O(rounds) numbers, and writing a node's links into
+    a nodes x nodes matrix stays inside that matrix's row. A tournament meets each node pair in
+    one round only, so every measured link is in exactly one cell."""
 
     partner: np.ndarray
-    """(rounds, nodes) partner node; -1 sits out."""
+    """(nodes, rounds) partner node; -1 sits out."""
     times: dict[str, np.ndarray]
-    """METRICS -> (rounds, nodes) float32 sender-node times (slowest rail; NaN: not measured)."""
+    """METRICS -> (nodes, rounds) float32 sender-node times (slowest rail; NaN: not measured)."""
 
     @classmethod
     def of(cls, m: Measurements, kind: str) -> RoundTable:
         ran = [(rnd, t) for rnd, t in _ran(m.inter) if rnd.kind == kind]
         nodes = m.num_nodes
-        partner = round_partners(nodes, [rnd.index for rnd, _ in ran]).reshape(-1, nodes)
+        partner = np.ascontiguousarray(round_partners(nodes, [rnd.index for rnd, _ in ran]).reshape(-1, nodes).T)
         stacked = np.array([t for _, t in ran], dtype=np.float32).reshape(-1, nodes, len(METRICS))
-        stacked[partner < 0] = np.nan
-        return cls(partner, {key: np.ascontiguousarray(stacked[:, :, i]) for i, key in enumerate(METRICS)})
+        times = np.ascontiguousarray(stacked.transpose(2, 1, 0))      # (metrics, nodes, rounds)
+        times[:, partner < 0] = np.nan
+        return cls(partner, dict(zip(METRICS, times)))
 
     @cached_property
     def _cell(self) -> np.ndarray:
-        """(rounds, nodes) flat index of each link in a nodes x nodes matrix (0 where none)."""
-        nodes = self.partner.shape[1]
-        return np.where(self.partner >= 0, np.arange(nodes) * nodes + self.partner, 0)
+        """(nodes, rounds) flat index of each link in a nodes x nodes matrix (0 where none)."""
+        nodes = self.partner.shape[0]
+        return np.where(self.partner >= 0, np.arange(nodes)[:, None] * nodes + self.partner, 0)
 
-    def cells(self, where: np.ndarray) -> np.ndarray:
-        """Flat nodes x nodes indices of the links where `where` ((rounds, nodes) bool) holds."""
-        return self._cell[where]
+    @cached_property
+    def _reverse_cell(self) -> np.ndarray:
+        """(nodes, rounds) flat index, in a (nodes, rounds) table, of each link's opposite (a node
+        sitting out: its own cell, which is NaN)."""
+        nodes, rounds = self.partner.shape
+        sender = np.where(self.partner >= 0, self.partner, np.arange(nodes)[:, None])
+        return sender * rounds + np.arange(rounds)
+
+    def warm(self) -> None:
+        """Build the cached indices once, before threads share the table."""
+        _ = self._cell, self._reverse_cell
 
     def reverse(self, values: np.ndarray) -> np.ndarray:
-        """(rounds, nodes) values of the opposite links: partner -> node."""
-        got = np.take_along_axis(values, np.maximum(self.partner, 0), axis=1)
-        return np.where(self.partner >= 0, got, np.nan)
+        """(nodes, rounds) values of the opposite links: partner -> node (NaN where none: `values`
+        are NaN where a node sits out, as every figure of the table's times is)."""
+        return values.ravel()[self._reverse_cell]
 
     def at(self, matrix: np.ndarray) -> np.ndarray:
-        """(rounds, nodes) entries of a nodes x nodes matrix at each node's link to its partner."""
+        """(nodes, rounds) entries of a nodes x nodes matrix at each node's link to its partner."""
         return np.where(self.partner >= 0, matrix.ravel()[self._cell], np.nan)
 
-    def write(self, values: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-        """`matrix` (nodes x nodes, in place) with the known (non-NaN) values written at their links."""
+    def cells(self, where: np.ndarray) -> np.ndarray:
+        """Flat nodes x nodes indices of the links where `where` ((nodes, rounds) bool) holds."""
+        return self._cell[where]
+
+    def combine(self, out: np.ndarray, inn: np.ndarray, combine) -> np.ndarray:
+        """(nodes, rounds) `combine(out[node], inn[partner])` of per-node vectors, at each link."""
+        return np.where(self.partner >= 0, combine(out[:, None], inn[np.maximum(self.partner, 0)]), np.nan)
+
+    def fit(self, values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(out, in, matrix) of a per-node model of one figure known (non-NaN) at the links: a
+        node's sending (receiving) rate is the median of its links out (in), else the fabric's
+        median (computed only when some node needs it); the nodes x nodes float32 matrix is
+        `combine(out[a], in[b])` with the known values written at their links. The matrix is the
+        only nodes x nodes array a figure allocates, in the float32 the document stores: min and
+        max commute with the rounding, so its entries are those of the float64 prediction rounded."""
+        out, inn = _median_or(values, np.nan), _median_or(self.reverse(values), np.nan)
+        if np.isnan(out).any() or np.isnan(inn).any():
+            fabric = _fabric(values)
+            out, inn = np.where(np.isnan(out), fabric, out), np.where(np.isnan(inn), fabric, inn)
+        matrix = combine(out.astype(np.float32)[:, None], inn.astype(np.float32)[None, :])
         known = ~np.isnan(values)
         matrix.ravel()[self.cells(known)] = values[known]
-        return matrix
+        return out, inn, matrix
 
 
 def _fabric(values: np.ndarray) -> float:
@@ -252,58 +282,52 @@ def _fabric(values: np.ndarray) -> float:
     return float(np.median(known)) if known.size else np.nan
 
 
-def _fit_rates(table: RoundTable, values: np.ndarray, combine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(out, in, prediction) of a per-node model of one figure known at `table`'s links: a node's
-    sending (receiving) rate is the median of its links out (in), else the fabric's (computed
-    only when some node needs it)."""
-    out, inn = _median_or(values, 0, np.nan), _median_or(table.reverse(values), 0, np.nan)
-    if np.isnan(out).any() or np.isnan(inn).any():
-        fabric = _fabric(values)
-        out, inn = np.where(np.isnan(out), fabric, out), np.where(np.isnan(inn), fabric, inn)
-    return out, inn, combine(out[:, None], inn[None, :])
-
-
-def _round_figures(table: RoundTable, small_bytes: int, large_bytes: int) -> Figures:
-    """`figures` at the table's links: the exchange times are paired with the partner's own."""
+def _exchange_matrices(table: RoundTable, bw_at: np.ndarray, lat_at: np.ndarray, small_bytes: int,
+                       large_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two exchange figures' nodes x nodes matrices: `two_way_alpha_beta` at the table's links
+    (each exchange time paired with the partner's own), then the per-node fit of each."""
     t = table.times
-    bw, lat = alpha_beta(t["small_s"], t["large_s"], small_bytes, large_bytes)
     xbw, xlat = two_way_alpha_beta(np.fmin(t["exchange_medium_s"], table.reverse(t["exchange_medium_s"])),
                                    np.fmin(t["exchange_large_s"], table.reverse(t["exchange_large_s"])),
-                                   medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)
-    return Figures(bw, lat, xbw, xlat)
+                                   medium_bytes(small_bytes, large_bytes), large_bytes, bw_at, lat_at)
+    return table.fit(xbw, np.minimum)[2], table.fit(xlat, np.maximum)[2]
 
 
 def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit:
     nodes = m.num_nodes
     table = RoundTable.of(m, "inter")
-    f = _round_figures(table, small_bytes, large_bytes)
-    measured_at = ~np.isnan(f.bandwidth_Bps)
+    bw_at, lat_measured = alpha_beta(table.times["small_s"], table.times["large_s"], small_bytes, large_bytes)
+    measured_at = ~np.isnan(bw_at)
     if nodes > 1 and not measured_at.any():
         raise PipetteError("probe: no node pair was measured within the budget; raise --budget-s")
     if nodes == 1:
         one = np.zeros((1, 1))
         return InterFit(Figures(one + np.inf, one, one + np.inf, one), np.zeros((1, 1), bool), np.full(1, np.inf),
                         np.full(1, np.inf), math.inf, [], [], 1.0, 0.0)
-    fabric = _fabric(f.bandwidth_Bps)
-    out, inn, predicted = _fit_rates(table, f.bandwidth_Bps, np.minimum)
-    # The nodes x nodes matrices are each the prediction with the measured links written in:
-    # one array apiece, no other nodes x nodes temporaries.
-    bw = table.write(f.bandwidth_Bps, predicted.copy())
-    lat_at = latency_from_small(table.times["small_s"], table.at(bw), small_bytes)
-    lat = table.write(lat_at, _fit_rates(table, lat_at, np.maximum)[2])
-    xbw = table.write(f.exchange_bandwidth_Bps, _fit_rates(table, f.exchange_bandwidth_Bps, np.minimum)[2])
-    xlat = table.write(f.exchange_latency_s, _fit_rates(table, f.exchange_latency_s, np.maximum)[2])
+    # What the fit reads is worked out at the links, from the measured values and the rate
+    # vectors; each nodes x nodes matrix is written once. The exchange figures are fitted on a
+    # thread beside the one-way ones (numpy's sorts and copies release the GIL): the build
+    # time, not the document, depends on the cores.
+    table.warm()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        exchange = pool.submit(_exchange_matrices, table, bw_at, lat_measured, small_bytes, large_bytes)
+        fabric = _fabric(bw_at)
+        out, inn, bw = table.fit(bw_at, np.minimum)
+        predicted_at = table.combine(out, inn, np.minimum)
+        lat = table.fit(latency_from_small(table.times["small_s"], np.where(measured_at, bw_at, predicted_at),
+                                           small_bytes), np.maximum)[2]
+        xbw, xlat = exchange.result()
     np.fmin(xbw, bw, out=xbw)
     np.fmax(xlat, lat, out=xlat)
     for matrix, diagonal in ((bw, np.inf), (lat, 0.0), (xbw, np.inf), (xlat, 0.0)):
         np.fill_diagonal(matrix, diagonal)
     measured = np.zeros((nodes, nodes), dtype=bool)
     measured.ravel()[table.cells(measured_at)] = True
-    slow_at = measured_at & (f.bandwidth_Bps < SLOW_LINK_FRACTION * table.at(predicted))
-    slow = sorted(zip(np.nonzero(slow_at)[1].tolist(), table.partner[slow_at].tolist()))
-    slow_links = [{"nodes": [a, b], "bandwidth_Bps": float(bw[a, b]), "predicted_Bps": float(predicted[a, b]),
+    slow_at = measured_at & (bw_at < SLOW_LINK_FRACTION * predicted_at)
+    slow = sorted(zip(np.nonzero(slow_at)[0].tolist(), table.partner[slow_at].tolist()))
+    slow_links = [{"nodes": [a, b], "bandwidth_Bps": float(bw[a, b]), "predicted_Bps": float(min(out[a], inn[b])),
                    "reason": f"node {a} -> node {b}: {bw[a, b] / 1e9:.3g} GB/s measured, "
-                             f"{bw[a, b] / predicted[a, b]:.0%} of what the two nodes' rates predict"}
+                             f"{bw[a, b] / min(out[a], inn[b]):.0%} of what the two nodes' rates predict"}
                   for a, b in slow]
     rate = np.minimum(out, inn)
     slow_nodes = [{"node": int(k), "rate_Bps": float(rate[k]),

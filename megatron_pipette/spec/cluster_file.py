@@ -48,7 +48,7 @@ def encode_matrix(m: np.ndarray) -> list | dict:
     if n > DENSE_LIST_LIMIT:
         out = np.array(m, dtype="<f4")
         np.fill_diagonal(out, np.nan)
-        return {"float32_base64": base64.b64encode(out.tobytes()).decode("ascii"), "shape": [n, n]}
+        return {"float32_base64": base64.b64encode(out.data).decode("ascii"), "shape": [n, n]}
     rows = np.asarray(m, dtype=float).tolist()
     for i in range(n):
         rows[i][i] = None
