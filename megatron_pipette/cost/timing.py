@@ -238,7 +238,8 @@ def _overlapped(total: float, window: float, buckets: int) -> float:
     return max(total / buckets, total - window * (1 - 1 / buckets))
 
 
-def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, buckets: int) -> float:
+def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, buckets: int,
+                          step_window: np.ndarray) -> float:
     """Exposed distributed-optimizer all-gather with --overlap-param-gather ((pp,) `ag`: each
     stage's all-gather alone); without the flag the step runs every stage's at once (max).
 
@@ -251,12 +252,16 @@ def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int,
     max(AG_0 - F_0, AG_0 / buckets) + sum over r >= 1 of AG_r.
     Interleaved (align_param_gather): the schedule dispatches every stage's first chunks at once
     (forward_backward_pipelining_with_interleaving, param_sync_func), so later stages hide theirs
-    behind the pipeline fill and stage 0 waits for its first bucket."""
+    behind the pipeline fill and stage 0 waits for its first bucket. With
+    --overlap-param-gather-with-optimizer-step the first chunk's all-gather is already running
+    (ChainedOptimizer._step dispatches it after that chunk's update) for `step_window` (pp,)
+    seconds more: the rest of each stage's optimizer step."""
     fill_f = stages.times.forward_s[crit].sum(axis=1)
     if name != "interleaved":
         return float(max(ag[0] - fill_f[0], ag[0] / buckets) + ag[1:].sum())
     fill = np.concatenate([[0.0], np.cumsum(fill_f + stages.times.fwd_comm_s[crit])[:-1]])
-    return float(max(ag[0] / buckets, np.maximum(0.0, ag[1:] - fill[1:]).max(initial=0.0)))
+    waits = np.concatenate([[ag[0] / buckets], ag[1:] - fill[1:]]) - step_window
+    return float(np.maximum(0.0, waits).max())
 
 
 def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> np.ndarray:
@@ -279,7 +284,7 @@ def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> n
 
 
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
-                params: StageParameters) -> tuple[np.ndarray, float]:
+                params: StageParameters, optimizer_s: np.ndarray) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
     exposed parameter all-gather of the distributed optimizer.
 
@@ -288,7 +293,8 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     finish (one bucket each), which the max over stages hides behind the others' cooldown.
     Interleaved: interleaved_grad_sync_exposed.
     Dense gradients reduce over data x context parallel, expert gradients over expert data
-    parallel, one after the other on the data-parallel stream."""
+    parallel, one after the other on the data-parallel stream. `optimizer_s` (pp,): each stage's
+    optimizer step."""
     workload, layout = job.workload, job.layout
     replicas, experts = layout.dp * layout.cp, links.experts
     if replicas == 1 and (experts is None or layout.expert_data_parallel_size == 1):
@@ -312,7 +318,10 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     gather = 0.0
     if dopt:
         ag = both("all_gather_s", workload.bytes_per_element)
-        gather = _param_gather_exposed(ag, name, stages, crit, buckets) if layout.overlap_param_gather \
+        # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
+        window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
+            else np.zeros(layout.pp)
+        gather = _param_gather_exposed(ag, name, stages, crit, buckets, window) if layout.overlap_param_gather \
             else float(ag.max())
     return exposed, gather
 
@@ -332,16 +341,17 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     crit = int(np.argmax(pipe.total_s))
     t_pipe = float(pipe.total_s[crit])
     params = stage_parameters(job)
-    exposed, gather = _dp_exposed(job, links, name, stages, crit, params)
+    shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
+    optimizer_s = (params.dense / shards[0] + params.expert / shards[1]) * OPTIMIZER_BYTES_PER_PARAM \
+        / cluster.memory_bandwidth_Bps
+    exposed, gather = _dp_exposed(job, links, name, stages, crit, params, optimizer_s)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
     t_sync = t_dp
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
         words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * _grad_bytes(workload)
         t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
-    shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
-    optimizer = float((params.dense / shards[0] + params.expert / shards[1]).max()) * OPTIMIZER_BYTES_PER_PARAM \
-        / cluster.memory_bandwidth_Bps
+    optimizer = float(optimizer_s.max())
     total = t_sync + gather + optimizer
     busiest = int(np.argmax(pipe.busy_s[crit]))
     compute = m * float(stages.compute[crit, busiest].sum())

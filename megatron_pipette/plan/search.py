@@ -182,8 +182,11 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
     if base.account_for_embedding_in_pipeline_split and not any(k in constraints for k in SPLIT_FLAGS):
         virtual = [lpv for lpv in virtual if lpv]
     for lpv in virtual:
+        # The first chunk's all-gather behind the optimizer step only ever hides more of it.
+        step = constraints.get("overlap_param_gather_with_optimizer_step", bool(lpv) and base.overlap_param_gather)
         try:
-            yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv))
+            yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv,
+                                                overlap_param_gather_with_optimizer_step=step))
         except Infeasible as e:
             if rejected is not None:
                 rejected[rejection_kind(e)] += 1

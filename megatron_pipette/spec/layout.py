@@ -60,6 +60,9 @@ class Layout:
     """--overlap-grad-reduce: DP gradient reduction overlaps the backward pass."""
     overlap_param_gather: bool = False
     """--overlap-param-gather: distributed-optimizer all-gather overlaps the forward pass."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """--overlap-param-gather-with-optimizer-step: the first model chunk's all-gather starts inside
+    the optimizer step, behind the other chunks' updates (interleaved schedule only)."""
     expert_model_parallel_size: int = 1
     """--expert-model-parallel-size: routed experts split over this many ranks (MoE)."""
     expert_tensor_parallel_size: int | None = None
@@ -105,7 +108,8 @@ class Layout:
 
     def describe(self) -> str:
         """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (+opg:
-        --overlap-param-gather; +emb, +loss: the embedding or the loss counted in the pipeline split)."""
+        --overlap-param-gather, +step: --overlap-param-gather-with-optimizer-step; +emb, +loss: the
+        embedding or the loss counted in the pipeline split)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
                  *([f"ep{self.ep}"] if self.ep > 1 else []),
                  *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
@@ -123,7 +127,8 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         if self.use_distributed_optimizer:
-            parts.append("dopt" + ("+opg" if self.overlap_param_gather else ""))
+            parts.append("dopt" + ("+opg" if self.overlap_param_gather else "")
+                         + ("+step" if self.overlap_param_gather_with_optimizer_step else ""))
         if self.recompute_granularity == "selective":
             parts.append("rc=sel")
         elif self.recompute_granularity == "full":
@@ -151,6 +156,7 @@ class Layout:
                     ("--use-distributed-optimizer", self.use_distributed_optimizer),
                     ("--overlap-grad-reduce", self.overlap_grad_reduce),
                     ("--overlap-param-gather", self.overlap_param_gather),
+                    ("--overlap-param-gather-with-optimizer-step", self.overlap_param_gather_with_optimizer_step),
                     ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split),
                     ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split))
         return args + [flag for flag, on in switches if on]
@@ -289,6 +295,10 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         raise Infeasible("--overlap-param-gather needs --use-distributed-optimizer")
     if layout.overlap_param_gather and not layout.overlap_grad_reduce:
         raise Infeasible("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    if layout.overlap_param_gather_with_optimizer_step and not (
+            layout.overlap_param_gather and layout.num_layers_per_virtual_pipeline_stage is not None):
+        raise Infeasible("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather and the "
+                         "interleaved schedule (Megatron's rule)")
     _validate_context_parallel(workload, layout)
     _validate_experts(workload, layout)
 

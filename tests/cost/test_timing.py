@@ -193,6 +193,30 @@ def test_param_gather_overlap_without_interleaving_waits_stage_by_stage():
     assert 1.0 < extra < 2.0
 
 
+def test_first_chunk_gather_hides_behind_the_rest_of_the_optimizer_step():
+    """--overlap-param-gather-with-optimizer-step: the first chunk's all-gather starts after that
+    chunk's update and runs behind the other chunks' (v-1)/v of the step. It never lengthens an
+    iteration, saves at most that window, saves more when the step is slower, and stops saving
+    more once the step hides the whole exposed all-gather (memory 1/1000 and 1/10000 as fast)."""
+    w = workload_from_preset("gpt3-175b")
+    base = preset_cluster("dgx-a100", num_nodes=128)
+    for lpv in (6, 3):
+        jobs = [resolve_job(w, layout(8, 8, 16, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                      overlap_param_gather=True, num_layers_per_virtual_pipeline_stage=lpv,
+                                      overlap_param_gather_with_optimizer_step=flag)) for flag in (False, True)]
+        v = jobs[0].virtual_stages
+        saved = []
+        for slower in (1, 1000, 10000):
+            model = CostModel(dataclasses.replace(base, memory_bandwidth_Bps=base.memory_bandwidth_Bps / slower))
+            off, on = (model.time(j) for j in jobs)
+            saved.append(off.iteration_time_s - on.iteration_time_s)
+            assert 0 < saved[-1] <= (1 - 1 / v) * off.breakdown.optimizer_s * (1 + 1e-9)
+            assert on.breakdown.optimizer_s == off.breakdown.optimizer_s
+        assert saved[1] > saved[0]
+        assert saved[2] == pytest.approx(saved[1], rel=1e-9)
+        assert saved[1] < off.breakdown.dp_comm_exposed_s
+
+
 def test_column_parallel_backward_collectives_hide_behind_their_gradient_gemms():
     """Megatron overlaps the input-gradient all-reduce of QKV, fc1 and the output layer with their
     weight-gradient GEMMs (LinearWithGradAccumulationAndAsyncCommunication.backward): with slow

@@ -44,6 +44,10 @@ def test_megatron_layout():
     (dict(recompute_method="block"), "--recompute-granularity full"),
     (dict(overlap_param_gather=True), "--use-distributed-optimizer"),
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), "--overlap-grad-reduce"),
+    (dict(overlap_param_gather_with_optimizer_step=True), "--overlap-param-gather and the interleaved"),
+    (dict(pipeline_model_parallel_size=8, data_parallel_size=1, use_distributed_optimizer=True,
+          overlap_grad_reduce=True, overlap_param_gather=True, overlap_param_gather_with_optimizer_step=True),
+     "interleaved schedule"),
 ])
 def test_megatron_rules_are_infeasible_with_flag(kw, flag):
     with pytest.raises(Infeasible, match=flag):
