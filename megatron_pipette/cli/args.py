@@ -54,6 +54,13 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class _TupleAction(argparse.Action):
+    """Stores the words as a tuple: the dataclasses are frozen and hashed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(values))
+
+
 def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
     kind = hints[field.name]
     doc = field_docs(cls).get(field.name, "")
@@ -65,6 +72,10 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
             group.add_argument(megatron_flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
     options = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
+    if typing.get_origin(options[0]) is tuple:    # a list of words (--recompute-modules core_attn mlp)
+        group.add_argument(megatron_flag(field.name), dest=field.name, type=str, nargs="*", action=_TupleAction,
+                           default=argparse.SUPPRESS, metavar="STR", help=doc)
+        return
     base = str if str in options else options[0]   # `int | str` (--moe-layer-freq): the field parses the text
     nargs = "+" if field.name in PER_LAYER_FLAGS else None
     group.add_argument(megatron_flag(field.name), dest=field.name, type=base, nargs=nargs, default=argparse.SUPPRESS,

@@ -21,7 +21,7 @@ hidden, a heads, g query groups, d head dim, f ffn, t TP):
                       attention (bytes moved, docs/time-model.md); backward 2x
 Recomputation adds forward work to the backward: full, the whole layer for
 each recomputed layer (uniform: all, block n: n per model chunk); selective,
-the attention core.
+the --recompute-modules of every layer (by default the attention core).
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, [(n, out, inp) for out, inp in shapes.values()])
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
+    norm = 2 * e * n * h / sp
     act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
     rope = 2 * e * n * (a + g) * d if w.position_embedding_type == "rope" else 0
     scores = 0.0
@@ -128,10 +129,18 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         forward, backward = forward + mlp.forward, backward + mlp.backward
     if layout.recompute_granularity == "full":
         recompute = forward
-    elif layout.recompute_granularity == "selective":
-        recompute = Work(flops=core, mem_s=scores / memory_bandwidth_Bps)
     else:
-        recompute = Work()
+        # Selective: what --recompute-modules redoes (a dense layer's norms are fused into QKV and
+        # fc1 under Transformer Engine, where layernorm redoes nothing; an MoE layer's pre-MLP norm
+        # is its own module).
+        redone = layout.selective_modules
+        recompute = Work(flops=core, mem_s=scores / memory_bandwidth_Bps) if "core_attn" in redone else Work()
+        if moe:
+            recompute = recompute + mlp.recompute + (Work(mem_s=norm / memory_bandwidth_Bps) if "layernorm" in redone
+                                                     else Work())
+        elif "mlp" in redone:
+            mlp_linears = [linears[list(shapes).index(name)][0] for name in ("fc1", "fc2")]
+            recompute = recompute + Work(flops=sum(mlp_linears), mem_s=act / memory_bandwidth_Bps)
     return PartWork(forward=forward, backward=backward, recompute=recompute)
 
 
@@ -215,6 +224,11 @@ class StageWork:
     """(p, v) of the layers, those with an MoE MLP (their dispatch is priced in cost.timing)."""
     moe_recomputed: np.ndarray
     """(p, v) of the recomputed layers, the MoE ones."""
+    moe_blocks_redone: np.ndarray
+    """(p, v) MoE layers whose MoE block, dispatch included, selective recomputation redoes (moe)."""
+    mlp_redone: np.ndarray
+    """(p, v) layers whose dense MLP, TP collectives included, selective recomputation redoes (mlp;
+    an MoE layer's shared experts under moe or shared_experts)."""
     core: np.ndarray
     """(2,) effective FLOPs of one layer's attention core, forward and backward: what context
     parallelism's key/value exchange hides behind."""
@@ -266,8 +280,13 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
                        + [linear_work(gemm, x["n"], *output)[1:]])
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["d"],
                           x["cp"])
+    redone = layout.selective_modules
+    blocks = moe if "moe" in redone else np.zeros_like(moe)
+    shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
+    mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
-                     moe_layers=moe, moe_recomputed=moe_rc, core=np.array(core), profiled=profiled, overlap=overlap)
+                     moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
+                     core=np.array(core), profiled=profiled, overlap=overlap)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -56,7 +56,9 @@ def _expert_widths(job: Job) -> tuple[int, int]:
 def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: GemmCurve | None = None) -> PartWork:
     """The MLP half of an MoE layer on one rank: router, routed experts (grouped GEMMs over the
     local experts), the shared experts' dense MLP, and the memory-bound permutations and activation.
-    `linear`: the experts' curve where it is not `gemm` (FP8; the router stays in 16 bits)."""
+    `linear`: the experts' curve where it is not `gemm` (FP8; the router stays in 16 bits). Its
+    `recompute` is what selective recomputation redoes (--recompute-modules moe: all of the
+    forward; moe_act: the experts' activation; shared_experts: the shared experts' MLP)."""
     w, layout = job.workload, job.layout
     t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
     local = w.num_experts // layout.ep
@@ -69,19 +71,29 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     shared = w.moe_shared_expert_intermediate_size
     n = job.tokens_per_microbatch
     fp8_gemms = [(rows, fc1, h), (rows, h, fc2)]
+    shared_work, shared_act = [], 0
     if shared is not None:
         width = shared // layout.tp
         fp8_gemms += [(n, width * (2 if w.swiglu else 1), h), (n, h, width)]
-        dense += [linear_work(linear, rows_, out, inp) for rows_, out, inp in fp8_gemms[2:]]
+        shared_work = [linear_work(linear, rows_, out, inp) for rows_, out, inp in fp8_gemms[2:]]
+        shared_act = (3 if w.swiglu else 2) * e * n * width
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
+    expert_act = (3 if w.swiglu else 2) * e * rows * fc2                          # the experts' activation
     mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
            + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
-           + (3 if w.swiglu else 2) * e * rows * fc2       # the experts' activation
-           + ((3 if w.swiglu else 2) * e * n * (shared // layout.tp) if shared is not None else 0)
-           + ROUTER_BYTES_PER_SCORE * t * w.num_experts) / memory_bandwidth_Bps
-    parts = grouped + dense
-    return PartWork(forward=Work(flops=sum(f for f, _, _ in parts), mem_s=mem + cast_f / memory_bandwidth_Bps),
+           + expert_act + shared_act + ROUTER_BYTES_PER_SCORE * t * w.num_experts) / memory_bandwidth_Bps
+    parts = grouped + dense + shared_work
+    forward = Work(flops=sum(f for f, _, _ in parts), mem_s=mem + cast_f / memory_bandwidth_Bps)
+    redone = job.layout.selective_modules
+    if "moe" in redone:
+        recompute = forward
+    else:
+        recompute = Work(mem_s=expert_act / memory_bandwidth_Bps) if "moe_act" in redone else Work()
+        if "shared_experts" in redone:
+            recompute = recompute + Work(flops=sum(f for f, _, _ in shared_work),
+                                         mem_s=shared_act / memory_bandwidth_Bps)
+    return PartWork(forward=forward, recompute=recompute,
                     backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem + cast_b / memory_bandwidth_Bps))
 
 
@@ -98,19 +110,24 @@ def dispatch_bytes(job: Job) -> dict[str, float]:
     return {"a2a": 0.0, "etp": 0.0, "tp_ep": t * layout.etp * layout.ep * h * e}
 
 
-def moe_activation_bytes(job: Job) -> int:
+def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     """What the MLP half of an MoE layer keeps for its backward, one micro-batch, one rank (its input,
     the pre-MLP norm's output, is counted with the layer): router scores, the rows entering the
     experts, their fc1 output and fc2 input, the expert output the probability weighting needs,
-    and the shared experts' two wide tensors."""
+    and the shared experts' two wide tensors. `redone`: --recompute-modules that drop some of it
+    (moe: all of it, the block keeps its input only; moe_act: the experts' activation output, which
+    is fc2's input; shared_experts: the shared experts' tensors)."""
+    if "moe" in redone:
+        return 0
     w, layout = job.workload, job.layout
     t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
     fc1, fc2 = _expert_widths(job)
     shared = w.moe_shared_expert_intermediate_size
-    shared_bytes = 0 if shared is None else e * job.tokens_per_microbatch * (shared // layout.tp) * (
-        3 if w.swiglu else 2)
+    shared_bytes = 0 if shared is None or "shared_experts" in redone else e * job.tokens_per_microbatch * (
+        shared // layout.tp) * (3 if w.swiglu else 2)
     lin = fp8_input_bytes(w)
-    return round(8 * t * w.num_experts + rows * (lin * h + e * h + e * fc1 + lin * fc2) + shared_bytes)
+    fc2_in = 0 if "moe_act" in redone else lin * fc2
+    return round(8 * t * w.num_experts + rows * (lin * h + e * h + e * fc1 + fc2_in) + shared_bytes)
 
 
 def fp8_input_bytes(workload: Workload) -> int:

@@ -169,17 +169,26 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
     sp = t if layout.sequence_parallel else 1
     if granularity == "full":
         return e * tokens * h // sp  # the checkpointed layer's input
+    redone = layout.selective_modules if granularity == "selective" else frozenset()
     masks = 2 if workload.hidden_dropout > 0 else 0
     lin = fp8_input_bytes(workload)       # what a linear keeps of its input: 1 byte under FP8
-    # Norm inputs (2 x e), QKV and fc1 (or the router's) inputs and the two hidden-dropout masks:
-    # sharded only by SP.
-    norm_side = tokens * h * (2 * e + lin + (e if moe else lin) + masks) // sp
+    # What enters the MLP half: fc1's input, or the router's (e); a checkpointed dense MLP keeps its
+    # input in the training dtype; the MoE layer's pre-MLP norm (never fused into a linear) is
+    # redone under layernorm. A dense layer's norms are taken as kept: Transformer Engine fuses
+    # them into QKV and fc1, where --recompute-modules layernorm redoes nothing.
+    mlp_in = (0 if "layernorm" in redone else e) if moe else (e if "mlp" in redone else lin)
+    # Norm inputs (2 x e), QKV's input, the MLP's input and the two hidden-dropout masks: sharded
+    # only by SP.
+    norm_side = tokens * h * (2 * e + lin + mlp_in + masks) // sp
     query, kv = _attention_widths(workload)
     # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP; an MoE
     # layer's MLP keeps what cost.experts.moe_activation_bytes counts instead.
-    mlp = moe_activation_bytes(job) if moe else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
+    if moe:
+        mlp = moe_activation_bytes(job, redone)
+    else:
+        mlp = 0 if "mlp" in redone else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
     tp_side = tokens * (e * (query + 2 * kv) + lin * query) // t + mlp
-    scores = 0 if granularity == "selective" else _score_bytes(job)
+    scores = 0 if "core_attn" in redone else _score_bytes(job)
     return norm_side + tp_side + scores
 
 
@@ -343,7 +352,12 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
     if granularity != "full":
         stored = dense * _layer_bytes(job, granularity, profile) + (moe_layers and moe_layers * _layer_bytes(
             job, granularity, profile, moe=True))
-        return stored, _score_bytes(job) if granularity == "selective" else 0
+        if granularity is None:
+            return stored, 0
+        # A layer's backward rematerialises what selective recomputation dropped, one layer at a time.
+        kinds = [False] * (dense > 0) + [True] * (moe_layers > 0)
+        return stored, max((_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe)
+                            for moe in kinds), default=0)
     stored = _layer_bytes(job, "full", profile)
     full_dense = _layer_bytes(job, None, profile)
     full_moe = _layer_bytes(job, None, profile, moe=True) if moe_layers else 0

@@ -174,7 +174,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
         mlp_fwd, mlp_bwd = ar, behind_gemms(ar, wgrad[1:2], rate)
         output_bwd = behind_gemms(ar, wgrad[2:], rate)
     tp_f = layer_fwd * work.layers
-    tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers
+    tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers + mlp_fwd * work.mlp_redone
     if workload.moe_shared_expert_intermediate_size is None:   # no dense MLP in an MoE layer: no TP collectives
         tp_f = tp_f - mlp_fwd * work.moe_layers
         tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed
@@ -182,11 +182,11 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     if work.moe_layers.any():
         one = _dispatch(job, links)[None, :, None]
         ep_f = ep_f + one * work.moe_layers                        # every replica of a stage alike
-        ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed)
+        ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed + work.moe_blocks_redone)
     cp_f = cp_b = np.zeros_like(tp_f)
     if layout.cp > 1:
         one_f, one_b = _context_parallel(job, work, links, rate)
-        redone = work.layers if layout.recompute_granularity == "selective" else work.recomputed_layers
+        redone = work.layers if "core_attn" in layout.selective_modules else work.recomputed_layers
         cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
         # The cross entropy's all-reduces of fp32 per-token values: the max, then the predicted logit

@@ -111,9 +111,16 @@ def layout_from_args(args: Any, world_size: int) -> Layout:
             values[f.name] = bool(value) if isinstance(f.default, bool) else value
     if isinstance(values["cp_comm_type"], list):   # Megatron's is one entry per layer, or one for all
         values["cp_comm_type"] = values["cp_comm_type"][0]
+    values["recompute_modules"] = _modules(values["recompute_modules"], values["recompute_granularity"])
     tp, pp, cp = (values[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                       "context_parallel_size"))
     return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp * cp)))
+
+
+def _modules(value: Any, granularity: str | None) -> tuple[str, ...] | None:
+    """Megatron's --recompute-modules list as the Layout's tuple; None where it has no effect
+    (without selective recomputation)."""
+    return tuple(value) if value is not None and granularity == "selective" else None
 
 
 def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
@@ -123,6 +130,8 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     constraints = {name: getattr(args, name) for name in typed_flags(argv)}
     if isinstance(constraints.get("cp_comm_type"), list):
         constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
+    if "recompute_modules" in constraints:
+        constraints["recompute_modules"] = tuple(constraints["recompute_modules"])
     if "sequence_parallel" not in constraints and not sequence_parallel_supported(args):
         constraints["sequence_parallel"] = False
     if not transformer_engine_in_use(args):   # only Transformer Engine's attention splits the sequence
@@ -167,6 +176,7 @@ def apply_layout(args: Any, layout: Layout) -> None:
         if field.name != "data_parallel_size":
             setattr(args, field.name, getattr(layout, field.name))
     args.cp_comm_type = [layout.cp_comm_type]   # Megatron's form: a list
+    args.recompute_modules = None if layout.recompute_modules is None else list(layout.recompute_modules)
     # recompute_num_layers has a Megatron default of 1 only meaningful with full recompute.
     if layout.recompute_granularity != "full":
         args.recompute_method = None

@@ -62,7 +62,7 @@ def _pipeline_splits(num_layers: int, pp: int) -> list[Split]:
     return splits + lighter_last[:UNEVEN_SPLITS] + lighter_ends[:UNEVEN_SPLITS] + counted
 
 
-RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 """Given any of these, the user fixed the recomputation: the search and the planner keep it."""
 SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
@@ -150,7 +150,8 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
     splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
     if any(k in constraints for k in RECOMPUTE_FLAGS):
-        g = constraints.get("recompute_granularity")
+        # --recompute-modules alone means selective recomputation of those modules.
+        g = constraints.get("recompute_granularity", "selective" if "recompute_modules" in constraints else None)
         recomputes = [(g, constraints.get("recompute_method", "uniform" if g == "full" else None),
                        constraints.get("recompute_num_layers", 1 if g == "full" else None))]
     overlap = constraints.get("overlap_grad_reduce", dp > 1)
@@ -166,6 +167,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
             base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
                           **sizes, micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                           recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
+                          recompute_modules=constraints.get("recompute_modules"),
                           decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
                           overlap_grad_reduce=overlap, overlap_param_gather=gather,
                           account_for_embedding_in_pipeline_split=constraints.get(

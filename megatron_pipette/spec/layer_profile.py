@@ -35,6 +35,7 @@ from typing import Any
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import Cluster, gpu_catalog
 from megatron_pipette.spec.job import Job
+from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
 from megatron_pipette.spec.workload import Workload
 
 SCHEMA = "megatron-pipette/layer-profile"
@@ -71,8 +72,10 @@ class LayerProfile:
 
     def covers(self, job: Job) -> bool:
         """Whether its dense-layer figures stand for this job's: the profiler times whole sequences
-        in the training dtype, so not under context parallelism or FP8."""
-        return job.layout.cp == 1 and job.workload.fp8 is None
+        in the training dtype, and selective recomputation of the attention core only, so not under
+        context parallelism, FP8 or other --recompute-modules."""
+        return (job.layout.cp == 1 and job.workload.fp8 is None
+                and job.layout.selective_modules in (frozenset(), frozenset(DEFAULT_RECOMPUTE_MODULES)))
 
     def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:
         return _lookup(self.layers, tp, mbs, sequence_parallel, recompute)

@@ -17,6 +17,11 @@ from megatron_pipette.spec.workload import Workload, megatron_flag
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = (None, "uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
+"""--recompute-modules values the cost model prices (Megatron's others need multi-latent or
+gated-delta-net attention, which it refuses)."""
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+"""What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 """--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
 
@@ -46,6 +51,9 @@ class Layout:
     recompute_num_layers: int | None = None
     """--recompute-num-layers (full only): layers per recompute group (uniform) or
     recomputed layers per stage (block)."""
+    recompute_modules: tuple[str, ...] | None = None
+    """--recompute-modules (selective only): the parts of each layer redone in its backward, of
+    core_attn mlp layernorm moe moe_act shared_experts; None: Megatron's default, core_attn."""
     decoder_first_pipeline_num_layers: int | None = None
     """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -72,9 +80,20 @@ class Layout:
     cp_comm_type: str = "p2p"
     """--cp-comm-type: how attention exchanges keys and values across context-parallel ranks."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute_modules, list):     # from a plan document or Megatron's args
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    @property
+    def selective_modules(self) -> frozenset[str]:
+        """What selective recomputation redoes in every layer (nothing without it)."""
+        if self.recompute_granularity != "selective":
+            return frozenset()
+        return frozenset(DEFAULT_RECOMPUTE_MODULES if self.recompute_modules is None else self.recompute_modules)
 
     @property
     def pp(self) -> int:
@@ -130,7 +149,7 @@ class Layout:
             parts.append("dopt" + ("+opg" if self.overlap_param_gather else "")
                          + ("+step" if self.overlap_param_gather_with_optimizer_step else ""))
         if self.recompute_granularity == "selective":
-            parts.append("rc=sel")
+            parts.append("rc=sel" + ("" if self.recompute_modules is None else "/" + "+".join(self.recompute_modules)))
         elif self.recompute_granularity == "full":
             parts.append(f"rc=full/{self.recompute_method}{self.recompute_num_layers}")
         return " ".join(parts)
@@ -150,6 +169,7 @@ class Layout:
             ("--recompute-granularity", self.recompute_granularity),
             ("--recompute-method", self.recompute_method),
             ("--recompute-num-layers", self.recompute_num_layers),
+            ("--recompute-modules", None if self.recompute_modules is None else " ".join(self.recompute_modules)),
         )
         args += [f"{flag} {value}" for flag, value in optional if value is not None]
         switches = (("--sequence-parallel", self.sequence_parallel),
@@ -180,6 +200,10 @@ def check_user_layout(layout: Layout) -> None:
         raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
     if layout.cp_comm_type not in CP_COMM_TYPES:
         raise PipetteError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {layout.cp_comm_type!r}")
+    unknown = [m for m in layout.recompute_modules or () if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise PipetteError(f"--recompute-modules {' '.join(unknown)}: the cost model prices only "
+                           f"{', '.join(RECOMPUTE_MODULES)}")
 
 
 def _accounted_flags(layout: Layout) -> list[str]:
@@ -359,3 +383,5 @@ def _validate_recompute(layout: Layout, layers: list[int]) -> None:
             raise Infeasible(f"--recompute-num-layers {n} exceeds the {min(layers)} layers of a pipeline stage")
     elif method is not None or n is not None:
         raise Infeasible("--recompute-method and --recompute-num-layers apply only with --recompute-granularity full")
+    if layout.recompute_modules is not None and g != "selective":
+        raise Infeasible("--recompute-modules applies only with --recompute-granularity selective")

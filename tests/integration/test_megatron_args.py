@@ -157,3 +157,17 @@ def test_pipeline_split_is_megatrons(layers, pp, lpv, embedding, loss):
             assert job.chunk_sizes[r][c] == get_num_layers_to_build(config, vp_stage=stage, pp_rank=r)
             if chunks[r][c]:
                 assert chunks[r][c][0] == get_transformer_layer_offset(config, vp_stage=stage, pp_rank=r)
+
+
+def test_recompute_modules_travel_as_megatron_lists():
+    """Megatron parses --recompute-modules into a list (nargs *); the layout holds a tuple, and only
+    under selective recomputation, where Megatron reads it."""
+    args = megatron_namespace(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    assert ma.layout_from_args(args, 2).recompute_modules == ("core_attn", "mlp")
+    assert ma.layout_from_args(megatron_namespace(recompute_modules=["mlp"]), 2).recompute_modules is None
+    typed = ma.constraints_from_args(args, ["--recompute-modules", "core_attn", "mlp"])
+    assert typed["recompute_modules"] == ("core_attn", "mlp")
+    ma.apply_layout(args, Layout(recompute_granularity="selective", recompute_modules=("mlp",)))
+    assert args.recompute_modules == ["mlp"]
+    ma.apply_layout(args, Layout())
+    assert args.recompute_modules is None
