@@ -29,7 +29,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -217,7 +217,12 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         if opts.auto_parallel_strict:
             _close_quietly()
             raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
-        log(f"WARNING: planning failed ({reason}); training with the flags as given: {fallback.describe()}", rank)
+        left_open = ""
+        if args.micro_batch_size is None:     # left to the planner; Megatron cannot start without one
+            args.micro_batch_size = 1
+            fallback, left_open = replace(fallback, micro_batch_size=1), " (--micro-batch-size, not given: 1)"
+        log(f"WARNING: planning failed ({reason}); training with the flags as given{left_open}: "
+            f"{fallback.describe()}", rank)
         layout, placement = None, None
     _rerank(store, placement, backend, user_timeout,
             f"pipette/{attempt}/train/", args, rank)
