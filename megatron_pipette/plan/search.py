@@ -65,7 +65,10 @@ def _pipeline_splits(num_layers: int, pp: int) -> list[Split]:
 RECOMPUTE_FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 """Given any of these, the user fixed the recomputation: the search and the planner keep it."""
 SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+               "pipeline_model_parallel_layout")
+KEPT_AS_GIVEN = ("cp_comm_type", "recompute_modules", "pipeline_model_parallel_layout")
+"""Layout fields the search does not vary: the user's value, else Megatron's default."""
 
 
 def _user_split(constraints: Mapping[str, Any]) -> list[Split] | None:
@@ -167,7 +170,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
             base = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
                           **sizes, micro_batch_size=mbs, sequence_parallel=sp, use_distributed_optimizer=dopt,
                           recompute_granularity=rg, recompute_method=rm, recompute_num_layers=rn,
-                          recompute_modules=constraints.get("recompute_modules"),
+                          **{k: constraints[k] for k in KEPT_AS_GIVEN if k in constraints},
                           decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
                           overlap_grad_reduce=overlap, overlap_param_gather=gather,
                           account_for_embedding_in_pipeline_split=constraints.get(
@@ -197,6 +200,8 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:
     if "num_layers_per_virtual_pipeline_stage" in constraints:
         return [constraints["num_layers_per_virtual_pipeline_stage"]]
+    if "pipeline_model_parallel_layout" in constraints:     # the string sets the chunks
+        return [None]
     if layout.pp == 1 or layout.decoder_first_pipeline_num_layers or layout.decoder_last_pipeline_num_layers:
         return [None]
     counted = (workload.num_layers + layout.account_for_embedding_in_pipeline_split

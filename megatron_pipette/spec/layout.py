@@ -10,6 +10,7 @@ place in the split included.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megatron_pipette.errors import Infeasible, PipetteError
@@ -20,6 +21,8 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
 """--recompute-modules values the cost model prices (Megatron's others need multi-latent or
 gated-delta-net attention, which it refuses)."""
+LAYOUT_LETTERS = "EtLm"
+"""Layer letters of --pipeline-model-parallel-layout (megatron-core's char2layer_type)."""
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 """What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -58,6 +61,10 @@ class Layout:
     """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
     decoder_last_pipeline_num_layers: int | None = None
     """--decoder-last-pipeline-num-layers: layers on the last stage, when uneven."""
+    pipeline_model_parallel_layout: str | None = None
+    """--pipeline-model-parallel-layout: every stage's layers spelt out, E the embedding, t a
+    transformer layer, L the loss, | between stages (virtual stages after the first PP), ( )*n and
+    x*n repeats, e.g. "Et*3|(t*4|)*2t*3L"; sets the virtual pipeline size."""
     account_for_embedding_in_pipeline_split: bool = False
     """--account-for-embedding-in-pipeline-split: the embedding counts as a layer when splitting,
     so the first stage holds one transformer layer fewer."""
@@ -135,6 +142,8 @@ class Layout:
                  f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
         if self.num_layers_per_virtual_pipeline_stage:
             parts.append(f"lpv{self.num_layers_per_virtual_pipeline_stage}")
+        if self.pipeline_model_parallel_layout is not None:
+            parts.append(f"layout={self.pipeline_model_parallel_layout}")
         if self.decoder_first_pipeline_num_layers is not None:
             parts.append(f"first{self.decoder_first_pipeline_num_layers}")
         if self.decoder_last_pipeline_num_layers is not None:
@@ -164,6 +173,8 @@ class Layout:
             ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size, None)) if value != default]
         optional = (
             ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+            ("--pipeline-model-parallel-layout",
+             None if self.pipeline_model_parallel_layout is None else f'"{self.pipeline_model_parallel_layout}"'),
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
             ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
             ("--recompute-granularity", self.recompute_granularity),
@@ -220,6 +231,8 @@ def stage_layers(workload: Workload, layout: Layout) -> list[int]:
     counted as layers (megatron-core's get_num_layers_to_build): 126 layers, PP 8 -> 128 / 8,
     [15, 16, 16, 16, 16, 16, 16, 15].
     """
+    if layout.pipeline_model_parallel_layout is not None:
+        return [sum(chunks) for chunks in _spelt_chunks(workload, layout)]
     pp, layers = layout.pp, workload.num_layers
     first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
     accounted = _accounted_flags(layout)
@@ -265,6 +278,8 @@ def chunk_sizes(workload: Workload, layout: Layout) -> list[list[int]]:
 
     Example: 126 layers, PP 8, 4 layers a chunk, embedding and loss counted: 128 / 8 = 16 per
     stage, 4 chunks each, stage 0 [3, 4, 4, 4], stage 7 [4, 4, 4, 3]."""
+    if layout.pipeline_model_parallel_layout is not None:
+        return _spelt_chunks(workload, layout)
     layers = stage_layers(workload, layout)
     lpv = layout.num_layers_per_virtual_pipeline_stage
     if lpv is None:
@@ -280,6 +295,51 @@ def chunk_sizes(workload: Workload, layout: Layout) -> list[list[int]]:
     sizes[0][0] -= embedding
     sizes[-1][-1] -= loss
     return sizes
+
+
+def parse_pipeline_layout(text: str) -> list[str]:
+    """The virtual stages of a --pipeline-model-parallel-layout string, in order, one string of
+    layer letters each: megatron-core's PipelineParallelLayerLayout.parse_str_to_list (commas are
+    cosmetic; "(...)*n" and "x*n" repeat)."""
+    unrolled = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        unrolled = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), unrolled)
+    stages = unrolled.split("|")
+    odd = sorted({c for stage in stages for c in stage} - set(LAYOUT_LETTERS))
+    if odd:
+        raise PipetteError(f"--pipeline-model-parallel-layout {text}: unknown layer letter(s) {' '.join(odd)} "
+                           f"(E embedding, t transformer layer, L loss, m MTP layer)")
+    return stages
+
+
+def _spelt_chunks(workload: Workload, layout: Layout) -> list[list[int]]:
+    """Transformer layers per (stage, chunk) of a --pipeline-model-parallel-layout, with Megatron's
+    rules (TransformerConfig, PipelineParallelLayerLayout.validate_layer_layout): virtual stage i is
+    pipeline rank i % PP's chunk i // PP; the embedding first and the loss last, once each; every
+    transformer layer once."""
+    text, pp = layout.pipeline_model_parallel_layout, layout.pp
+    stages = parse_pipeline_layout(text)
+    flag = f"--pipeline-model-parallel-layout {text}"
+    for other, on in (("--num-layers-per-virtual-pipeline-stage", layout.num_layers_per_virtual_pipeline_stage),
+                      ("--decoder-first-pipeline-num-layers", layout.decoder_first_pipeline_num_layers),
+                      ("--decoder-last-pipeline-num-layers", layout.decoder_last_pipeline_num_layers),
+                      *((f, True) for f in _accounted_flags(layout))):
+        if on is not None:
+            raise Infeasible(f"{flag} cannot be combined with {other}")
+    if len(stages) % pp:
+        raise Infeasible(f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}")
+    flat = "".join(stages)
+    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
+        raise Infeasible(f"{flag} must start with the embedding (E) and end with the loss (L), once each")
+    if "m" in flat:
+        raise Infeasible(f"{flag} places multi-token-prediction layers (m), which are not modelled")
+    if flat.count("t") != workload.num_layers:
+        raise Infeasible(f"{flag} places {flat.count('t')} transformer layers, not --num-layers {workload.num_layers}")
+    v = len(stages) // pp
+    if v > 1 and pp == 1:
+        raise Infeasible(f"{flag} splits one pipeline stage into {v} model chunks: interleaving needs "
+                         f"--pipeline-model-parallel-size > 1")
+    return [[stages[c * pp + r].count("t") for c in range(v)] for r in range(pp)]
 
 
 def validate_layout(workload: Workload, layout: Layout, world_size: int | None = None) -> None:
@@ -306,11 +366,11 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         raise Infeasible(f"--seq-length {workload.seq_length} is not divisible by --tensor-model-parallel-size {tp}"
                          " (needed by --sequence-parallel)")
     layers = stage_layers(workload, layout)
-    if min(layers) == 0:
-        raise Infeasible("a pipeline stage would hold no transformer layer")
+    if min(layers) == 0 and layout.pipeline_model_parallel_layout is None:   # a spelt-out layout may
+        raise Infeasible("a pipeline stage would hold no transformer layer")       # (E|t*8|t*8|L)
     _validate_recompute(layout, layers)
-    if layout.num_layers_per_virtual_pipeline_stage is not None:
-        chunk_sizes(workload, layout)
+    interleaved = len(chunk_sizes(workload, layout)[0]) > 1
+    if interleaved:
         m = workload.global_batch_size // (mbs * dp)
         if m % pp:
             raise Infeasible(f"the interleaved schedule needs the number of micro-batches ({m}) to be a "
@@ -319,8 +379,7 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         raise Infeasible("--overlap-param-gather needs --use-distributed-optimizer")
     if layout.overlap_param_gather and not layout.overlap_grad_reduce:
         raise Infeasible("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
-    if layout.overlap_param_gather_with_optimizer_step and not (
-            layout.overlap_param_gather and layout.num_layers_per_virtual_pipeline_stage is not None):
+    if layout.overlap_param_gather_with_optimizer_step and not (layout.overlap_param_gather and interleaved):
         raise Infeasible("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather and the "
                          "interleaved schedule (Megatron's rule)")
     _validate_context_parallel(workload, layout)

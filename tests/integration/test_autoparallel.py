@@ -156,12 +156,15 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
 @pytest.mark.torchrun
 def test_a_flag_the_planner_cannot_price_falls_back_or_stops(run_torchrun, tmp_path: Path) -> None:
     """--no-overlap-p2p-communication is not modelled: before any probe, every rank keeps the user's flags with one
-    warning naming the flag, or, under --auto-parallel-strict, every rank stops."""
-    args = [*TINY, "--no-overlap-p2p-communication", "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path)]
+    warning naming the flag, or, under --auto-parallel-strict, every rank stops. The micro-batch size the
+    user left to the planner (Megatron cannot start without one) becomes 1, and the warning says so."""
+    i = TINY.index("--micro-batch-size")
+    args = [*TINY[:i], *TINY[i + 2:], "--no-overlap-p2p-communication", "--auto-parallel",
+            "--auto-parallel-cache-dir", str(tmp_path)]
     out = run_torchrun(WORKER, args, nproc=2, timeout=180)
     reason = "rank 0,1: --no-overlap-p2p-communication: the model prices Megatron's default pipeline schedules"
-    assert f"> auto-parallel: WARNING: planning failed ({reason}); training with the flags as given: " \
-           "tp1 pp1 dp2 mbs1\n" in out, out[-3000:]
+    assert f"> auto-parallel: WARNING: planning failed ({reason}); training with the flags as given " \
+           "(--micro-batch-size, not given: 1): tp1 pp1 dp2 mbs1\n" in out, out[-3000:]
     assert out.count("WARNING: planning failed") == 1 and "probed" not in out
     got = groups_of(out)
     assert sorted(got) == [0, 1] and all(r["layout"] == [1, 1, 2] and r["rank"] == p for p, r in got.items())
@@ -226,5 +229,19 @@ def test_mixture_of_experts_trains_under_the_planned_expert_layout(run_bounded, 
     assert " ep2 " in f" {chosen} ", chosen
     groups = re.search(r"> auto-parallel: expert-parallel groups \(torchrun ranks\): (.*)", out).group(1)
     assert sorted(len(g.split(",")) for g in re.findall(r"\[([^\]]*)\]", groups)) == [2, 2], groups
+    losses = {int(i): float(v) for i, v in LOSS.findall(out)}
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.2, losses
+
+
+@pytest.mark.torchrun
+def test_a_spelt_out_pipeline_layout_trains_interleaved(run_bounded, tmp_path: Path, monkeypatch) -> None:
+    """--pipeline-model-parallel-layout (typed; the rest is planned): the embedding and one layer, a
+    layer, a layer, a layer and the loss over PP 2 is two chunks per stage; Megatron accepts the
+    planned flags, builds the interleaved pipeline, and the loss falls."""
+    monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
+    out = run_bounded(["bash", str(AUTO_GPT), "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+                       "--pipeline-model-parallel-layout", "Et|t|t|tL"], timeout=240)
+    chosen = re.search(r"> auto-parallel: chosen layout ([^:\n]*)", out).group(1)
+    assert " pp2 " in f" {chosen} " and "layout=Et|t|t|tL" in chosen, chosen
     losses = {int(i): float(v) for i, v in LOSS.findall(out)}
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.2, losses

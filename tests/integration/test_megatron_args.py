@@ -171,3 +171,41 @@ def test_recompute_modules_travel_as_megatron_lists():
     assert args.recompute_modules == ["mlp"]
     ma.apply_layout(args, Layout())
     assert args.recompute_modules is None
+
+
+@pytest.mark.parametrize("text, pp, layers", [
+    ("Et*3|t*4|t*4|t*4L", 4, 15), ("Et|(t*2|)*6,tL", 4, 14), ("E|t*8|t*8|L", 4, 16),
+    ("Ett|tt|tt|tt|tt|tt|tt|ttL", 4, 16), ("E(t|)*7tL", 2, 8), ("Et*8L", 1, 8)])
+def test_pipeline_layout_string_is_megatrons(text, pp, layers):
+    """--pipeline-model-parallel-layout: layers per (stage, chunk) equal megatron-core's own parse
+    (PipelineParallelLayerLayout: virtual stage i is rank i % PP's chunk i // PP), and Megatron's
+    validation accepts exactly what ours does."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_pipette.spec.layout import chunk_sizes
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    theirs = PipelineParallelLayerLayout(text, pp)
+    theirs.validate_layer_layout(layers, None)
+    ours = chunk_sizes(workload_from_preset("tiny-gpt", num_layers=layers),
+                       Layout(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text))
+    assert ours == [[chunk.count(LayerType.decoder) for chunk in stage] for stage in theirs.layout]
+
+
+@pytest.mark.parametrize("text, pp, layers, why", [
+    ("tEt*3|t*4L", 2, 8, "must start with the embedding"), ("Et*3|t*4", 2, 7, "end with the loss"),
+    ("Et*3|t*4L", 2, 8, "places 7 transformer layers"), ("Et*3|t*4|tL", 2, 8, "not a multiple"),
+    ("Et*3|t*3mL", 2, 6, "multi-token")])
+def test_pipeline_layout_strings_megatron_rejects_are_infeasible(text, pp, layers, why):
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_pipette.errors import Infeasible
+    from megatron_pipette.spec.layout import chunk_sizes
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    with pytest.raises(AssertionError):
+        PipelineParallelLayerLayout(text, pp).validate_layer_layout(layers, None)
+    with pytest.raises(Infeasible, match=why):
+        chunk_sizes(workload_from_preset("tiny-gpt", num_layers=layers),
+                    Layout(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text))

@@ -133,3 +133,20 @@ def test_interleaved_layouts_are_also_tried_with_embedding_and_loss_in_the_split
     assert all(j.chunk_sizes[0][0] == j.layout.num_layers_per_virtual_pipeline_stage - 1 for j in counted)
     fixed = enumerate_layouts(w, 32, 8, {"tensor_model_parallel_size": 8, "decoder_last_pipeline_num_layers": 6})
     assert not any(j.layout.account_for_embedding_in_pipeline_split for j in fixed)
+
+
+def test_fields_the_search_does_not_vary_keep_the_users_value():
+    """--cp-comm-type, --recompute-modules and --pipeline-model-parallel-layout are not searched: a
+    typed value reaches every layout (--cp-comm-type a2a was once dropped for p2p), none otherwise."""
+    llama = workload_from_preset("llama3-8b", global_batch_size=16)
+    typed = layouts_of(llama, 16, 8, {"context_parallel_size": 2, "cp_comm_type": "a2a",
+                                      "recompute_modules": ("core_attn", "mlp")})
+    assert typed and all(lay.cp_comm_type == "a2a" and lay.recompute_modules == ("core_attn", "mlp")
+                         and lay.recompute_granularity == "selective" for lay in typed)
+    spelt = layouts_of(llama, 16, 8, {"pipeline_model_parallel_size": 2,
+                                      "pipeline_model_parallel_layout": "Et*7|(t*8|)*2t*9L"})
+    assert spelt and all(lay.pipeline_model_parallel_layout == "Et*7|(t*8|)*2t*9L"
+                         and lay.num_layers_per_virtual_pipeline_stage is None for lay in spelt)
+    plain = layouts_of(llama, 16, 8, {"context_parallel_size": 2})
+    assert all(lay.cp_comm_type == "p2p" and lay.recompute_modules is None
+               and lay.pipeline_model_parallel_layout is None for lay in plain)
