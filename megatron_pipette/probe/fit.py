@@ -228,15 +228,19 @@ class RoundTable:
     def _cell(self) -> np.ndarray:
         """(nodes, rounds) flat index of each link in a nodes x nodes matrix (0 where none)."""
         nodes = self.partner.shape[0]
-        return np.where(self.partner >= 0, np.arange(nodes)[:, None] * nodes + self.partner, 0)
+        cell = self.partner + np.arange(nodes)[:, None] * nodes
+        cell[self.partner < 0] = 0
+        return cell
 
     @cached_property
     def _reverse_cell(self) -> np.ndarray:
         """(nodes, rounds) flat index, in a (nodes, rounds) table, of each link's opposite (a node
         sitting out: its own cell, which is NaN)."""
         nodes, rounds = self.partner.shape
-        sender = np.where(self.partner >= 0, self.partner, np.arange(nodes)[:, None])
-        return sender * rounds + np.arange(rounds)
+        cell = np.where(self.partner >= 0, self.partner, np.arange(nodes)[:, None])
+        cell *= rounds
+        cell += np.arange(rounds)
+        return cell
 
     def warm(self) -> None:
         """Build the cached indices once, before threads share the table."""

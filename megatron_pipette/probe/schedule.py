@@ -44,8 +44,9 @@ def round_partners(n: int, r: int | np.ndarray) -> np.ndarray:
     assert np.all((rounds >= 0) & (rounds < rounds_in_tournament(n)))
     m = n + n % 2
     a = np.arange(m)
-    partner = (2 * rounds[..., None] - a) % (m - 1)
-    partner = np.where(a == rounds[..., None], m - 1, partner)
+    partner = 2 * rounds[..., None] - a                    # in place from here: one (rounds, m) array
+    np.remainder(partner, m - 1, out=partner)
+    np.copyto(partner, m - 1, where=a == rounds[..., None])
     partner[..., m - 1] = rounds
     partner = partner[..., :n]
     partner[partner == n] = -1      # drawn against the phantom: sits out
