@@ -62,6 +62,8 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int]]:
     return {"qkv": ((a + 2 * g) * d, h), "proj": (h, a * d), "fc1": (f * (2 if swiglu else 1), h), "fc2": (h, f)}
 
 
+USERBUFFER_LINEARS = ("qkv", "proj", "fc1", "fc2")
+"""A layer's linears, in order, whose TP collectives --tp-comm-overlap pipelines with their GEMMs."""
 COLUMN_PARALLEL = ("qkv", "fc1")
 """The layer's column-parallel linears: Megatron overlaps their backward TP collectives with their
 own gradient GEMMs (cost.timing)."""
@@ -239,6 +241,9 @@ class StageWork:
     """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
     linears (QKV, fc1 of every layer; the output layer), behind which Megatron runs their
     backward TP collectives (the roofline's GEMMs, also when the layer time is profiled)."""
+    userbuffer: np.ndarray
+    """(4, 2) effective FLOPs of the forward and data-gradient GEMMs of QKV, the output projection,
+    fc1 and fc2, which --tp-comm-overlap pipelines with the TP collectives beside them."""
 
 
 def _as_array(work: Work) -> np.ndarray:
@@ -284,9 +289,10 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
+    userbuffer = np.array([linear_work(linear, x["n"], *linears[name])[:2] for name in USERBUFFER_LINEARS])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
-                     core=np.array(core), profiled=profiled, overlap=overlap)
+                     core=np.array(core), profiled=profiled, overlap=overlap, userbuffer=userbuffer)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

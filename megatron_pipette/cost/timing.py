@@ -114,6 +114,15 @@ def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndar
     return np.maximum(0.0, collective_s[..., None] - gemm_flops / rate[..., None]).sum(axis=-1)
 
 
+def userbuffer_exposed(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, tp: int) -> np.ndarray:
+    """Exposed seconds of collectives each pipelined with one GEMM in TP chunks (Transformer
+    Engine's userbuffers, --tp-comm-overlap): a pair takes max(c, g) + min(c, g) / TP (the chunk
+    that cannot overlap), so max(0, c - g) + min(c, g) / TP shows beyond the GEMM. Assumed, not
+    measured: the GEMM is taken as no slower for sharing the GPU with the collective."""
+    c, g = collective_s[..., None], gemm_flops / rate[..., None]
+    return (np.maximum(0.0, c - g) + np.minimum(c, g) / tp).sum(axis=-1)
+
+
 def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.ndarray) -> tuple[np.ndarray, ...]:
     """Exposed (forward, backward) seconds of one layer's context-parallel exchange, (dp x cp, pp, 1).
 
@@ -163,11 +172,21 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     # re-gather behind the data-gradient GEMM. The rest is exposed: the row-parallel linears'
     # forward all-reduces (SP: reduce-scatters, and the all-gathers before QKV and fc1) and, with SP,
     # the all-gather of their output gradient in the backward.
+    # With --tp-comm-overlap the exposed ones are pipelined with the GEMM beside them (userbuffers).
     dgrad, wgrad = work.overlap[:, 0], work.overlap[:, 1]
     if sp:
-        layer_fwd = 4 * ag
-        layer_bwd = 2 * ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
-        mlp_fwd, mlp_bwd = 2 * ag, ag + behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
+        if layout.tp_comm_overlap:
+            fprop, row_dgrad = work.userbuffer[:, 0], work.userbuffer[[1, 3], 1]     # proj's and fc2's
+            forward_ag = userbuffer_exposed(ag, fprop, rate, layout.tp)
+            mlp_ag = userbuffer_exposed(ag, fprop[2:], rate, layout.tp)
+            layer_grad_ag = userbuffer_exposed(ag, row_dgrad, rate, layout.tp)
+            mlp_grad_ag = userbuffer_exposed(ag, row_dgrad[1:], rate, layout.tp)
+        else:
+            forward_ag, mlp_ag, layer_grad_ag, mlp_grad_ag = 4 * ag, 2 * ag, 2 * ag, ag
+        layer_fwd = forward_ag
+        layer_bwd = layer_grad_ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
+        mlp_fwd = mlp_ag
+        mlp_bwd = mlp_grad_ag + behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
         output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
     else:
         layer_fwd, layer_bwd = 2 * ar, behind_gemms(ar, wgrad[:2], rate)

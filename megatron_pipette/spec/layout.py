@@ -45,6 +45,9 @@ class Layout:
     """--num-layers-per-virtual-pipeline-stage: enables the interleaved schedule."""
     sequence_parallel: bool = False
     """--sequence-parallel: shards norm/dropout activations over TP (needs TP > 1)."""
+    tp_comm_overlap: bool = False
+    """--tp-comm-overlap: Transformer Engine's userbuffers pipeline the TP all-gathers and
+    reduce-scatters with the GEMMs beside them (needs --sequence-parallel, and Transformer Engine)."""
     use_distributed_optimizer: bool = False
     """--use-distributed-optimizer: optimizer state sharded over DP (ZeRO-1)."""
     recompute_granularity: str | None = None
@@ -133,7 +136,8 @@ class Layout:
         return self.world_size // (self.etp * self.ep * self.pp)
 
     def describe(self) -> str:
-        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (+opg:
+        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (sp+tpo:
+        --tp-comm-overlap; +opg:
         --overlap-param-gather, +step: --overlap-param-gather-with-optimizer-step; +emb, +loss: the
         embedding or the loss counted in the pipeline split)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
@@ -153,7 +157,7 @@ class Layout:
         if self.account_for_loss_in_pipeline_split:
             parts.append("+loss")
         if self.sequence_parallel:
-            parts.append("sp")
+            parts.append("sp" + ("+tpo" if self.tp_comm_overlap else ""))
         if self.use_distributed_optimizer:
             parts.append("dopt" + ("+opg" if self.overlap_param_gather else "")
                          + ("+step" if self.overlap_param_gather_with_optimizer_step else ""))
@@ -183,7 +187,7 @@ class Layout:
             ("--recompute-modules", None if self.recompute_modules is None else " ".join(self.recompute_modules)),
         )
         args += [f"{flag} {value}" for flag, value in optional if value is not None]
-        switches = (("--sequence-parallel", self.sequence_parallel),
+        switches = (("--sequence-parallel", self.sequence_parallel), ("--tp-comm-overlap", self.tp_comm_overlap),
                     ("--use-distributed-optimizer", self.use_distributed_optimizer),
                     ("--overlap-grad-reduce", self.overlap_grad_reduce),
                     ("--overlap-param-gather", self.overlap_param_gather),
@@ -362,6 +366,8 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
                          f"--micro-batch-size {mbs} x data-parallel size {dp}")
     if layout.sequence_parallel and tp == 1:
         raise Infeasible("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if layout.tp_comm_overlap and not layout.sequence_parallel:
+        raise Infeasible("--tp-comm-overlap needs --sequence-parallel (Megatron's rule)")
     if layout.sequence_parallel and workload.seq_length % tp:
         raise Infeasible(f"--seq-length {workload.seq_length} is not divisible by --tensor-model-parallel-size {tp}"
                          " (needed by --sequence-parallel)")

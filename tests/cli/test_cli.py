@@ -72,7 +72,7 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
     (["plan", "--fp8-format=hybrid", "--fp8-param-gather"], "--fp8-param-gather: FP8 options other than"),
     (["plan", "--model", "llama3-8b", "--fp8-format", "hybrid"], "--fp8-format: A100-80GB has no FP8 tensor cores"),
     (["estimate", *SMALL, "--hybrid-context-parallel"], "--hybrid-context-parallel: hierarchical or hybrid"),
-    (["plan", "--tp-comm-overlap"], "--tp-comm-overlap: overlapping tensor-parallel communication"),
+    (["plan", "--tp-comm-overlap-rs-dgrad"], "--tp-comm-overlap-rs-dgrad: the model prices --tp-comm-overlap with"),
     (["plan", "--no-overlap-p2p-communication"], "--no-overlap-p2p-communication: the model prices Megatron's"),
     (["plan", "--cp-comm-type", "a2a", "p2p"], "--cp-comm-type a2a p2p: a type per layer is not modelled"),
     (["plan", "--num-experts", "8", "--moe-shared-expert-intermediate-size", "64"],

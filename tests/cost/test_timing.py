@@ -237,6 +237,27 @@ def test_column_parallel_backward_collectives_hide_behind_their_gradient_gemms()
     assert tp_comm(1e30) == pytest.approx(m * (layers * 4 * ar + 2 * ar + ce), rel=1e-9)  # + output layer
 
 
+def test_tp_comm_overlap_pipelines_the_exposed_collectives_with_their_gemms():
+    """--tp-comm-overlap (SP): the all-gathers before QKV and fc1, the reduce-scatters after the
+    projection and fc2, and the backward all-gathers of the projection's and fc2's output gradient
+    each run in TP chunks beside their GEMM: max(0, c - g) + min(c, g) / TP shows. Slow GEMMs leave
+    one chunk of each (six per layer, c / 8); instant GEMMs leave all of it, as without the flag.
+    The embedding's, the output layer's and the loss's collectives are not Transformer Engine's."""
+    w = workload_from_preset("gpt3-13b", global_batch_size=8)
+    base = preset_cluster("dgx-h100", num_nodes=1)
+    on, off = (resolve_job(w, layout(8, 1, 1, sequence_parallel=True, tp_comm_overlap=flag)) for flag in (True, False))
+    ag = float(CostModel(base).links(on).tensor.all_gather_s(2048 * w.hidden_size * 2).max())
+    m, layers = on.num_microbatches, w.num_layers
+
+    def tp_comm(job, rate: float) -> float:
+        return CostModel(dataclasses.replace(base, gemm_flops=np.full(8, rate))).time(job).breakdown.tp_comm_s
+
+    assert tp_comm(on, 1e30) == pytest.approx(tp_comm(off, 1e30), rel=1e-12)
+    assert tp_comm(off, 1e6) - tp_comm(on, 1e6) == pytest.approx(m * layers * 6 * ag * (1 - 1 / 8), rel=1e-9)
+    with pytest.raises(Infeasible, match="--tp-comm-overlap needs --sequence-parallel"):
+        resolve_job(w, layout(8, 1, 1, tp_comm_overlap=True))
+
+
 def test_interleaved_grad_sync_starts_rank_steps_after_each_chunks_last_backward():
     """Megatron launches chunk c's reduction pipeline_parallel_rank backward steps after that chunk's
     last backward: c*p - r steps before rank r's end (chunk 0's at the end), one after another.

@@ -136,17 +136,19 @@ def test_interleaved_layouts_are_also_tried_with_embedding_and_loss_in_the_split
 
 
 def test_fields_the_search_does_not_vary_keep_the_users_value():
-    """--cp-comm-type, --recompute-modules and --pipeline-model-parallel-layout are not searched: a
-    typed value reaches every layout (--cp-comm-type a2a was once dropped for p2p), none otherwise."""
+    """--cp-comm-type, --recompute-modules, --pipeline-model-parallel-layout and --tp-comm-overlap are
+    not searched: a typed value reaches every layout (--cp-comm-type a2a was once dropped for p2p),
+    none otherwise."""
     llama = workload_from_preset("llama3-8b", global_batch_size=16)
     typed = layouts_of(llama, 16, 8, {"context_parallel_size": 2, "cp_comm_type": "a2a",
-                                      "recompute_modules": ("core_attn", "mlp")})
+                                      "recompute_modules": ("core_attn", "mlp"), "tp_comm_overlap": True})
     assert typed and all(lay.cp_comm_type == "a2a" and lay.recompute_modules == ("core_attn", "mlp")
-                         and lay.recompute_granularity == "selective" for lay in typed)
+                         and lay.recompute_granularity == "selective" and lay.tp_comm_overlap
+                         and lay.sequence_parallel for lay in typed)
     spelt = layouts_of(llama, 16, 8, {"pipeline_model_parallel_size": 2,
                                       "pipeline_model_parallel_layout": "Et*7|(t*8|)*2t*9L"})
     assert spelt and all(lay.pipeline_model_parallel_layout == "Et*7|(t*8|)*2t*9L"
                          and lay.num_layers_per_virtual_pipeline_stage is None for lay in spelt)
     plain = layouts_of(llama, 16, 8, {"context_parallel_size": 2})
-    assert all(lay.cp_comm_type == "p2p" and lay.recompute_modules is None
+    assert all(lay.cp_comm_type == "p2p" and lay.recompute_modules is None and not lay.tp_comm_overlap
                and lay.pipeline_model_parallel_layout is None for lay in plain)

@@ -33,7 +33,7 @@ def test_megatron_defaults_are_never_refused():
     ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex: only allgather, alltoall are"),
     ({"fp8_param_gather": True}, "--fp8-param-gather: FP8 options other than --fp8-format with per-tensor"),
     ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8: only delayed, tensorwise are modelled"),
-    ({"tp_comm_overlap": True}, "--tp-comm-overlap: overlapping tensor-parallel communication"),
+    ({"tp_comm_overlap_rs_dgrad": True}, "--tp-comm-overlap-rs-dgrad: the model prices --tp-comm-overlap with"),
     ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
     ({"cp_comm_type": ["a2a+p2p"]}, "--cp-comm-type a2a+p2p: only p2p, a2a, allgather are modelled"),
     ({"multi_latent_attention": True}, "--multi-latent-attention: multi-latent attention is not modelled yet"),
@@ -65,7 +65,7 @@ def test_enum_values_count_by_name():
 
 
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
-    assert len(refused(moe_enable_deepep=True, tp_comm_overlap=True, fp4="nvfp4")) == 3
+    assert len(refused(moe_enable_deepep=True, tp_comm_split_ag=False, fp4="nvfp4")) == 3
     assert refusals({"fp4": "nvfp4"}) and not refusals({"save": "/ckpt", "auto_parallel": True, "fp8": "e4m3"})
     with pytest.raises(PipetteError, match="^--moe-enable-deepep: this mixture-of-experts option is not modelled; "
                                            "--use-torch-fsdp2: fully sharded data parallelism"):
