@@ -22,13 +22,16 @@ from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB, MiB
 
 UNFUSED_ATTENTION = ("unfused", "local")
+"""--attention-backend values that materialise the s*s attention scores."""
 FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine's FP8 copy of a linear's weight and of its transpose, per parameter."""
-"""--attention-backend values that materialise the s*s attention scores."""
+DEFAULT_MODULES_SET = frozenset(DEFAULT_RECOMPUTE_MODULES)
+"""Selective recomputation by default drops a layer's attention scores only."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +357,10 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
             job, granularity, profile, moe=True))
         if granularity is None:
             return stored, 0
-        # A layer's backward rematerialises what selective recomputation dropped, one layer at a time.
+        # A layer's backward rematerialises what selective recomputation dropped, one layer at a time:
+        # by default (core_attn) its scores; else what the formula drops, for the heavier kind of layer.
+        if layout.selective_modules == DEFAULT_MODULES_SET:
+            return stored, _score_bytes(job)
         kinds = [False] * (dense > 0) + [True] * (moe_layers > 0)
         return stored, max((_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe)
                             for moe in kinds), default=0)

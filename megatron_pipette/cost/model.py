@@ -42,8 +42,7 @@ class CostModel:
     def work(self, job: Job) -> StageWork:
         """Compute of one micro-batch per stage and chunk (placement independent; shared by the
         jobs that differ only in their data-parallel options, which compute does not read)."""
-        return _cached(self._work, _ignoring(job, use_distributed_optimizer=False, overlap_grad_reduce=False,
-                                             overlap_param_gather=False),
+        return _cached(self._work, _ignoring(job, use_distributed_optimizer=False, **OVERLAPS),
                        lambda: stage_work(job, self.cluster, self.profile))
 
     def links(self, job: Job, devices: np.ndarray | None = None) -> GroupLinks:
@@ -76,10 +75,15 @@ class CostModel:
     def memory(self, job: Job) -> MemoryEstimate:
         """Peak memory of every pipeline stage against the cluster's per-device capacity (shared by
         the jobs that differ only in what they overlap)."""
-        return _cached(self._memory, _ignoring(job, overlap_grad_reduce=False, overlap_param_gather=False),
+        return _cached(self._memory, _ignoring(job, **OVERLAPS),
                        lambda: estimate_memory(job, self.cluster.memory_bytes, profile=self.profile,
                                                overheads=self.overheads,
                                                nvls_domain=self.cluster.gpus_per_domain if self.cluster.nvls else 0))
+
+
+OVERLAPS = dict(overlap_grad_reduce=False, overlap_param_gather=False, overlap_param_gather_with_optimizer_step=False,
+                tp_comm_overlap=False)
+"""What a layout overlaps: neither the compute nor the memory of a job reads it."""
 
 
 def _ignoring(job: Job, **fields) -> Job:

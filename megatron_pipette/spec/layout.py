@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.workload import Workload, megatron_flag
@@ -98,7 +99,7 @@ class Layout:
     def tp(self) -> int:
         return self.tensor_model_parallel_size
 
-    @property
+    @cached_property
     def selective_modules(self) -> frozenset[str]:
         """What selective recomputation redoes in every layer (nothing without it)."""
         if self.recompute_granularity != "selective":
