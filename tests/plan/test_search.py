@@ -68,6 +68,8 @@ def test_first_chunk_gather_behind_the_optimizer_step_exactly_where_megatron_all
                if lay.num_layers_per_virtual_pipeline_stage and lay.overlap_param_gather)
     kept = layouts_of(GPT3, 1024, 8, {**grid, "overlap_param_gather_with_optimizer_step": False})
     assert kept and not any(lay.overlap_param_gather_with_optimizer_step for lay in kept)
+    spelt = layouts_of(GPT3, 1024, 8, {**grid, "pipeline_model_parallel_layout": "E(t*6|)*15t*6L"})
+    assert {lay.overlap_param_gather_with_optimizer_step for lay in spelt if lay.overlap_param_gather} == {True}
 
 
 def test_distributed_optimizer_without_data_parallelism_overlaps_nothing():
