@@ -141,8 +141,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
             recompute = recompute + mlp.recompute + (Work(mem_s=norm / memory_bandwidth_Bps) if "layernorm" in redone
                                                      else Work())
         elif "mlp" in redone:
-            mlp_linears = [linears[list(shapes).index(name)][0] for name in ("fc1", "fc2")]
-            recompute = recompute + Work(flops=sum(mlp_linears), mem_s=act / memory_bandwidth_Bps)
+            forward_flops = {name: fwd for name, (fwd, _, _) in zip(shapes, linears)}
+            recompute = recompute + Work(flops=forward_flops["fc1"] + forward_flops["fc2"],
+                                         mem_s=act / memory_bandwidth_Bps)
     return PartWork(forward=forward, backward=backward, recompute=recompute)
 
 
