@@ -59,8 +59,8 @@ class Layout:
     """--recompute-num-layers (full only): layers per recompute group (uniform) or
     recomputed layers per stage (block)."""
     recompute_modules: tuple[str, ...] | None = None
-    """--recompute-modules (selective only): the parts of each layer redone in its backward, of
-    core_attn mlp layernorm moe moe_act shared_experts; None: Megatron's default, core_attn."""
+    """--recompute-modules: the parts of each layer that selective recomputation redoes in its
+    backward, of core_attn mlp layernorm moe moe_act shared_experts; not given: Megatron's default, core_attn."""
     decoder_first_pipeline_num_layers: int | None = None
     """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
     decoder_last_pipeline_num_layers: int | None = None
