@@ -30,8 +30,6 @@ UNFUSED_ATTENTION = ("unfused", "local")
 """--attention-backend values that materialise the s*s attention scores."""
 FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine's FP8 copy of a linear's weight and of its transpose, per parameter."""
-DEFAULT_MODULES_SET = frozenset(DEFAULT_RECOMPUTE_MODULES)
-"""Selective recomputation by default drops a layer's attention scores only."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,7 +357,7 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
             return stored, 0
         # A layer's backward rematerialises what selective recomputation dropped, one layer at a time:
         # by default (core_attn) its scores; else what the formula drops, for the heavier kind of layer.
-        if layout.selective_modules == DEFAULT_MODULES_SET:
+        if layout.selective_modules == DEFAULT_RECOMPUTE_MODULES:
             return stored, _score_bytes(job)
         kinds = [False] * (dense > 0) + [True] * (moe_layers > 0)
         return stored, max((_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe)

@@ -117,10 +117,10 @@ def layout_from_args(args: Any, world_size: int) -> Layout:
     return Layout(**values, data_parallel_size=max(1, world_size // (tp * pp * cp)))
 
 
-def _modules(value: Any, granularity: str | None) -> tuple[str, ...] | None:
-    """Megatron's --recompute-modules list as the Layout's tuple; None where it has no effect
-    (without selective recomputation)."""
-    return tuple(value) if value is not None and granularity == "selective" else None
+def _modules(value: Any, granularity: str | None) -> Any:
+    """Megatron's --recompute-modules list (the Layout holds it as a tuple); None where it has no
+    effect (without selective recomputation)."""
+    return value if granularity == "selective" else None
 
 
 def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:

@@ -75,7 +75,7 @@ class LayerProfile:
         in the training dtype, and selective recomputation of the attention core only, so not under
         context parallelism, FP8 or other --recompute-modules."""
         return (job.layout.cp == 1 and job.workload.fp8 is None
-                and job.layout.selective_modules in (frozenset(), frozenset(DEFAULT_RECOMPUTE_MODULES)))
+                and job.layout.selective_modules in (frozenset(), DEFAULT_RECOMPUTE_MODULES))
 
     def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:
         return _lookup(self.layers, tp, mbs, sequence_parallel, recompute)

@@ -24,7 +24,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_
 gated-delta-net attention, which it refuses)."""
 LAYOUT_LETTERS = "EtLm"
 """Layer letters of --pipeline-model-parallel-layout (megatron-core's char2layer_type)."""
-DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+DEFAULT_RECOMPUTE_MODULES = frozenset({"core_attn"})
 """What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 """--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
@@ -104,7 +104,7 @@ class Layout:
         """What selective recomputation redoes in every layer (nothing without it)."""
         if self.recompute_granularity != "selective":
             return frozenset()
-        return frozenset(DEFAULT_RECOMPUTE_MODULES if self.recompute_modules is None else self.recompute_modules)
+        return DEFAULT_RECOMPUTE_MODULES if self.recompute_modules is None else frozenset(self.recompute_modules)
 
     @property
     def pp(self) -> int:
@@ -137,10 +137,10 @@ class Layout:
         return self.world_size // (self.etp * self.ep * self.pp)
 
     def describe(self) -> str:
-        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (sp+tpo:
-        --tp-comm-overlap; +opg:
-        --overlap-param-gather, +step: --overlap-param-gather-with-optimizer-step; +emb, +loss: the
-        embedding or the loss counted in the pipeline split)."""
+        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1
+        (sp+tpo: --tp-comm-overlap; +opg: --overlap-param-gather, +step:
+        --overlap-param-gather-with-optimizer-step; +emb, +loss: the embedding or the loss counted in
+        the pipeline split)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
                  *([f"ep{self.ep}"] if self.ep > 1 else []),
                  *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
