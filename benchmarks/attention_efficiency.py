@@ -99,7 +99,7 @@ def model_seconds(heads: int, s: int, d: int, rate: float, curve: GemmCurve) -> 
     """The planner's forward and backward core-attention seconds for b = 1 at `rate` FLOP/s: the
     causal half at the GEMM curve's efficiency, as priced where no attention table was measured
     (the table fitted from this run, where one was, reproduces it by construction)."""
-    forward, backward = core_attention(curve, None, True, 1, heads, s, d)
+    forward, backward = core_attention(curve, None, True, 1, heads, s, d, d)
     return forward / rate, backward / rate
 
 

@@ -55,18 +55,30 @@ BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
 
 
-def _layer_linears(job: Job) -> dict[str, tuple[int, int]]:
-    """(out, in) of each linear of a transformer layer on one TP rank."""
-    x, swiglu = _shape(job), job.workload.swiglu
-    a, g, d, f, h = x["a"], x["g"], x["d"], x["f"], x["h"]
-    return {"qkv": ((a + 2 * g) * d, h), "proj": (h, a * d), "fc1": (f * (2 if swiglu else 1), h), "fc2": (h, f)}
+def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
+    """(tokens, out, in) of each linear of a transformer layer on one TP rank, attention first: a
+    column-parallel linear holds out / TP, a row-parallel one in / TP; MLA's duplicated down
+    projections are whole and, under sequence parallelism, run on the rank's share of the tokens."""
+    x, w, t = _shape(job), job.workload, job.layout.tp
+    n, f, h = x["n"], x["f"], x["h"]
+    per_rank = {"column": lambda out, inp: (n, out // t, inp), "row": lambda out, inp: (n, out, inp // t),
+                "duplicated": lambda out, inp: (n // x["sp"], out, inp)}
+    attention = {name: per_rank[split](out, inp) for name, (out, inp, split) in w.attention_linears().items()}
+    return {**attention, "fc1": (n, f * (2 if w.swiglu else 1), h), "fc2": (n, h, f)}
 
 
-USERBUFFER_LINEARS = ("qkv", "proj", "fc1", "fc2")
-"""A layer's linears, in order, whose TP collectives --tp-comm-overlap pipelines with their GEMMs."""
-COLUMN_PARALLEL = ("qkv", "fc1")
-"""The layer's column-parallel linears: Megatron overlaps their backward TP collectives with their
-own gradient GEMMs (cost.timing)."""
+def attention_input_width(workload) -> int:
+    """Width of what the attention's column-parallel linears take in, per token: the TP
+    collective before them (SP: all-gather; else the input-gradient all-reduce after them).
+    MLA's are its latents (and the keys' shared rotary part, gathered beside them under SP)."""
+    linears = workload.attention_linears().values()
+    return (sum(inp for _, inp, split in linears if split == "column")
+            + (workload.qk_pos_emb_head_dim if workload.multi_latent_attention else 0))
+
+
+COLUMN_ATTENTION = ("qkv", "q_proj", "q_up", "kv_up")
+"""The attention's column-parallel linears, QKV or MLA's up projections: one TP collective before
+them (cost.timing), their GEMMs summed where a collective overlaps them."""
 
 
 def _shape(job: Job) -> dict:
@@ -75,25 +87,26 @@ def _shape(job: Job) -> dict:
     w, layout = job.workload, job.layout
     t = layout.tp
     return dict(n=job.tokens_per_microbatch, b=layout.micro_batch_size, s=w.seq_length, cp=layout.cp,
-                h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, d=w.head_dim,
-                f=w.ffn // t, e=w.bytes_per_element, sp=layout.tp if layout.sequence_parallel else 1)
+                h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, dq=w.query_head_dim,
+                dv=w.value_head_dim, f=w.ffn // t, e=w.bytes_per_element,
+                sp=layout.tp if layout.sequence_parallel else 1)
 
 
 def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, d: int, cp: int = 1) -> tuple[float, float]:
-    """(forward, backward) effective FLOPs of the attention core (scores and weighted values) of b
-    sequences of a heads on one TP rank, which holds s / `cp` of the queries (context parallelism
-    balances the causal work over its ranks). Unfused attention multiplies the full s x s scores and
-    masks them; causal flash/fused kernels skip the masked half: half the FLOPs, at the kernel's
-    measured rate where there is one (`attention`, at the size of one of the cp block calls that
-    context parallelism makes), else at the GEMM curve's."""
+                   s: int, dq: int, dv: int, cp: int = 1) -> tuple[float, float]:
+    """(forward, backward) effective FLOPs of the attention core (scores over query/key heads of
+    width dq, weighted values of width dv) of b sequences of a heads on one TP rank, which holds s /
+    `cp` of the queries (context parallelism balances the causal work over its ranks). Unfused
+    attention multiplies the full s x s scores and masks them; causal flash/fused kernels skip the
+    masked half: half the FLOPs, at the kernel's measured rate where there is one (`attention`, at
+    the size of one of the cp block calls that context parallelism makes), else at the GEMM curve's."""
     q = s // cp
-    full = gemm_work(gemm, q, s, d, b * a) + gemm_work(gemm, q, d, s, b * a)
+    full = gemm_work(gemm, q, s, dq, b * a) + gemm_work(gemm, q, dv, s, b * a)
     if not causal_kernel:
         return full, 2 * full
     if attention is None:
         return full / 2, full
-    flops = 2.0 * b * a * q * s * d
+    flops = 1.0 * b * a * q * s * (dq + dv)
     return (flops / attention.efficiency(0, flops / cp), 2 * flops / attention.efficiency(1, 2 * flops / cp))
 
 
@@ -105,24 +118,24 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     whose MLP is cost.experts.moe_mlp; `linear`: the curve of the layer's linears where it differs
     from `gemm` (FP8: cost.gemm.fp8_curve)."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, b, s, h, a, g, d, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "d", "f", "e", "sp", "cp"))
+    n, b, s, h, a, g, dq, dv, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "dq", "dv", "f", "e", "sp",
+                                                              "cp"))
     gemm = gemm or gemm_curve(None, w.precision)
-    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, d, cp)
+    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, dq, dv, cp)
     shapes = _layer_linears(job)
     if moe:
-        shapes = {name: shapes[name] for name in ("qkv", "proj")}
+        shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
     linear = linear or gemm
-    linears = [linear_work(linear, n, out, inp) for out, inp in shapes.values()]
-    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, [(n, out, inp) for out, inp in shapes.values()])
+    linears = [linear_work(linear, *shape) for shape in shapes.values()]
+    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, list(shapes.values()))
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     norm = 2 * e * n * h / sp
     act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
-    rope = 2 * e * n * (a + g) * d if w.position_embedding_type == "rope" else 0
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
         scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
-    mem = (hidden + act + rope + scores) / memory_bandwidth_Bps
+    mem = (hidden + act + _attention_elementwise_bytes(job) + scores) / memory_bandwidth_Bps
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + cast_f / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
                     mem_s=BACKWARD_MEMORY_FACTOR * mem + cast_b / memory_bandwidth_Bps)
@@ -145,6 +158,22 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
             recompute = recompute + Work(flops=forward_flops["fc1"] + forward_flops["fc2"],
                                          mem_s=act / memory_bandwidth_Bps)
     return PartWork(forward=forward, backward=backward, recompute=recompute)
+
+
+def _attention_elementwise_bytes(job: Job) -> float:
+    """Memory traffic of the attention's elementwise passes on one TP rank: RoPE on the query and
+    key heads (MLA: assembling every head's query and key from its content and rotary parts, which
+    also applies its rotary embedding whatever --position-embedding-type says) and the
+    --qk-layernorm norms (MLA's on the latents, sharded only by SP)."""
+    w, x = job.workload, _shape(job)
+    n, a, g, dq, e = x["n"], x["a"], x["g"], x["dq"], x["e"]
+    if w.multi_latent_attention:
+        rope = 2 * e * n * 2 * a * dq
+        norms = 2 * e * n * sum(w.qk_norm_widths()) / x["sp"]
+    else:
+        rope = 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
+        norms = 2 * e * n * (a + g) * dq if w.qk_layernorm else 0
+    return rope + norms
 
 
 def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
@@ -240,8 +269,9 @@ class StageWork:
     under context parallelism, which the profile did not time, are the roofline's)."""
     overlap: np.ndarray
     """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
-    linears (QKV, fc1 of every layer; the output layer), behind which Megatron runs their
-    backward TP collectives (the roofline's GEMMs, also when the layer time is profiled)."""
+    linears (QKV or MLA's up projections, fc1 of every layer; the output layer), behind which
+    Megatron runs their backward TP collectives (the roofline's GEMMs, also when the layer time is
+    profiled)."""
     userbuffer: np.ndarray
     """(4, 2) effective FLOPs of the forward and data-gradient GEMMs of QKV, the output projection,
     fc1 and fc2, which --tp-comm-overlap pipelines with the TP collectives beside them."""
@@ -280,17 +310,18 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bwd[:, 0, 0] += _as_array(embed.backward)
     fwd[:, -1, -1] += _as_array(out.forward)
     bwd[:, -1, -1] += _as_array(out.backward)
-    x, linears = _shape(job), _layer_linears(job)
-    output = (job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"])
-    overlap = np.array([linear_work(linear, x["n"], *linears[name])[1:] for name in COLUMN_PARALLEL]
-                       + [linear_work(gemm, x["n"], *output)[1:]])
-    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["d"],
-                          x["cp"])
+    x = _shape(job)
+    works = {name: np.array(linear_work(linear, *shape)) for name, shape in _layer_linears(job).items()}
+    attn = sum(works[name] for name in COLUMN_ATTENTION if name in works)
+    output = np.array(linear_work(gemm, x["n"], job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"]))
+    overlap = np.array([attn[1:], works["fc1"][1:], output[1:]])
+    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],
+                          x["dv"], x["cp"])
     redone = layout.selective_modules
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
-    userbuffer = np.array([linear_work(linear, x["n"], *linears[name])[:2] for name in USERBUFFER_LINEARS])
+    userbuffer = np.array([attn[:2], works["proj"][:2], works["fc1"][:2], works["fc2"][:2]])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
                      core=np.array(core), profiled=profiled, overlap=overlap, userbuffer=userbuffer)

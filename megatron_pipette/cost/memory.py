@@ -137,11 +137,24 @@ def state_bytes_per_parameter(workload: Workload) -> tuple[int, int, int, int]:
     return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[workload.precision]
 
 
-def _attention_widths(workload: Workload) -> tuple[int, int]:
-    """(query width, stored key/value width); unfused attention stores K and V repeated to all heads."""
-    query = workload.num_attention_heads * workload.head_dim
-    unfused = workload.attention_backend in UNFUSED_ATTENTION
-    return query, query if unfused else workload.query_groups * workload.head_dim
+def _attention_kept(workload: Workload) -> tuple[int, int, int, int]:
+    """Per token, unsharded, what one layer's attention keeps for its backward: (training-dtype
+    elements split over TP, the output projection's input (a linear's), training-dtype elements
+    sharded only by SP, up-projection inputs sharded only by SP). Standard: Q, K and V (unfused
+    attention stores K and V repeated to all heads) and, with --qk-layernorm, the query and key
+    before their norms. MLA (megatron-core's MLASelfAttention): every head's assembled query and
+    key, the up projection's output that the values are a view of, the down projections' outputs
+    (the latents and the keys' rotary part, whole on every TP rank) and, with --qk-layernorm, the
+    normed latents the up projections take in."""
+    a, dq, dv = workload.num_attention_heads, workload.query_head_dim, workload.value_head_dim
+    if not workload.multi_latent_attention:
+        query = a * dq
+        kv = query if workload.attention_backend in UNFUSED_ATTENTION else workload.query_groups * dq
+        norms = (a + workload.query_groups) * dq if workload.qk_layernorm else 0
+        return query + 2 * kv + norms, query, 0, 0
+    latents = (workload.q_lora_rank or 0) + workload.kv_lora_rank
+    return (2 * a * dq + a * (workload.qk_head_dim + dv), a * dv, latents + workload.qk_pos_emb_head_dim,
+            latents if workload.qk_layernorm else 0)
 
 
 def _fc1_width(workload: Workload) -> int:
@@ -181,14 +194,15 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
     # Norm inputs (2 x e), QKV's input, the MLP's input and the two hidden-dropout masks: sharded
     # only by SP.
     norm_side = tokens * h * (2 * e + lin + mlp_in + masks) // sp
-    query, kv = _attention_widths(workload)
+    kept, proj_in, latents, latent_in = _attention_kept(workload)
+    norm_side += tokens * (e * latents + lin * latent_in) // sp
     # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP; an MoE
     # layer's MLP keeps what cost.experts.moe_activation_bytes counts instead.
     if moe:
         mlp = moe_activation_bytes(job, redone)
     else:
         mlp = 0 if "mlp" in redone else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
-    tp_side = tokens * (e * (query + 2 * kv) + lin * query) // t + mlp
+    tp_side = tokens * (e * kept + lin * proj_in) // t + mlp
     scores = 0 if "core_attn" in redone else _score_bytes(job)
     return norm_side + tp_side + scores
 

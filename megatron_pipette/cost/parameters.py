@@ -33,11 +33,12 @@ class StageParameters:
 
 def dense_layer_parameters(workload: Workload, tp: int, moe: bool = False) -> int:
     """One layer's dense parameters on one TP rank: linear weights and column-parallel biases are
-    split over TP; norms, the row-parallel biases (attention projection, fc2) and an MoE layer's
-    router are replicated. An MoE layer's dense MLP part is its shared experts (which have no biases)."""
+    split over TP; norms, the row-parallel biases (attention projection, fc2), MLA's down
+    projections and an MoE layer's router are replicated. An MoE layer's dense MLP part is its
+    shared experts (which have no biases)."""
     h, bias = workload.hidden_size, workload.add_bias_linear
-    replicated = 2 * workload.norm_parameters() + (h if bias else 0)
-    sharded = workload.attention_parameters() - (h if bias else 0)
+    replicated = 2 * workload.norm_parameters() + workload.attention_replicated_parameters()
+    sharded = workload.attention_parameters() - workload.attention_replicated_parameters()
     if moe:
         replicated += workload.router_parameters()
         sharded += workload.shared_expert_parameters()

@@ -26,7 +26,7 @@ import numpy as np
 
 from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
-from megatron_pipette.cost.compute import StageWork
+from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.experts import dispatch_bytes
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.spec.hardware import Cluster
@@ -132,13 +132,13 @@ def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.nda
     (Ulysses): all-to-alls of Q, K, V and the output, each way, in the open. allgather: K and V
     all-gathered (and their gradients reduce-scattered back), in the open."""
     w, layout = job.workload, job.layout
-    n, e, d = job.tokens_per_microbatch, w.bytes_per_element, w.head_dim
+    n, e, dq, dv = job.tokens_per_microbatch, w.bytes_per_element, w.query_head_dim, w.value_head_dim
     heads, groups = w.num_attention_heads // layout.tp, w.query_groups // layout.tp
-    kv = 2 * n * groups * d * e                                              # this rank's K and V
+    kv = n * groups * (dq + dv) * e                                          # this rank's K and V
     if layout.cp_comm_type == "a2a":
         a2a = links.context_a2a
-        one = sum(a2a.all_to_all_s(n * width * d * e) for width in (heads, groups, groups, heads)).T[:, :, None]
-        return one, one
+        one = sum(a2a.all_to_all_s(n * width * e) for width in (heads * dq, groups * dq, groups * dv, heads * dv))
+        return one.T[:, :, None], one.T[:, :, None]
     ring = links.context
     gather = ring.all_gather_s(layout.cp * kv).T[:, :, None]
     if layout.cp_comm_type == "allgather":
@@ -165,8 +165,13 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     act = tokens * workload.hidden_size * workload.bytes_per_element
     ring = links.tensor
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
+    # The collective before the attention's column-parallel linears moves their input: the hidden
+    # state, or MLA's latents (cost.compute.attention_input_width).
+    attn_in = tokens * attention_input_width(workload) * workload.bytes_per_element
+    ar_in, ag_in = (ar, ag) if attn_in == act else (ring.all_reduce_s(attn_in).T[:, :, None],
+                                                    ring.all_gather_s(attn_in).T[:, :, None])
     rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
-    # The column-parallel linears (QKV, fc1, the output layer) run their backward collectives
+    # The column-parallel linears (QKV or MLA's up projections, fc1, the output layer) run their backward collectives
     # asynchronously (LinearWithGradAccumulationAndAsyncCommunication.backward): the input-gradient
     # all-reduce (SP: reduce-scatter) behind the weight-gradient GEMM and, with SP, the input
     # re-gather behind the data-gradient GEMM. The rest is exposed: the row-parallel linears'
@@ -182,15 +187,16 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
             layer_grad_ag = userbuffer_exposed(ag, row_dgrad, rate, layout.tp)
             mlp_grad_ag = userbuffer_exposed(ag, row_dgrad[1:], rate, layout.tp)
         else:
-            forward_ag, mlp_ag, layer_grad_ag, mlp_grad_ag = 4 * ag, 2 * ag, 2 * ag, ag
+            forward_ag, mlp_ag, layer_grad_ag, mlp_grad_ag = ag_in + 3 * ag, 2 * ag, 2 * ag, ag
         layer_fwd = forward_ag
-        layer_bwd = layer_grad_ag + behind_gemms(ag, dgrad[:2], rate) + behind_gemms(ag, wgrad[:2], rate)
-        mlp_fwd = mlp_ag
-        mlp_bwd = mlp_grad_ag + behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
+        fc1_bwd = behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
+        layer_bwd = (layer_grad_ag + behind_gemms(ag_in, dgrad[:1], rate) + behind_gemms(ag_in, wgrad[:1], rate)
+                     + fc1_bwd)
+        mlp_fwd, mlp_bwd = mlp_ag, mlp_grad_ag + fc1_bwd
         output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
     else:
-        layer_fwd, layer_bwd = 2 * ar, behind_gemms(ar, wgrad[:2], rate)
         mlp_fwd, mlp_bwd = ar, behind_gemms(ar, wgrad[1:2], rate)
+        layer_fwd, layer_bwd = 2 * ar, mlp_bwd + behind_gemms(ar_in, wgrad[:1], rate)
         output_bwd = behind_gemms(ar, wgrad[2:], rate)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers + mlp_fwd * work.mlp_redone

@@ -71,7 +71,17 @@ def workload_from_args(args: Any) -> Workload:
         attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
-        **_moe_fields(args), **_fp8_fields(args))
+        **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args))
+
+
+def _attention_fields(args: Any) -> dict[str, Any]:
+    """--qk-layernorm, and multi-latent attention's widths when it is on."""
+    fields: dict[str, Any] = {"qk_layernorm": bool(getattr(args, "qk_layernorm", False))}
+    if getattr(args, "multi_latent_attention", False):
+        fields.update(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                      qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+                      v_head_dim=args.v_head_dim)
+    return fields
 
 
 def _fp8_fields(args: Any) -> dict[str, Any]:

@@ -72,9 +72,11 @@ class LayerProfile:
 
     def covers(self, job: Job) -> bool:
         """Whether its dense-layer figures stand for this job's: the profiler times whole sequences
-        in the training dtype, and selective recomputation of the attention core only, so not under
-        context parallelism, FP8 or other --recompute-modules."""
-        return (job.layout.cp == 1 and job.workload.fp8 is None
+        in the training dtype through standard attention, and selective recomputation of the
+        attention core only, so not under context parallelism, FP8, multi-latent attention,
+        --qk-layernorm or other --recompute-modules."""
+        w = job.workload
+        return (job.layout.cp == 1 and w.fp8 is None and not w.multi_latent_attention and not w.qk_layernorm
                 and job.layout.selective_modules in (frozenset(), DEFAULT_RECOMPUTE_MODULES))
 
     def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:

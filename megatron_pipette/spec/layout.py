@@ -369,6 +369,9 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
         raise Infeasible("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if layout.tp_comm_overlap and not layout.sequence_parallel:
         raise Infeasible("--tp-comm-overlap needs --sequence-parallel (Megatron's rule)")
+    if layout.tp_comm_overlap and workload.multi_latent_attention:
+        raise Infeasible("--tp-comm-overlap with --multi-latent-attention is not modelled (its down and up "
+                         "projections overlap their collectives differently)")
     if layout.sequence_parallel and workload.seq_length % tp:
         raise Infeasible(f"--seq-length {workload.seq_length} is not divisible by --tensor-model-parallel-size {tp}"
                          " (needed by --sequence-parallel)")

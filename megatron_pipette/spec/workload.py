@@ -61,6 +61,21 @@ class Workload:
     """--group-query-attention."""
     num_query_groups: int | None = None
     """--num-query-groups; only with group_query_attention, else = heads."""
+    multi_latent_attention: bool = False
+    """--multi-latent-attention (MLA, DeepSeek-V2/V3): queries, keys and values come up from
+    low-rank latents; the head dims below replace kv_channels, every head has its own K and V."""
+    q_lora_rank: int | None = None
+    """--q-lora-rank: the query latent's width; None: queries projected from the hidden state."""
+    kv_lora_rank: int = 32
+    """--kv-lora-rank: the key/value latent's width."""
+    qk_head_dim: int = 128
+    """--qk-head-dim: a query/key head's width without its rotary part."""
+    qk_pos_emb_head_dim: int = 64
+    """--qk-pos-emb-head-dim: a query/key head's rotary part (the key's shared by all heads)."""
+    v_head_dim: int = 128
+    """--v-head-dim: a value head's width."""
+    qk_layernorm: bool = False
+    """--qk-layernorm: norms on each head's query and key (MLA: on the query and key/value latents)."""
     swiglu: bool = False
     """--swiglu: gated MLP, three ffn-sized GEMMs instead of two."""
     vocab_size: int = 50257
@@ -121,7 +136,8 @@ class Workload:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
-        for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings"):
+        for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "q_lora_rank",
+                      "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
@@ -134,9 +150,12 @@ class Workload:
         for field in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise PipetteError(f"{megatron_flag(field)} must be in [0, 1), got {getattr(self, field)!r}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and not self.multi_latent_attention and self.hidden_size % self.num_attention_heads:
             raise PipetteError(f"--hidden-size {self.hidden_size} is not divisible by "
                                f"--num-attention-heads {self.num_attention_heads}")
+        if self.multi_latent_attention and self.group_query_attention:
+            raise PipetteError("--multi-latent-attention and --group-query-attention exclude each other "
+                               "(as in Megatron)")
         if self.num_query_groups is not None and not self.group_query_attention:
             raise PipetteError("--num-query-groups needs --group-query-attention")
         if self.group_query_attention:
@@ -192,7 +211,17 @@ class Workload:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def query_head_dim(self) -> int:
+        """A query (and key) head's width: MLA's qk_head_dim plus its rotary part."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
     def query_groups(self) -> int:
+        """Key/value heads (MLA: one per query head)."""
         return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
     @property
@@ -232,12 +261,43 @@ class Workload:
                                f"0/1 entries such as \"([0]+[1]*{self.num_layers - 1})\", got {freq!r}")
         return tuple(bool(x) for x in pattern)
 
+    def attention_linears(self) -> dict[str, tuple[int, int, str]]:
+        """(out, in, how Transformer Engine splits it over TP) of one layer's attention linears,
+        unsharded: "column" splits the output, "row" the input, "duplicated" none (MLA's down
+        projections, megatron/core/transformer/multi_latent_attention.py; the local spec splits
+        them as column-parallel, whose per-rank share this model does not follow)."""
+        h, a, dq, dv = self.hidden_size, self.num_attention_heads, self.query_head_dim, self.value_head_dim
+        if not self.multi_latent_attention:
+            return {"qkv": ((a + 2 * self.query_groups) * dq, h, "column"), "proj": (h, a * dv, "row")}
+        query = ({"q_proj": (a * dq, h, "column")} if self.q_lora_rank is None else
+                 {"q_down": (self.q_lora_rank, h, "duplicated"), "q_up": (a * dq, self.q_lora_rank, "column")})
+        return {**query, "kv_down": (self.kv_lora_rank + self.qk_pos_emb_head_dim, h, "duplicated"),
+                "kv_up": (a * (self.qk_head_dim + dv), self.kv_lora_rank, "column"), "proj": (h, a * dv, "row")}
+
+    def qk_norm_widths(self) -> tuple[int, ...]:
+        """Widths of --qk-layernorm's norms, each with its own weights: a head's query and key (one
+        norm shared by the heads), or MLA's query and key/value latents."""
+        if not self.qk_layernorm:
+            return ()
+        if not self.multi_latent_attention:
+            return (self.head_dim, self.head_dim)
+        return (self.kv_lora_rank,) if self.q_lora_rank is None else (self.q_lora_rank, self.kv_lora_rank)
+
     # Parameter counts, per full (unsharded) model.
     def attention_parameters(self) -> int:
-        """QKV and the output projection of one layer."""
-        h, d, bias = self.hidden_size, self.head_dim, self.add_bias_linear
-        q_out, kv_out = self.num_attention_heads * d, 2 * self.query_groups * d
-        return h * (q_out + kv_out) + (q_out + kv_out if bias else 0) + q_out * h + (h if bias else 0)
+        """The attention linears of one layer (biases on the QKV and output projections only:
+        MLA's are bias-free but the output's) and its query/key norms."""
+        bias = self.add_bias_linear
+        weights = sum(out * inp for out, inp, _ in self.attention_linears().values())
+        biases = sum(out for name, (out, _, _) in self.attention_linears().items() if name in ("qkv", "proj"))
+        return weights + (biases if bias else 0) + sum(map(self._norm_parameters, self.qk_norm_widths()))
+
+    def attention_replicated_parameters(self) -> int:
+        """Of one layer's attention parameters, those every TP rank holds whole: the output
+        projection's bias, the query/key norms and MLA's duplicated down projections."""
+        duplicated = sum(out * inp for out, inp, split in self.attention_linears().values() if split == "duplicated")
+        norms = sum(map(self._norm_parameters, self.qk_norm_widths()))
+        return (self.hidden_size if self.add_bias_linear else 0) + norms + duplicated
 
     def mlp_parameters(self, ffn: int) -> int:
         """One MLP of FFN width `ffn` (fc1, with SwiGLU's gate, and fc2)."""
@@ -260,7 +320,10 @@ class Workload:
         return self.attention_parameters() + mlp + 2 * self.norm_parameters()
 
     def norm_parameters(self) -> int:
-        return 2 * self.hidden_size if self.normalization == "LayerNorm" else self.hidden_size
+        return self._norm_parameters(self.hidden_size)
+
+    def _norm_parameters(self, width: int) -> int:
+        return 2 * width if self.normalization == "LayerNorm" else width
 
     def embedding_parameters(self, tensor_model_parallel_size: int = 1) -> int:
         """Word (padded) plus learned position embeddings, unsharded."""
@@ -281,12 +344,13 @@ class Workload:
         routed experts and its shared experts, not the router; the core attention counts the causal
         half of the scores only, whatever the backend computes."""
         tokens = self.global_batch_size * self.seq_length
-        h, s, d = self.hidden_size, self.seq_length, self.head_dim
-        q_out = self.num_attention_heads * d
-        kv_out = 2 * self.query_groups * d
+        h, s, a = self.hidden_size, self.seq_length, self.num_attention_heads
         stacked = 3 if self.swiglu else 2
-        projections = h * (q_out + kv_out) + q_out * h
-        attention = s * q_out  # QK^T and AV per token, multiply-adds, over the causal half (s/2 keys)
+        projections = sum(out * inp for out, inp, _ in self.attention_linears().values())
+        if self.multi_latent_attention:  # Megatron counts one multiply-add per latent element for the norms
+            projections += self.kv_lora_rank + (0 if self.q_lora_rank is None else self.q_lora_rank)
+        # QK^T and AV per token, multiply-adds, over the causal half (s/2 keys)
+        attention = s * a * (self.query_head_dim + self.value_head_dim) / 2
         pattern = self.moe_layer_pattern()
         moe_layers = sum(pattern)
         shared = self.moe_shared_expert_intermediate_size or 0

@@ -87,10 +87,10 @@ def test_causal_kernels_skip_the_masked_half_of_the_scores():
     """Flash/fused (and auto) causal attention does half the s^2 work; unfused attention multiplies
     the whole score matrix and masks it. Without a measured kernel the half runs at the GEMM curve."""
     curve = gemm_curve(lookup_gpu("A100"), "bf16")
-    full_f, full_b = compute.core_attention(curve, None, False, 2, 16, 4096, 128)
-    half_f, half_b = compute.core_attention(curve, None, True, 2, 16, 4096, 128)
+    full_f, full_b = compute.core_attention(curve, None, False, 2, 16, 4096, 128, 128)
+    half_f, half_b = compute.core_attention(curve, None, True, 2, 16, 4096, 128, 128)
     assert (half_f, half_b) == (full_f / 2, full_b / 2) and full_b == 2 * full_f
-    unit_f, _ = compute.core_attention(UNIT, None, False, 2, 16, 4096, 128)
+    unit_f, _ = compute.core_attention(UNIT, None, False, 2, 16, 4096, 128, 128)
     assert unit_f == 4 * 2 * 16 * 4096 ** 2 * 128
     for backend, causal in (("auto", True), ("flash", True), ("fused", True), ("unfused", False), ("local", False)):
         w = workload_from_preset("llama3-8b", attention_backend=backend)
@@ -110,7 +110,7 @@ def test_measured_attention_kernels_price_the_core_on_h100():
     flops = 2.0 * 1 * 32 * 8192 ** 2 * 128                         # llama3-8b, TP 1, s 8192: one call
     assert 0.75 < cudnn.efficiency(0, flops) < 0.85 and 0.35 < flash.efficiency(0, flops) < 0.45
     assert 0.5 < cudnn.efficiency(1, 2 * flops) < 0.6
-    fwd, bwd = compute.core_attention(gemm_curve(h100, "bf16"), cudnn, True, 1, 32, 8192, 128)
+    fwd, bwd = compute.core_attention(gemm_curve(h100, "bf16"), cudnn, True, 1, 32, 8192, 128, 128)
     assert fwd == pytest.approx(flops / cudnn.efficiency(0, flops))
     assert bwd == pytest.approx(2 * flops / cudnn.efficiency(1, 2 * flops))
 

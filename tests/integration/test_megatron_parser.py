@@ -98,6 +98,12 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
      "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--num-experts", "16",
      "--moe-router-topk", "4", "--moe-ffn-hidden-size", "128", "--moe-shared-expert-intermediate-size", "256",
      "--moe-layer-freq", "([0]+[1]*5)", "--disable-bias-linear"],
+    ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+     "--multi-latent-attention", "--q-lora-rank", "96", "--kv-lora-rank", "64", "--qk-head-dim", "32",
+     "--qk-pos-emb-head-dim", "16", "--v-head-dim", "24", "--qk-layernorm", "--swiglu", "--num-experts", "8",
+     "--moe-layer-freq", "([0]+[1]*3)", "--disable-bias-linear", "--position-embedding-type", "rope"],
+    ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+     "--multi-latent-attention", "--kv-lora-rank", "64", "--qk-head-dim", "32", "--v-head-dim", "32"],
 ])
 def test_model_flops_match_megatrons_count(megatron_parser, argv):
     """Our TFLOP/s use Megatron's convention: its own num_floating_point_operations, on its parsed
