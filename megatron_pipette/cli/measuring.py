@@ -89,6 +89,9 @@ def add_profile_parser(sub) -> None:
     run.add_argument("--recompute", nargs="+", choices=sorted(RECOMPUTE_CHOICES), default=list(RECOMPUTE_CHOICES),
                      help="recompute granularities to profile (default: none selective full)")
     run.add_argument("--no-sequence-parallel", action="store_true", help="leave out the sequence-parallel entries")
+    run.add_argument("--cp", type=int, nargs="+", default=[1], metavar="N",
+                     help="context-parallel sizes: each above 1 adds a layer over one rank's seq-length / N "
+                          "tokens (default: 1)")
     run.add_argument("--out", default="layer_profile.json", help="output file (default: layer_profile.json)")
     run.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
     run.add_argument("--budget-s", type=float, default=300.0,
@@ -117,7 +120,8 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     doc = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs,
                          recompute=tuple(RECOMPUTE_CHOICES[r] for r in ns.recompute),
                          sequence_parallel=(False,) if ns.no_sequence_parallel else (False, True),
-                         device=ns.device, budget_s=ns.budget_s, warmup=ns.warmup, iters=ns.iters, rank=ns.rank)
+                         device=ns.device, budget_s=ns.budget_s, warmup=ns.warmup, iters=ns.iters, rank=ns.rank,
+                         cp_sizes=ns.cp)
     try:
         out.write_text(json.dumps(doc, indent=1) + "\n")
     except OSError as e:

@@ -210,15 +210,43 @@ def profiled_rate(profile: LayerProfile, cluster: Cluster) -> float:
 
 
 def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork | None:
-    """The measured layer (None when this TP size was not profiled). Entries with
-    recomputation include the recomputed forward in backward_s; split it out."""
+    """The measured layer (None when this TP and CP size was not profiled). Entries with
+    recomputation include the recomputed forward in backward_s; split it out. Under context
+    parallelism the profile timed one rank's shard attending to its own keys; the keys of the
+    other ranks are added at the roofline's attention rate (_keys_beyond_the_shard)."""
     layout = job.layout
     tp, mbs, sp, rc = layout.tp, layout.micro_batch_size, layout.sequence_parallel, layout.recompute_granularity
-    base = profile.layer(tp, mbs, sp, None)
-    with_rc = profile.layer(tp, mbs, sp, rc) if rc else None
+    base = profile.layer(tp, mbs, sp, None, layout.cp)
+    with_rc = profile.layer(tp, mbs, sp, rc, layout.cp) if rc else None
     if base is None and with_rc is None:
         return None
-    rate = profiled_rate(profile, cluster)
+    measured = _measured_layer(job, cluster, profiled_rate(profile, cluster), base, with_rc)
+    return measured if layout.cp == 1 else _add(measured, _keys_beyond_the_shard(job, cluster))
+
+
+def _add(a: PartWork, b: PartWork) -> PartWork:
+    return PartWork(forward=a.forward + b.forward, backward=a.backward + b.backward,
+                    recompute=a.recompute + b.recompute)
+
+
+def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
+    """A CP rank's s/CP queries meet all s keys (causal halves balanced over the ranks); its
+    profiled shard met only its own s/CP: the difference in attention work, forward, backward and
+    where recomputation redoes the attention core."""
+    w, layout, x = job.workload, job.layout, _shape(job)
+    gemm, attention = gemm_curve(cluster.gpu, w.precision), attention_curve(cluster.gpu, w.attention_backend)
+    causal = w.attention_backend in FLASH_BACKENDS
+    whole = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"], x["dq"], x["dv"], x["cp"])
+    shard = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"] // x["cp"], x["dq"], x["dv"])
+    forward, backward = whole[0] - shard[0], whole[1] - shard[1]
+    redone = layout.recompute_granularity == "full" or (layout.recompute_granularity == "selective"
+                                                        and "core_attn" in layout.selective_modules)
+    return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
+                    recompute=Work(flops=forward if redone else 0.0))
+
+
+def _measured_layer(job: Job, cluster: Cluster, rate: float, base, with_rc) -> PartWork:
+    rc = job.layout.recompute_granularity
     fwd = (base or with_rc).forward_s
     if rc is None:
         return _profiled(fwd, base.backward_s, 0.0, rate)
@@ -265,8 +293,8 @@ class StageWork:
     """(2,) effective FLOPs of one layer's attention core, forward and backward: what context
     parallelism's key/value exchange hides behind."""
     profiled: bool
-    """True when the dense layers' times came from the LayerProfile (MoE layers, and every layer
-    under context parallelism, which the profile did not time, are the roofline's)."""
+    """True when the dense layers' times came from the LayerProfile (MoE layers, which the profile
+    does not time, are the roofline's; so is every layer under a CP size whose shard it did not time)."""
     overlap: np.ndarray
     """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
     linears (QKV or MLA's up projections, fc1 of every layer; the output layer), behind which
@@ -292,9 +320,9 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     profiled = layer is not None
     layer = layer or roofline_layer(job, bw, gemm, attention, linear=linear)
     rate = profiled_rate(profile, cluster) if profile else 0.0
-    embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size), rate)) \
-        or roofline_embedding(job, bw)
-    out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size), rate)) \
+    embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size, layout.cp),
+                                       rate)) or roofline_embedding(job, bw)
+    out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size, layout.cp), rate)) \
         or roofline_output(job, bw, gemm)
     layers = np.array(job.chunk_sizes, dtype=float)
     recomputed = _recomputed_layers(layout, layers)

@@ -215,9 +215,9 @@ def activation_bytes_per_layer(job: Job) -> int:
 
 
 def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None, moe: bool = False) -> int:
-    """Measured bytes when the profile has this shape (a dense layer over whole sequences), else the formula."""
+    """Measured bytes when the profile has this shape (a dense layer over the rank's tokens), else the formula."""
     layout = job.layout
-    entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel, granularity) \
+    entry = profile.layer(layout.tp, layout.micro_batch_size, layout.sequence_parallel, granularity, layout.cp) \
         if profile is not None and not moe and profile.covers(job) else None
     return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity, moe)
 

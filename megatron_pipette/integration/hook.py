@@ -46,6 +46,7 @@ from megatron_pipette.integration.groups import distinct_groups, group_sizes
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
+from megatron_pipette.plan.search import context_parallel_options
 from megatron_pipette.probe.identity import node_name
 from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_from_json
@@ -159,9 +160,13 @@ def _profile_and_plan(workload, cluster_doc: dict, constraints, cache: Path, pha
         tp_sizes = [constraints["tensor_model_parallel_size"]]
     per_replica = workload.global_batch_size
     mbs = [m for m in PROFILE_MICRO_BATCHES if per_replica % m == 0]
+    # Each context-parallel size the search may try gets its shard timed (after everything else, so
+    # a budget cut drops these first); megatron_args pins CP 1 where Transformer Engine is missing.
+    cp_sizes = ([constraints["context_parallel_size"]] if "context_parallel_size" in constraints
+                else context_parallel_options(workload, cluster.world_size))
     profile_doc = phases.run("profile", lambda: profile_layers(
         workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
-        budget_s=budget * PROFILE_SHARE, rank=0))
+        budget_s=budget * PROFILE_SHARE, rank=0, cp_sizes=cp_sizes))
     write_json(cache / PROFILE, profile_doc, "--auto-parallel-cache-dir")
     profile = profile_from_json(profile_doc, where="layer profile")
     return replan.plan_and_write(workload, CostModel(cluster, profile=profile), constraints, cache, phases)

@@ -114,7 +114,7 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
         if world_size % tp or (not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
                                and not fits_fast_domain(tp, gpus_per_node, domain)):
             continue
-        for cp in choices("context_parallel_size", _context_parallel_options(workload, world_size // tp)):
+        for cp in choices("context_parallel_size", context_parallel_options(workload, world_size // tp)):
             if world_size % (tp * cp):
                 continue
             for pp in choices("pipeline_model_parallel_size", divisors(world_size // (tp * cp))):
@@ -129,7 +129,7 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                     yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes)
 
 
-def _context_parallel_options(workload: Workload, ranks: int) -> list[int]:
+def context_parallel_options(workload: Workload, ranks: int) -> list[int]:
     """Context-parallel sizes worth searching: each rank keeps at least CP_MIN_TOKENS of the sequence
     (fewer leave attention too little work to hide the key/value exchange behind)."""
     s = workload.seq_length

@@ -8,6 +8,7 @@ budget, and which shapes were measured and which the budget cut.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -28,12 +29,16 @@ REFERENCE_GEMM_WINDOW_S = 0.3
 def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
                    recompute: Sequence[str | None] = (None, "selective", "full"),
                    sequence_parallel: Sequence[bool] = (False, True), device: str | torch.device | None = None,
-                   budget_s: float = 300.0, warmup: int = 3, iters: int = 10, rank: int | None = None) -> dict:
+                   budget_s: float = 300.0, warmup: int = 3, iters: int = 10, rank: int | None = None,
+                   cp_sizes: Sequence[int] = (1,)) -> dict:
     """Measure per-rank compute time and activation memory for each TP size; return the schema document.
 
     For each TP size the layer is built with that rank's shapes (see profile.build) and
     timed forward and backward; the smallest and largest micro-batch sizes are measured
-    and the others interpolated ("measured": false). Shapes are measured most useful
+    and the others interpolated ("measured": false). Each context-parallel size in
+    `cp_sizes` above 1 adds a layer over one CP rank's shard, seq_length / CP tokens: its
+    linears, norms and activations are the rank's; its attention meets the shard's own keys
+    only, and the planner adds the other ranks' (cost.compute.profile_layer). Shapes are measured most useful
     first (profile.shapes.plan_shapes) and skipped once `budget_s` (wall seconds)
     would be exceeded by the estimated cost of the next one; the first layer shape is
     always measured. A shape that runs out of device memory is skipped too ("out of
@@ -42,7 +47,8 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
     as "setup_s"). `rank` is the device's rank in the cluster file (default: this
     process's torch.distributed rank).
     """
-    _check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters)
+    _check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters,
+                   cp_sizes)
     dev = resolve_device(device)
     results: list[Measured] = []
     skipped: list[dict] = []
@@ -51,7 +57,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
         te = build.have_transformer_engine()
         reference = reference_gemm_flops(workload.precision, dev)
         start = time.perf_counter()
-        for shape in plan_shapes(tp_sizes, micro_batch_sizes, recompute):
+        for shape in plan_shapes(tp_sizes, micro_batch_sizes, recompute, cp_sizes):
             estimate = estimate_wall_s(shape, results)
             have_layer = any(m.shape.part == "layer" for m in results)
             if have_layer and estimate is not None and time.perf_counter() - start + estimate > budget_s:
@@ -87,6 +93,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
             "tp_communication": "excluded (one-rank groups); the planner models it from the link matrix",
             "sequence_parallel": "activations of norms, dropout and QKV/FC1 inputs divided by TP; "
                                  "times are the non-SP measurement's",
+            "context_parallel": "a layer over seq_length / CP tokens, attending to its own keys only",
             "warmup": warmup, "iters": iters, "budget_s": budget_s,
             "setup_s": round(start - setup, 3), "elapsed_s": round(elapsed, 3),
             "measured": [{**m.shape.describe(), "wall_s": round(m.wall_s, 3)} for m in results],
@@ -110,7 +117,8 @@ def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmu
     t0 = time.perf_counter()
     tp, mbs = shape.tensor_model_parallel_size, shape.micro_batch_size
     if shape.part == "layer":
-        step = build.layer_step(workload, tp, mbs, shape.recompute_granularity, env, te)
+        shard = dataclasses.replace(workload, seq_length=workload.seq_length // shape.context_parallel_size)
+        step = build.layer_step(shard, tp, mbs, shape.recompute_granularity, env, te)
     elif shape.part == "embedding":
         step = build.embedding_step(workload, tp, mbs, env, te)
     else:
@@ -130,7 +138,7 @@ def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmu
 
 def _check_request(workload: Workload, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
                    recompute: Sequence[str | None], sequence_parallel: Sequence[bool], budget_s: float,
-                   warmup: int, iters: int) -> None:
+                   warmup: int, iters: int, cp_sizes: Sequence[int]) -> None:
     if not tp_sizes:
         raise PipetteError("--tp needs at least one tensor-parallel size")
     build.check_tensor_parallel_sizes(workload, list(tp_sizes))
@@ -143,6 +151,10 @@ def _check_request(workload: Workload, tp_sizes: Sequence[int], micro_batch_size
         raise PipetteError(f"sequence_parallel must be a non-empty list of booleans, got {sequence_parallel!r}")
     if False not in sequence_parallel and all(t == 1 for t in tp_sizes):
         raise PipetteError("--sequence-parallel needs a --tp size > 1")
+    bad_cp = [c for c in cp_sizes if not isinstance(c, int) or c <= 0 or (c > 1 and workload.seq_length % (2 * c))]
+    if bad_cp:
+        raise PipetteError(f"--cp sizes must divide --seq-length {workload.seq_length} into 2 x CP chunks, "
+                           f"got {bad_cp}")
     if not budget_s > 0:
         raise PipetteError(f"--budget-s must be positive, got {budget_s!r}")
     if warmup < 0 or iters < 1:

@@ -27,10 +27,14 @@ class Shape:
     tensor_model_parallel_size: int
     micro_batch_size: int
     recompute_granularity: str | None = None
+    context_parallel_size: int = 1
+    """A layer over one context-parallel rank's share of the sequence, seq_length / CP tokens."""
 
     def describe(self) -> dict:
-        return {"part": self.part, "tensor_model_parallel_size": self.tensor_model_parallel_size,
-                "micro_batch_size": self.micro_batch_size, "recompute_granularity": self.recompute_granularity}
+        described = {"part": self.part, "tensor_model_parallel_size": self.tensor_model_parallel_size,
+                     "micro_batch_size": self.micro_batch_size, "recompute_granularity": self.recompute_granularity}
+        return described | ({"context_parallel_size": self.context_parallel_size}
+                            if self.context_parallel_size > 1 else {})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,13 +58,14 @@ class Measured:
 
 
 def plan_shapes(tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
-                recompute: Sequence[str | None]) -> list[Shape]:
+                recompute: Sequence[str | None], cp_sizes: Sequence[int] = (1,)) -> list[Shape]:
     """The shapes to measure, most useful first.
 
     Order: a layer at the smallest micro-batch for every TP size; the embedding and
     output layer at the smallest micro-batch; layers at the largest micro-batch; the
     recomputation variants (smallest, then largest micro-batch); the embedding and
-    output layer at the largest micro-batch. Sizes in between are interpolated.
+    output layer at the largest micro-batch; last, a layer over each context-parallel
+    shard (CP > 1) at the smallest micro-batch. Sizes in between are interpolated.
     """
     tps = sorted(set(tp_sizes))
     small, large = min(micro_batch_sizes), max(micro_batch_sizes)
@@ -80,6 +85,9 @@ def plan_shapes(tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
     if large != small:
         order += [Shape(part=p, tensor_model_parallel_size=t, micro_batch_size=large)
                   for t in tps for p in ("embedding", "output_layer")]
+    if None in recompute:
+        order += [Shape(part="layer", tensor_model_parallel_size=t, micro_batch_size=small, context_parallel_size=c)
+                  for c in sorted(set(cp_sizes) - {1}) for t in tps]
     return order
 
 
@@ -96,14 +104,16 @@ def estimate_wall_s(shape: Shape, done: Iterable[Measured]) -> float | None:
     if not same_part:
         return None
 
-    def closeness(m: Measured) -> tuple[int, int, int]:
+    def closeness(m: Measured) -> tuple[int, int, int, int]:
         return (m.shape.tensor_model_parallel_size != shape.tensor_model_parallel_size,
                 m.shape.recompute_granularity != shape.recompute_granularity,
+                m.shape.context_parallel_size != shape.context_parallel_size,
                 abs(m.shape.micro_batch_size - shape.micro_batch_size))
 
     ref = min(same_part, key=closeness)
     scale = (shape.micro_batch_size / ref.shape.micro_batch_size
-             * ref.shape.tensor_model_parallel_size / shape.tensor_model_parallel_size)
+             * ref.shape.tensor_model_parallel_size / shape.tensor_model_parallel_size
+             * ref.shape.context_parallel_size / shape.context_parallel_size)
     if shape.recompute_granularity == "full" and ref.shape.recompute_granularity != "full":
         scale *= 1.4  # the backward pass re-runs the forward pass
     overhead = statistics.median(max(m.wall_s - m.run_s, 0.0) for m in done)
@@ -142,33 +152,35 @@ def layer_entries(results: Iterable[Measured], *, tp_sizes: Sequence[int], micro
 
     A sequence-parallel entry comes from the same measurement as its non-SP twin:
     the same compute time (norm and dropout on s/TP tokens are not re-timed) and the
-    sequence-sharded activations divided by TP. SP needs TP > 1 and seq_length % TP == 0,
-    as in Megatron; other SP combinations are left out.
+    sequence-sharded activations divided by TP. SP needs TP > 1 and the rank's tokens
+    (seq_length / CP) divisible by TP, as in Megatron; other SP combinations are left out.
+    A context-parallel shard's entries carry "context_parallel_size".
     """
-    by_key: dict[tuple[int, str | None], dict[int, Measured]] = {}
+    by_key: dict[tuple[int, str | None, int], dict[int, Measured]] = {}
     for m in results:
         if m.shape.part == "layer":
-            by_key.setdefault((m.shape.tensor_model_parallel_size, m.shape.recompute_granularity),
-                              {})[m.shape.micro_batch_size] = m
+            by_key.setdefault((m.shape.tensor_model_parallel_size, m.shape.recompute_granularity,
+                               m.shape.context_parallel_size), {})[m.shape.micro_batch_size] = m
     rows = []
-    for tp in sorted(set(tp_sizes)):
-        for rc in dict.fromkeys(recompute):
-            measured = by_key.get((tp, rc))
-            if not measured:
+    keys = [(tp, rc, cp) for cp in sorted({k[2] for k in by_key}) for tp in sorted(set(tp_sizes))
+            for rc in dict.fromkeys(recompute) if (tp, rc, cp) in by_key]
+    for tp, rc, cp in keys:
+        measured = by_key[tp, rc, cp]
+        for sp in dict.fromkeys(sequence_parallel):
+            if sp and (tp == 1 or seq_length // cp % tp):
                 continue
-            for sp in dict.fromkeys(sequence_parallel):
-                if sp and (tp == 1 or seq_length % tp):
-                    continue
-                points = {mbs: _Point(m.forward_s, m.backward_s, _sp_bytes(m, tp) if sp else m.activation_bytes)
-                          for mbs, m in measured.items()}
-                for mbs in sorted(set(micro_batch_sizes)):
-                    p = _interpolate(points, mbs)
-                    # SP entries are derived from the non-SP run (its times, the SP-sharded bytes): not measured.
-                    row = {"tensor_model_parallel_size": tp, "micro_batch_size": mbs, "sequence_parallel": sp,
-                           "recompute_granularity": rc, **_values(p), "measured": mbs in measured and not sp}
-                    if mbs in measured and not sp:
-                        row.update(dict(measured[mbs].extra))
-                    rows.append(row)
+            points = {mbs: _Point(m.forward_s, m.backward_s, _sp_bytes(m, tp) if sp else m.activation_bytes)
+                      for mbs, m in measured.items()}
+            for mbs in sorted(set(micro_batch_sizes)):
+                p = _interpolate(points, mbs)
+                # SP entries are derived from the non-SP run (its times, the SP-sharded bytes): not measured.
+                row = {"tensor_model_parallel_size": tp, "micro_batch_size": mbs, "sequence_parallel": sp,
+                       "recompute_granularity": rc, **_values(p), "measured": mbs in measured and not sp}
+                if cp > 1:
+                    row["context_parallel_size"] = cp
+                if mbs in measured and not sp:
+                    row.update(dict(measured[mbs].extra))
+                rows.append(row)
     return rows
 
 

@@ -23,7 +23,8 @@ tensor-parallel communication is modelled from the link matrix.
 
 `backward_s` of an entry with recomputation includes the recomputed forward.
 Entries with `"measured": false` were interpolated by the profiler, or (sequence-parallel entries)
-derived from the measured non-SP entry: its times and the activation bytes SP shards.
+derived from the measured non-SP entry: its times and the activation bytes SP shards. A layer
+entry with `"context_parallel_size": CP` (absent: 1) times one CP rank's seq_length / CP tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class ProfileEntry:
     sequence_parallel: bool = False
     recompute_granularity: str | None = None
     measured: bool = True
+    context_parallel_size: int = 1
+    """> 1: a layer over one context-parallel rank's seq_length / CP tokens, attending to its own
+    keys only (cost.compute.profile_layer adds the other ranks')."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,29 +75,40 @@ class LayerProfile:
     model: dict
 
     def covers(self, job: Job) -> bool:
-        """Whether its dense-layer figures stand for this job's: the profiler times whole sequences
-        in the training dtype through standard attention, and selective recomputation of the
-        attention core only, so not under context parallelism, FP8, multi-latent attention,
-        --qk-layernorm or other --recompute-modules."""
-        w = job.workload
-        return (job.layout.cp == 1 and w.fp8 is None and not w.multi_latent_attention and not w.qk_layernorm
+        """Whether its dense-layer figures stand for this job's: the profiler times the training
+        dtype through standard attention, and selective recomputation of the attention core only,
+        so not under FP8, multi-latent attention, --qk-layernorm or other --recompute-modules; under
+        context parallelism only if it timed that CP size's shard."""
+        w, cp = job.workload, job.layout.cp
+        return ((cp == 1 or any(e.context_parallel_size == cp for e in self.layers))
+                and w.fp8 is None and not w.multi_latent_attention and not w.qk_layernorm
                 and job.layout.selective_modules in (frozenset(), DEFAULT_RECOMPUTE_MODULES))
 
-    def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None) -> ProfileEntry | None:
-        return _lookup(self.layers, tp, mbs, sequence_parallel, recompute)
+    def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None,
+              cp: int = 1) -> ProfileEntry | None:
+        return _lookup(self.layers, tp, mbs, sequence_parallel, recompute, cp)
 
-    def embedding_entry(self, tp: int, mbs: int) -> ProfileEntry | None:
-        return _lookup(self.embedding, tp, mbs, None, None)
+    def embedding_entry(self, tp: int, mbs: int, cp: int = 1) -> ProfileEntry | None:
+        """Whole sequences; under CP a rank's share (the gather is per token)."""
+        return _shard(_lookup(self.embedding, tp, mbs, None, None), cp)
 
-    def output_entry(self, tp: int, mbs: int) -> ProfileEntry | None:
-        return _lookup(self.output_layer, tp, mbs, None, None)
+    def output_entry(self, tp: int, mbs: int, cp: int = 1) -> ProfileEntry | None:
+        """Whole sequences; under CP a rank's share (norm, logits and loss are per token)."""
+        return _shard(_lookup(self.output_layer, tp, mbs, None, None), cp)
+
+
+def _shard(entry: ProfileEntry | None, cp: int) -> ProfileEntry | None:
+    if entry is None or cp == 1:
+        return entry
+    return dataclasses.replace(entry, forward_s=entry.forward_s / cp, backward_s=entry.backward_s / cp,
+                               activation_bytes=entry.activation_bytes // cp, measured=False)
 
 
 def _lookup(entries: tuple[ProfileEntry, ...], tp: int, mbs: int, sp: bool | None,
-            recompute: str | None) -> ProfileEntry | None:
+            recompute: str | None, cp: int = 1) -> ProfileEntry | None:
     """The entry for this shape, scaling the nearest micro-batch size linearly (time and
-    activations are affine-to-linear in tokens), or None if the TP size was not profiled."""
-    candidates = [e for e in entries if e.tensor_model_parallel_size == tp
+    activations are affine-to-linear in tokens), or None if the TP (or CP) size was not profiled."""
+    candidates = [e for e in entries if e.tensor_model_parallel_size == tp and e.context_parallel_size == cp
                   and (sp is None or e.sequence_parallel == sp) and e.recompute_granularity == recompute]
     if not candidates:
         return None
@@ -104,7 +119,8 @@ def _lookup(entries: tuple[ProfileEntry, ...], tp: int, mbs: int, sp: bool | Non
     k = mbs / near.micro_batch_size
     return ProfileEntry(tensor_model_parallel_size=tp, micro_batch_size=mbs, forward_s=near.forward_s * k,
                         backward_s=near.backward_s * k, activation_bytes=int(near.activation_bytes * k),
-                        sequence_parallel=near.sequence_parallel, recompute_granularity=recompute, measured=False)
+                        sequence_parallel=near.sequence_parallel, recompute_granularity=recompute, measured=False,
+                        context_parallel_size=cp)
 
 
 def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
@@ -119,11 +135,13 @@ def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
                 micro_batch_size=int(row["micro_batch_size"]), forward_s=float(row["forward_s"]),
                 backward_s=float(row["backward_s"]), activation_bytes=int(row["activation_bytes"]),
                 sequence_parallel=bool(row.get("sequence_parallel", False)),
-                recompute_granularity=row.get("recompute_granularity"), measured=bool(row.get("measured", True))))
+                recompute_granularity=row.get("recompute_granularity"), measured=bool(row.get("measured", True)),
+                context_parallel_size=int(row.get("context_parallel_size", 1))))
         except (KeyError, TypeError, ValueError) as e:
             raise PipetteError(f"{where}: {key}[{i}] is malformed ({e!r})") from None
-        if min(out[-1].forward_s, out[-1].backward_s) <= 0 or out[-1].micro_batch_size <= 0:
-            raise PipetteError(f"{where}: {key}[{i}] needs positive times and micro-batch size")
+        if min(out[-1].forward_s, out[-1].backward_s) <= 0 or min(out[-1].micro_batch_size,
+                                                                    out[-1].context_parallel_size) <= 0:
+            raise PipetteError(f"{where}: {key}[{i}] needs positive times, micro-batch and context-parallel sizes")
     return tuple(out)
 
 

@@ -1,5 +1,6 @@
 """Roofline and profiled compute per stage and chunk."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -227,3 +228,33 @@ def test_unprofiled_tensor_parallel_size_falls_back_to_the_roofline():
     w = workload_from_preset("gpt3-1.3b")
     job = resolve_job(w, Layout(tensor_model_parallel_size=2, data_parallel_size=4))
     assert not stage_work(job, A100, _profile()).profiled
+
+
+def test_a_context_parallel_shard_gets_the_attention_to_the_other_ranks_keys_added():
+    """The profile timed a CP-2 rank's s/2 tokens attending to their own s/2 keys; the rank's
+    queries meet all s keys: the layer is the shard's time plus that attention difference (the
+    causal s/2 x s core is twice the shard's own), forward, backward and in full recomputation.
+    The embedding and output layer, timed over whole sequences, count the rank's half."""
+    w = dataclasses.replace(workload_from_preset("gpt3-1.3b"), seq_length=8192, max_position_embeddings=8192)
+    shard = ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=0.004, backward_s=0.008,
+                         activation_bytes=1, context_parallel_size=2)
+    whole = ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=0.006, backward_s=0.012,
+                         activation_bytes=2)
+    profile = LayerProfile(device_name="x", rank=0, layers=(whole, shard), embedding=(whole,), output_layer=(whole,),
+                           model={}, gemm_flops=1e15)
+    layout = Layout(context_parallel_size=2, data_parallel_size=4, recompute_granularity="full",
+                    recompute_method="uniform", recompute_num_layers=1)
+    job = resolve_job(w, layout)
+    gemm, attention = gemm_curve(A100.gpu, "bf16"), compute.attention_curve(A100.gpu, w.attention_backend)
+    d = w.head_dim
+    shard_core = compute.core_attention(gemm, attention, True, 1, w.num_attention_heads, 4096, d, d)
+    rank_core = compute.core_attention(gemm, attention, True, 1, w.num_attention_heads, 8192, d, d, 2)
+    assert rank_core[0] == pytest.approx(2 * shard_core[0], rel=0.2)       # twice the FLOPs, at another size's rate
+    part = compute.profile_layer(profile, job, A100)
+    assert part.forward.flops == pytest.approx(0.004e15 + rank_core[0] - shard_core[0])
+    assert part.backward.flops == pytest.approx(0.008e15 + rank_core[1] - shard_core[1])
+    assert part.recompute.flops == pytest.approx(part.forward.flops)
+    assert profile.embedding_entry(1, 1, cp=2).forward_s == profile.output_entry(1, 1, cp=2).forward_s == 0.003
+    assert stage_work(job, A100, profile).profiled
+    assert not stage_work(resolve_job(w, dataclasses.replace(layout, context_parallel_size=4, data_parallel_size=2)),
+                          A100, profile).profiled

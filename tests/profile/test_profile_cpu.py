@@ -143,6 +143,24 @@ def test_budget_cuts_shapes_and_lists_what_was_measured():
     assert profile.embedding == () and profile.layer(2, 1, False, None) is None
 
 
+def test_a_context_parallel_shard_is_the_layer_over_its_share_of_the_sequence():
+    """CP 2: the layer over S/2 tokens keeps half the per-token bytes and a quarter of the local
+    spec's unfused scores (fp32 softmax output, CPU float dropout mask, dropout output: 12 bytes
+    an element); the planner reads it for a CP-2 job."""
+    doc = profile_layers(WORKLOAD, tp_sizes=(1,), micro_batch_sizes=(1,), recompute=(None,),
+                         sequence_parallel=(False,), device="cpu", warmup=1, iters=2, cp_sizes=(1, 2))
+    profile = profile_from_json(doc)
+    whole, shard = profile.layer(1, 1, False, None), profile.layer(1, 1, False, None, cp=2)
+    assert shard.context_parallel_size == 2 and shard.measured
+    scores = 12 * A * S * S
+    assert shard.activation_bytes == (whole.activation_bytes - scores) / 2 + scores / 4
+    from megatron_pipette.spec.layout import Layout
+    assert profile.covers(resolve_job(WORKLOAD, Layout(context_parallel_size=2, data_parallel_size=1)))
+    assert not profile.covers(resolve_job(WORKLOAD, Layout(context_parallel_size=4, data_parallel_size=1)))
+    with pytest.raises(PipetteError, match="--cp sizes must divide --seq-length 32 into 2 x CP chunks, got \\[32\\]"):
+        profile_layers(WORKLOAD, tp_sizes=(1,), micro_batch_sizes=(1,), device="cpu", cp_sizes=(32,))
+
+
 def test_profiling_leaves_the_process_as_it_found_it():
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -5,9 +5,9 @@ import pytest
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
 
 
-def measured(part="layer", tp=1, mbs=1, rc=None, fwd=1.0, bwd=2.0, act=100, sharded=0, wall=1.0, run=1.0):
+def measured(part="layer", tp=1, mbs=1, rc=None, fwd=1.0, bwd=2.0, act=100, sharded=0, wall=1.0, run=1.0, cp=1):
     return Measured(shape=Shape(part=part, tensor_model_parallel_size=tp, micro_batch_size=mbs,
-                                recompute_granularity=rc),
+                                recompute_granularity=rc, context_parallel_size=cp),
                     forward_s=fwd, backward_s=bwd, activation_bytes=act, sequence_sharded_bytes=sharded, wall_s=wall,
                     run_s=run)
 
@@ -81,3 +81,21 @@ def test_estimates_scale_the_nearest_running_time_plus_the_median_overhead():
             measured(part="embedding", wall=0.2, run=0.1)]
     assert estimate_wall_s(Shape(part="layer", tensor_model_parallel_size=2, micro_batch_size=2),
                            done) == pytest.approx(1.0 + 1.1)
+
+
+def test_context_parallel_shards_come_last_without_recompute_at_the_smallest_micro_batch():
+    order = plan_shapes([1, 2], [1, 4], [None, "full"], cp_sizes=[1, 4, 2])
+    shards = [s for s in order if s.context_parallel_size > 1]
+    assert order[-len(shards):] == shards
+    assert [(s.context_parallel_size, s.tensor_model_parallel_size) for s in shards] == [(2, 1), (2, 2), (4, 1),
+                                                                                          (4, 2)]
+    assert {(s.part, s.micro_batch_size, s.recompute_granularity) for s in shards} == {("layer", 1, None)}
+    assert plan_shapes([1], [1], [None]) == plan_shapes([1], [1], [None], cp_sizes=[1])
+
+
+def test_shard_entries_carry_their_cp_size_and_need_the_shard_divisible_by_tp():
+    results = [measured(tp=2, act=800), measured(tp=2, act=300, cp=2), measured(tp=2, act=100, cp=8)]
+    rows = layer_entries(results, tp_sizes=[2], micro_batch_sizes=[1], recompute=[None],
+                         sequence_parallel=[False, True], seq_length=8)
+    assert [(r.get("context_parallel_size", 1), r["sequence_parallel"], r["activation_bytes"]) for r in rows] == [
+        (1, False, 800), (1, True, 800), (2, False, 300), (2, True, 300), (8, False, 100)]   # 8 / 8 tokens: no SP
