@@ -273,6 +273,15 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
     return frozenset(states)
 
 
+@cache
+def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[tuple[int, int, int], ...]:
+    """The in-flight states no other state matches or exceeds in every count: a peak of bytes that
+    grow with each count (chunk, embedding and output activations) is always among them."""
+    states = _in_flight_states(pp, rank, num_microbatches, vpp)
+    return tuple(a for a in states
+                 if not any(b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in states))
+
+
 @dataclass(frozen=True)
 class Communicator:
     """One NCCL communicator a device uses."""
@@ -389,36 +398,56 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
     return checkpointed * stored + kept, full
 
 
-def _stage_memory(job: Job, stage: int, params: StageParameters, profile: LayerProfile | None,
-                  overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
+@dataclass(frozen=True)
+class _JobTerms:
+    """What every stage of one job shares (_stage_memory adds what differs by stage)."""
+
+    embedding: int
+    """Stage 0, chunk 0: the embedding's dropout mask."""
+    output: int
+    """Last stage, last chunk: the final norm's and output layer's inputs, and the fp32 softmax
+    the vocab-parallel cross entropy saves."""
+    buffer: int
+    """Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input."""
+    backward: tuple[int, int]
+    """One layer's gradients in flight, in a stage without and with MoE layers: the MLP's two wide
+    ones (an MoE layer's experts', with the dispatcher's send and receive buffers of the routed
+    rows), or the score gradients."""
+    logits: int
+    """The last stage's training-dtype logits (forward) or their gradient (backward); fp32 logits
+    are the softmax."""
+
+
+def _job_terms(job: Job) -> _JobTerms:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
     tokens = job.tokens_per_microbatch
     sp = t if layout.sequence_parallel else 1
     vocab = workload.padded_vocab_size(t)
+    scores = _score_elements(job)
+    dense = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores)
+    moe = max(dense, moe_backward_bytes(job) + 2 * e * round(routed_rows(job)) * h) if job.moe_layers else dense
+    return _JobTerms(embedding=tokens * h // sp if workload.hidden_dropout > 0 else 0,
+                     output=2 * e * tokens * h // sp + 4 * tokens * vocab // t,
+                     buffer=max(e * scores, e * tokens * h if layout.sequence_parallel else 0),
+                     backward=(dense, moe), logits=e * tokens * vocab // t if e != 4 else 0)
+
+
+def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerms, chunk_bytes,
+                  overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
+    workload, layout = job.workload, job.layout
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
     moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
     # The heaviest chunk of a stage (by its layers, and MoE layers among them) stands for all: an
     # upper bound by one layer where the embedding or the loss counted in the split shortens one.
-    chunk, recomputed = max(_chunk_activations(job, n, m, profile) for n, m in set(zip(job.chunk_sizes[stage], moe)))
-    # Stage 0, chunk 0: the embedding's dropout mask. Last stage, last chunk: the final norm's and
-    # output layer's inputs, and the fp32 softmax the vocab-parallel cross entropy saves.
-    embedding = tokens * h // sp if first and workload.hidden_dropout > 0 else 0
-    output = 2 * e * tokens * h // sp + 4 * tokens * vocab // t if last else 0
-    states = _in_flight_states(layout.pp, stage, job.num_microbatches, vpp)
-    activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
-
-    scores = _score_elements(job)
-    # Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input.
-    buffer = max(e * scores, e * tokens * h if layout.sequence_parallel else 0)
-    # One layer's gradients in flight: the MLP's two wide ones (an MoE layer's experts', with the
-    # dispatcher's send and receive buffers of the routed rows), or the score gradients.
-    backward = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores,
-                   moe_backward_bytes(job) + 2 * e * round(routed_rows(job)) * h if any(moe) else 0)
-    # The training-dtype logits (forward) or their gradient (backward); fp32 logits are the softmax.
-    logits = e * tokens * vocab // t if last and e != 4 else 0
-    transient = buffer + max(logits, recomputed + backward)
+    chunk, recomputed = max(chunk_bytes(n, m) for n, m in set(zip(job.chunk_sizes[stage], moe)))
+    embedding = terms.embedding if first else 0
+    output = terms.output if last else 0
+    activations = max(n * chunk + n_first * embedding + n_last * output
+                      for n, n_first, n_last in _peak_candidates(layout.pp, stage, job.num_microbatches, vpp))
+    backward = terms.backward[any(moe)]
+    transient = terms.buffer + max(terms.logits if last else 0, recomputed + backward)
 
     dense, expert = int(params.dense[stage]), int(params.expert[stage])
     weight, gradient, optimizer, step = state_bytes_per_parameter(workload)
@@ -451,7 +480,10 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
     params = stage_parameters(job)
-    stages = tuple(_stage_memory(job, r, params, profile, overheads, nvls_domain) for r in range(job.layout.pp))
+    terms = _job_terms(job)
+    chunk_bytes = lru_cache(maxsize=None)(lambda n, m: _chunk_activations(job, n, m, profile))  # stages share chunks
+    stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain)
+                   for r in range(job.layout.pp))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 
 

@@ -13,6 +13,7 @@ from megatron_pipette.cost.memory import (
     RuntimeOverheads,
     StageMemory,
     _in_flight_states,
+    _peak_candidates,
     activation_bytes_per_layer,
     communicators,
     estimate_memory,
@@ -213,6 +214,21 @@ def test_in_flight_matches_megatron(pp, vpp, groups):
         if vpp == 1:
             assert n == min(pp - r, m)
     assert counts[0] == max(counts) and counts == sorted(counts, reverse=True)
+
+
+@given(pp=st.integers(2, 8), vpp=st.integers(2, 4), groups=st.integers(1, 6),
+       weights=st.tuples(*[st.integers(0, 10**9)] * 3))
+@settings(max_examples=100, deadline=None)
+def test_peak_candidates_hold_the_peak_of_every_state(pp, vpp, groups, weights):
+    """The memory model weighs only the states no other one exceeds in every count; for any
+    non-negative bytes per chunk, embedding and output chunk the peak is the same."""
+    for r in (0, pp - 1):
+        states, kept = _in_flight_states(pp, r, pp * groups, vpp), _peak_candidates(pp, r, pp * groups, vpp)
+        assert set(kept) <= states
+
+        def peak(counts):
+            return max(sum(c * w for c, w in zip(state, weights)) for state in counts)
+        assert peak(kept) == peak(states)
 
 
 def test_in_flight_examples():
