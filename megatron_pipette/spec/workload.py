@@ -13,6 +13,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 
 from megatron_pipette.errors import PipetteError
@@ -244,6 +245,12 @@ class Workload:
 
     def moe_layer_pattern(self) -> tuple[bool, ...]:
         """Which layers are MoE (megatron/core/models/gpt/gpt_layer_specs.py get_moe_layer_pattern)."""
+        return self._moe_layer_pattern
+
+    # Derived once per workload (the search reads them for every layout it prices); a frozen
+    # dataclass keeps them in its __dict__, outside its fields, equality and hash.
+    @cached_property
+    def _moe_layer_pattern(self) -> tuple[bool, ...]:
         if self.num_experts is None:
             return (False,) * self.num_layers
         freq = self.moe_layer_freq
@@ -266,13 +273,17 @@ class Workload:
         unsharded: "column" splits the output, "row" the input, "duplicated" none (MLA's down
         projections, megatron/core/transformer/multi_latent_attention.py; the local spec splits
         them as column-parallel, whose per-rank share this model does not follow)."""
+        return dict(self._attention_linears)
+
+    @cached_property
+    def _attention_linears(self) -> tuple[tuple[str, tuple[int, int, str]], ...]:
         h, a, dq, dv = self.hidden_size, self.num_attention_heads, self.query_head_dim, self.value_head_dim
         if not self.multi_latent_attention:
-            return {"qkv": ((a + 2 * self.query_groups) * dq, h, "column"), "proj": (h, a * dv, "row")}
-        query = ({"q_proj": (a * dq, h, "column")} if self.q_lora_rank is None else
-                 {"q_down": (self.q_lora_rank, h, "duplicated"), "q_up": (a * dq, self.q_lora_rank, "column")})
-        return {**query, "kv_down": (self.kv_lora_rank + self.qk_pos_emb_head_dim, h, "duplicated"),
-                "kv_up": (a * (self.qk_head_dim + dv), self.kv_lora_rank, "column"), "proj": (h, a * dv, "row")}
+            return (("qkv", ((a + 2 * self.query_groups) * dq, h, "column")), ("proj", (h, a * dv, "row")))
+        query = ((("q_proj", (a * dq, h, "column")),) if self.q_lora_rank is None else
+                 (("q_down", (self.q_lora_rank, h, "duplicated")), ("q_up", (a * dq, self.q_lora_rank, "column"))))
+        return (*query, ("kv_down", (self.kv_lora_rank + self.qk_pos_emb_head_dim, h, "duplicated")),
+                ("kv_up", (a * (self.qk_head_dim + dv), self.kv_lora_rank, "column")), ("proj", (h, a * dv, "row")))
 
     def qk_norm_widths(self) -> tuple[int, ...]:
         """Widths of --qk-layernorm's norms, each with its own weights: a head's query and key (one
@@ -287,6 +298,10 @@ class Workload:
     def attention_parameters(self) -> int:
         """The attention linears of one layer (biases on the QKV and output projections only:
         MLA's are bias-free but the output's) and its query/key norms."""
+        return self._attention_parameters
+
+    @cached_property
+    def _attention_parameters(self) -> int:
         bias = self.add_bias_linear
         weights = sum(out * inp for out, inp, _ in self.attention_linears().values())
         biases = sum(out for name, (out, _, _) in self.attention_linears().items() if name in ("qkv", "proj"))
@@ -295,6 +310,10 @@ class Workload:
     def attention_replicated_parameters(self) -> int:
         """Of one layer's attention parameters, those every TP rank holds whole: the output
         projection's bias, the query/key norms and MLA's duplicated down projections."""
+        return self._attention_replicated_parameters
+
+    @cached_property
+    def _attention_replicated_parameters(self) -> int:
         duplicated = sum(out * inp for out, inp, split in self.attention_linears().values() if split == "duplicated")
         norms = sum(map(self._norm_parameters, self.qk_norm_widths()))
         return (self.hidden_size if self.add_bias_linear else 0) + norms + duplicated

@@ -70,3 +70,17 @@ def test_bad_input_names_the_flag(kw, flag):
 def test_unknown_preset():
     with pytest.raises(PipetteError, match="--model"):
         workload_from_preset("gpt5")
+
+
+def test_derived_values_cached_on_a_workload_keep_it_picklable_and_equal():
+    """The hook sends workloads between ranks by pickling; values derived once and kept on the
+    instance must travel and leave equality and hashing to the fields."""
+    import pickle
+
+    w = workload_from_preset("deepseek-v3-like")
+    fresh = workload_from_preset("deepseek-v3-like")
+    w.attention_parameters(), w.attention_replicated_parameters(), w.moe_layer_pattern(), w.attention_linears()
+    copy = pickle.loads(pickle.dumps(w))
+    assert copy == w == fresh and hash(copy) == hash(fresh)
+    assert copy.attention_linears() == fresh.attention_linears()
+    assert w.attention_linears() is not w.attention_linears()     # a fresh dict: callers cannot alter the cache
