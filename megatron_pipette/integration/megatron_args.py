@@ -138,6 +138,10 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     this installation cannot run: sequence parallelism needs Transformer Engine's or apex's
     norms (megatron-core's torch LayerNorm asserts against it)."""
     constraints = {name: getattr(args, name) for name in typed_flags(argv)}
+    if constraints.get("overlap_param_gather_with_optimizer_step"):
+        raise PipetteError("--overlap-param-gather-with-optimizer-step: Megatron does not support it with "
+                           "distributed checkpointing, which --auto-parallel saves in so that a restart can "
+                           "resume in another layout; leave the flag out")
     if isinstance(constraints.get("cp_comm_type"), list):
         constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
     if "recompute_modules" in constraints:

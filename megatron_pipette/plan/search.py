@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import Job, resolve_job
-from megatron_pipette.spec.layout import Layout, parse_pipeline_layout
+from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 
 LAYOUT_FIELDS = {f.name for f in fields(Layout)}
@@ -186,12 +186,10 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
     virtual = _virtual_options(workload, base, constraints)
     if base.account_for_embedding_in_pipeline_split and not any(k in constraints for k in SPLIT_FLAGS):
         virtual = [lpv for lpv in virtual if lpv]
-    spelt = base.pipeline_model_parallel_layout
-    spelt_interleaved = spelt is not None and len(parse_pipeline_layout(spelt)) > base.pp
+    # --overlap-param-gather-with-optimizer-step only where typed: Megatron 0.19 rejects it under
+    # distributed checkpointing, its default --ckpt-format (and what --auto-parallel resumes from).
+    step = constraints.get("overlap_param_gather_with_optimizer_step", False)
     for lpv in virtual:
-        # The first chunk's all-gather behind the optimizer step only ever hides more of it.
-        step = constraints.get("overlap_param_gather_with_optimizer_step",
-                               (bool(lpv) or spelt_interleaved) and base.overlap_param_gather)
         try:
             yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv,
                                                 overlap_param_gather_with_optimizer_step=step))

@@ -58,6 +58,16 @@ def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
     assert ma.constraints_from_args(args, ["--context-parallel-size", "2"])["context_parallel_size"] == 2
 
 
+def test_param_gather_with_optimizer_step_is_refused_beside_the_checkpoints_auto_parallel_needs():
+    """Megatron asserts --overlap-param-gather-with-optimizer-step off under distributed
+    checkpointing, which the hook sets so a restart can change layout: a clear error, not
+    Megatron's assertion on every rank."""
+    args = megatron_namespace(overlap_param_gather_with_optimizer_step=True)
+    with pytest.raises(PipetteError, match="^--overlap-param-gather-with-optimizer-step: Megatron does not "
+                                           "support it with distributed checkpointing"):
+        ma.constraints_from_args(args, ["--overlap-param-gather-with-optimizer-step"])
+
+
 def test_workload_refuses_what_the_planner_cannot_price():
     with pytest.raises(PipetteError, match=r"^--moe-enable-deepep: this mixture-of-experts option is not modelled$"):
         ma.workload_from_args(megatron_namespace(num_experts=64, moe_enable_deepep=True))
