@@ -175,9 +175,10 @@ def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
 
 
 def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, cp: int = 1, ep: int = 1,
-                etp: int | None = None, experts: bool = False) -> GroupLinks:
+                etp: int | None = None, experts: bool = False, dispatch: AllToAll | None = None) -> GroupLinks:
     """Summarise the links of every group of this grid under this placement (None: identity);
-    `experts`: also the expert grid's (ETP None: TP, Megatron's default)."""
+    `experts`: also the expert grid's (ETP None: TP, Megatron's default), with `dispatch` the
+    expert-parallel all-to-alls of this placement where the caller has them (expert_dispatch)."""
     world = tp * cp * pp * dp
     assert world == cluster.world_size, f"TP*CP*PP*DP = {world} but the cluster has {cluster.world_size} devices"
     logical = np.arange(world) if placement is None else np.asarray(placement, dtype=np.int64)
@@ -212,17 +213,28 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         context=per_replica(rings(by_cp, cluster)),
         context_a2a=per_replica(all_to_all(by_cp, cluster)),
         embedding=rings(ends, cluster),
-        experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster) if experts else None,
+        experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster, dispatch) if experts else None,
         hop_alpha_s=hop_alpha,
         hop_inv_bw=hop_inv,
         hop_xchg=hop_xchg,
     )
 
 
-def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Cluster) -> ExpertLinks:
+def expert_dispatch(logical: np.ndarray, ep: int, etp: int, cluster: Cluster) -> AllToAll:
+    """The all-to-all of every expert-parallel group, (world / (EP x ETP), ETP), in Megatron's
+    expert rank order (etp-ep-edp-pp): which groups form depends on EP and ETP alone, not on how
+    the rest splits into pipeline stages, so layouts that share EP and ETP share it."""
+    return all_to_all(logical.reshape(-1, ep, etp).transpose(0, 2, 1), cluster)
+
+
+def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Cluster,
+                  dispatch: AllToAll | None = None) -> ExpertLinks:
     grid = logical.reshape(pp, -1, ep, etp)                                # (pp, edp, ep, etp)
+    flat = dispatch if dispatch is not None else expert_dispatch(logical, ep, etp, cluster)
+    by_stage = dataclasses.replace(flat, alpha_s=flat.alpha_s.reshape(pp, -1, etp),
+                                   inv_bw_s_per_B=flat.inv_bw_s_per_B.reshape(pp, -1, etp))
     return ExpertLinks(
-        dispatch=_worst_per_stage(all_to_all(grid.transpose(0, 1, 3, 2), cluster), (1, 2)),
+        dispatch=_worst_per_stage(by_stage, (1, 2)),
         tensor=_worst_per_stage(rings(grid, cluster), (1, 2)),
         tensor_and_expert=_worst_per_stage(rings(grid.reshape(pp, -1, ep * etp), cluster), (1,)),
         data=_worst_per_stage(rings(grid.transpose(0, 2, 3, 1), cluster), (1, 2)),

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from megatron_pipette.cost.comm import GroupLinks, group_links
+from megatron_pipette.cost.comm import AllToAll, GroupLinks, expert_dispatch, group_links
 from megatron_pipette.cost.compute import StageWork, stage_work
 from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
 from megatron_pipette.cost.timing import TimeEstimate, iteration_time
@@ -38,6 +38,7 @@ class CostModel:
         self._work: dict[Job, StageWork] = {}
         self._memory: dict[Job, MemoryEstimate] = {}
         self._default_links: dict[tuple, GroupLinks] = {}
+        self._dispatch: dict[tuple[int, int], AllToAll] = {}
 
     def work(self, job: Job) -> StageWork:
         """Compute of one micro-batch per stage and chunk (placement independent; shared by the
@@ -54,7 +55,15 @@ class CostModel:
             return group_links(layout.tp, layout.pp, layout.dp, self.cluster, devices, **grid)
         key = (layout.tp, layout.pp, layout.dp, *grid.values())
         if key not in self._default_links:
-            self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid)
+            dispatch = None
+            if grid["experts"]:      # the expert-parallel all-to-alls, shared by grids of one EP and ETP
+                ep_etp = (layout.ep, layout.etp)
+                if ep_etp not in self._dispatch:
+                    self._dispatch[ep_etp] = expert_dispatch(np.arange(self.cluster.world_size), *ep_etp,
+                                                             self.cluster)
+                dispatch = self._dispatch[ep_etp]
+            self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid,
+                                                   dispatch=dispatch)
         return self._default_links[key]
 
     def time_bound(self, job: Job, *, recompute: bool = True) -> float:

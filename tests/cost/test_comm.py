@@ -100,3 +100,26 @@ def test_slowest_device_sets_the_tensor_group_pace():
     c.gemm_flops[5] = 50e12
     links = group_links(4, 2, 1, c)
     assert links.gemm_flops[1, 0] == 50e12 and links.gemm_flops[0, 0] == 200e12
+
+
+def test_expert_all_to_alls_shared_by_grids_of_one_ep_and_etp_are_each_grids_own():
+    """The cost model computes the expert-parallel all-to-alls once per (EP, ETP) and hands them to
+    every grid that shares them: each grid gets what its own (pp, edp, ep, etp) groups give."""
+    import dataclasses
+
+    from megatron_pipette.cost.comm import _worst_per_stage, all_to_all, expert_dispatch, group_links
+    from megatron_pipette.spec.hardware import preset_cluster
+
+    base = preset_cluster("dgx-h100", num_nodes=4)
+    bandwidth = base.inter_node.bandwidth_Bps.copy()
+    bandwidth[1, :] /= 4                                      # one slow node, so the groups differ
+    cluster = dataclasses.replace(base, inter_node=LinkLevel(bandwidth_Bps=bandwidth,
+                                                             latency_s=base.inter_node.latency_s))
+    shared = expert_dispatch(np.arange(32), 8, 2, cluster)            # EP groups across two nodes
+    for tp, pp, dp in ((2, 2, 8), (2, 1, 16), (8, 2, 2)):
+        grid = np.arange(32).reshape(pp, -1, 8, 2)
+        own = _worst_per_stage(all_to_all(grid.transpose(0, 1, 3, 2), cluster), (1, 2))
+        given = group_links(tp, pp, dp, cluster, ep=8, etp=2, experts=True, dispatch=shared).experts.dispatch
+        assert np.array_equal(own.alpha_s, given.alpha_s) and np.array_equal(own.inv_bw_s_per_B, given.inv_bw_s_per_B)
+        assert given.inv_bw_s_per_B.shape == (pp,)
+        assert pp == 1 or given.inv_bw_s_per_B[0] > given.inv_bw_s_per_B[1]      # stage 0 holds the slow node
