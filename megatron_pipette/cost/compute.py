@@ -47,6 +47,7 @@ from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
 
 FLASH_BACKENDS = ("auto", "flash", "fused")
 """Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic) and whose
@@ -67,18 +68,19 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
     return {**attention, "fc1": (n, f * (2 if w.swiglu else 1), h), "fc2": (n, h, f)}
 
 
-def attention_input_width(workload) -> int:
+def _column_attention(workload: Workload) -> list[str]:
+    """The attention's column-parallel linears, QKV or MLA's up projections: one TP collective
+    before them (cost.timing), their GEMMs summed where a collective overlaps them."""
+    return [name for name, (_, _, split) in workload.attention_linears().items() if split == "column"]
+
+
+def attention_input_width(workload: Workload) -> int:
     """Width of what the attention's column-parallel linears take in, per token: the TP
     collective before them (SP: all-gather; else the input-gradient all-reduce after them).
     MLA's are its latents (and the keys' shared rotary part, gathered beside them under SP)."""
-    linears = workload.attention_linears().values()
-    return (sum(inp for _, inp, split in linears if split == "column")
+    linears = workload.attention_linears()
+    return (sum(linears[name][1] for name in _column_attention(workload))
             + (workload.qk_pos_emb_head_dim if workload.multi_latent_attention else 0))
-
-
-COLUMN_ATTENTION = ("qkv", "q_proj", "q_up", "kv_up")
-"""The attention's column-parallel linears, QKV or MLA's up projections: one TP collective before
-them (cost.timing), their GEMMs summed where a collective overlaps them."""
 
 
 def _shape(job: Job) -> dict:
@@ -239,8 +241,7 @@ def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
     whole = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"], x["dq"], x["dv"], x["cp"])
     shard = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"] // x["cp"], x["dq"], x["dv"])
     forward, backward = whole[0] - shard[0], whole[1] - shard[1]
-    redone = layout.recompute_granularity == "full" or (layout.recompute_granularity == "selective"
-                                                        and "core_attn" in layout.selective_modules)
+    redone = layout.recompute_granularity == "full" or "core_attn" in layout.selective_modules
     return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
                     recompute=Work(flops=forward if redone else 0.0))
 
@@ -340,7 +341,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     bwd[:, -1, -1] += _as_array(out.backward)
     x = _shape(job)
     works = {name: np.array(linear_work(linear, *shape)) for name, shape in _layer_linears(job).items()}
-    attn = sum(works[name] for name in COLUMN_ATTENTION if name in works)
+    attn = sum(works[name] for name in _column_attention(w))
     output = np.array(linear_work(gemm, x["n"], job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"]))
     overlap = np.array([attn[1:], works["fc1"][1:], output[1:]])
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],

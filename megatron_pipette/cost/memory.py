@@ -481,7 +481,7 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
     params = stage_parameters(job)
     terms = _job_terms(job)
-    chunk_bytes = lru_cache(maxsize=None)(lambda n, m: _chunk_activations(job, n, m, profile))  # stages share chunks
+    chunk_bytes = cache(lambda n, m: _chunk_activations(job, n, m, profile))     # stages share chunks
     stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain)
                    for r in range(job.layout.pp))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
