@@ -67,15 +67,21 @@ class CostModel:
         return self._default_links[key]
 
     def time_bound(self, job: Job, *, recompute: bool = True) -> float:
-        """A lower bound on `time(job)` under any placement, without pricing a link: the busiest
-        stage's own compute for every micro-batch on the cluster's fastest GPU (every schedule
-        runs a stage's passes one after another, and the rest of the iteration only adds).
-        `recompute` False leaves recomputation out: a bound for the job under any recomputation."""
+        """A lower bound on `time(job)` under any placement, without pricing a link, from compute on
+        the cluster's fastest GPU. Every schedule runs a stage's passes one after another, and stage
+        k's first pass (model chunk 0's forward of the first micro-batch) waits for chunk 0's forward
+        on every stage before it, while its last (chunk 0's backward of the last micro-batch: a
+        later chunk's backward always leads to one of chunk 0 on the same stage) has the same
+        backwards still to run before it: so the iteration takes at least, for every k, stage k's own
+        work plus stages 0..k-1's chunk-0 forward and backward of one micro-batch (the pipeline's
+        fill and drain). The rest of the iteration only adds. `recompute` False leaves
+        recomputation out: a bound for the job under any recomputation."""
         work = self.work(job)
         rate = float(self.cluster.gemm_flops.max())
         parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
         per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
-        return job.num_microbatches * float(per_chunk.sum(axis=1).max())
+        fill_and_drain = np.concatenate(([0.0], np.cumsum(per_chunk[:-1, 0])))   # stages before k, chunk 0
+        return float((job.num_microbatches * per_chunk.sum(axis=1) + fill_and_drain).max())
 
     def time(self, job: Job, devices: np.ndarray | None = None, *, simulate: bool = False) -> TimeEstimate:
         """Predicted iteration time under the placement `devices` (None: the default order)."""

@@ -5,7 +5,8 @@
    recomputation of every layer fits, recompute only as many as the memory needs
    (`--recompute-method block`, the fewest layers per model chunk that fit).
 3. Rank the rest by the closed-form iteration time in Megatron's default order, skipping a job
-   whose compute alone (CostModel.time_bound) is slower than the slowest one kept.
+   whose compute alone, with the pipeline's fill and drain (CostModel.time_bound), is slower than
+   the slowest one kept.
 4. For the best few, search a node placement that minimises the same time
    (plan.placement) and re-rank; the event-driven simulator re-checks them.
 Pure: no torch, no I/O.
