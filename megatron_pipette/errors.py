@@ -1,9 +1,11 @@
 """The two kinds of failure the planner distinguishes.
 
-`PipetteError` is a user error (a bad flag or input file): the CLI and the hook
-print its message and stop, never a traceback. `Infeasible` is a layout that
-cannot run (it does not fit, or Megatron would reject it): the search counts
-and reports it and moves on. Internal invariants use `assert`.
+`PipetteError` is a user error (a bad flag or input file): the CLI prints its message
+and stops, never a traceback; the hook warns and trains with the user's own flags
+(stops with --auto-parallel-strict), or, for `UnrunnableFlags`, which those flags would
+only crash on, stops. `Infeasible` is a layout that cannot run (it does not fit, or
+Megatron would reject it): the search counts and reports it and moves on. Internal
+invariants use `assert`.
 """
 
 
@@ -13,3 +15,8 @@ class PipetteError(ValueError):
 
 class Infeasible(Exception):
     """A layout that cannot run, with a human reason ("stage 0 needs 91.2 GiB of 80.0 GiB")."""
+
+
+class UnrunnableFlags(PipetteError):
+    """The user's own flags cannot run in this installation (Megatron would stop every rank on an
+    assertion): falling back to them is no way out, so the hook stops with this message."""

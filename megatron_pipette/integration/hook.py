@@ -18,7 +18,8 @@ On every rank, before Megatron derives anything from the layout flags:
 5. arm the self-check of the first iterations under the plan (selfcheck).
 
 If anything fails or runs past the budget, every rank falls back to the
-user's own flags with one warning (or stops, with --auto-parallel-strict).
+user's own flags with one warning (or stops, with --auto-parallel-strict, or
+when those flags cannot run here either: errors.UnrunnableFlags).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_pipette import __version__
 from megatron_pipette.cost.model import CostModel
-from megatron_pipette.errors import PipetteError
+from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
 from megatron_pipette.integration.common import CLUSTER, PLAN, PROFILE, Phases, candidate_digest, log, write_json
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
@@ -180,6 +181,19 @@ def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, t
     return [store.get(k).decode() for k in keys]
 
 
+def failure_verdict(statuses: list[str]) -> tuple[str, bool]:
+    """From the ranks' statuses ("ok:<plan digest>", "failed:<why>", "stop:<why>") when they do not
+    all hold one plan: the reason naming each failed rank, and whether to stop even without
+    --auto-parallel-strict (some rank's failure is a flag the user's own line cannot run with)."""
+    failures: dict[str, list[int]] = {}
+    for r, s in enumerate(statuses):
+        if not s.startswith("ok:"):
+            failures.setdefault(s.split(":", 1)[1], []).append(r)
+    reason = "; ".join(f"rank {','.join(map(str, ranks))}: {why}" for why, ranks in failures.items()) \
+        or "ranks hold different plans"
+    return reason, any(s.startswith("stop:") for s in statuses)
+
+
 def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     """Choose the layout and placement, re-rank the processes, and rewrite `args` (all ranks)."""
     phases = Phases()
@@ -207,18 +221,17 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         status = f"ok:{candidate_digest(doc['candidates'][0])}"
     except Exception as e:  # any failure falls back (or stops) on every rank, together
         why = str(e) if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
-        doc, status = None, f"failed:{why}".replace("\n", " ")[:500]
+        kind = "stop" if isinstance(e, UnrunnableFlags) else "failed"
+        doc, status = None, f"{kind}:{why}".replace("\n", " ")[:500]
     if phases.elapsed() > opts.auto_parallel_budget_s:
         status = f"failed:budget of {opts.auto_parallel_budget_s:g} s exceeded ({phases.elapsed():.0f} s)"
     # Peers stuck in a collective with a failed rank give up after probe_timeout; wait longer.
     statuses = _agree(store, f"pipette/{attempt}/status/", rank, world, status, 2 * probe_timeout)
     if len(set(statuses)) != 1 or not statuses[0].startswith("ok:"):
-        failures = {}
-        for r, s in enumerate(statuses):
-            if not s.startswith("ok:"):
-                failures.setdefault(s.removeprefix("failed:"), []).append(r)
-        reason = "; ".join(f"rank {','.join(map(str, ranks))}: {why}" for why, ranks in failures.items()) \
-            or "ranks hold different plans"
+        reason, stop = failure_verdict(statuses)
+        if stop:
+            _close_quietly()
+            raise SystemExit(f"auto-parallel failed: {reason}")
         if opts.auto_parallel_strict:
             _close_quietly()
             raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")

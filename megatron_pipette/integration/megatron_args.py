@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_pipette.errors import PipetteError
+from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.workload import Workload, megatron_flag
@@ -136,7 +136,8 @@ def _modules(value: Any, granularity: str | None) -> Any:
 def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     """The layout fields the user fixed by typing their flag beside --auto-parallel, plus what
     this installation cannot run: sequence parallelism needs Transformer Engine's or apex's
-    norms (megatron-core's torch LayerNorm asserts against it)."""
+    norms (megatron-core's torch LayerNorm asserts against it), context parallelism Transformer
+    Engine's attention; typed where they cannot run, they stop the job (UnrunnableFlags)."""
     constraints = {name: getattr(args, name) for name in typed_flags(argv)}
     if constraints.get("overlap_param_gather_with_optimizer_step"):
         raise PipetteError("--overlap-param-gather-with-optimizer-step: Megatron does not support it with "
@@ -146,13 +147,14 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
         constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
     if "recompute_modules" in constraints:
         constraints["recompute_modules"] = tuple(constraints["recompute_modules"])
-    if "sequence_parallel" not in constraints and not sequence_parallel_supported(args):
-        constraints["sequence_parallel"] = False
+    if not sequence_parallel_supported(args) and constraints.setdefault("sequence_parallel", False):
+        raise UnrunnableFlags("--sequence-parallel needs Transformer Engine's or apex's norms (megatron-core's "
+                              "torch LayerNorm asserts against it): install one, or leave the flag out")
     if not transformer_engine_in_use(args):   # only Transformer Engine's attention splits the sequence
         typed_cp = constraints.setdefault("context_parallel_size", 1)
         if typed_cp > 1:
-            raise PipetteError(f"--context-parallel-size {typed_cp} needs Transformer Engine's attention "
-                               f"(installed, and --transformer-impl transformer_engine)")
+            raise UnrunnableFlags(f"--context-parallel-size {typed_cp} needs Transformer Engine's attention "
+                                  f"(installed, and --transformer-impl transformer_engine)")
     return constraints
 
 

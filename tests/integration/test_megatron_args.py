@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_pipette.errors import PipetteError
+from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import megatron_args as ma
 from megatron_pipette.spec.layout import Layout
 
@@ -45,6 +45,29 @@ def test_sequence_parallel_is_ruled_out_without_te_or_apex(monkeypatch):
         "tensor_model_parallel_size": 2, "sequence_parallel": False}
 
 
+def test_typed_sequence_parallelism_without_te_or_apex_stops_the_job(monkeypatch):
+    """Megatron's torch LayerNorm asserts against SP: falling back to the typed flag would fail
+    too, so the hook stops with the flag's name (UnrunnableFlags); typed off, it is a constraint."""
+    monkeypatch.setattr(ma, "sequence_parallel_supported", lambda args: False)
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
+    args = megatron_namespace(tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(UnrunnableFlags, match="^--sequence-parallel needs Transformer Engine's or apex's norms"):
+        ma.constraints_from_args(args, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    monkeypatch.setattr(ma, "sequence_parallel_supported", lambda args: True)
+    assert ma.constraints_from_args(args, ["--sequence-parallel"]) == {"sequence_parallel": True}
+
+
+def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
+    """The ranks' statuses: a planning failure falls back (the reason names each rank); an
+    UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too."""
+    from megatron_pipette.integration.hook import failure_verdict
+
+    assert failure_verdict(["ok:a", "failed:probe timed out", "failed:probe timed out"]) == \
+        ("rank 1,2: probe timed out", False)
+    assert failure_verdict(["stop:--sequence-parallel needs x", "stop:--sequence-parallel needs x"]) == \
+        ("rank 0,1: --sequence-parallel needs x", True)
+    assert failure_verdict(["ok:a", "ok:b"]) == ("ranks hold different plans", False)
+
 def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
     """Only Transformer Engine's attention splits the sequence: without it CP stays 1, and a typed
     CP > 1 is refused by name."""
@@ -52,7 +75,7 @@ def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
     args = megatron_namespace()
     assert ma.constraints_from_args(args, [])["context_parallel_size"] == 1
     args = megatron_namespace(context_parallel_size=2)
-    with pytest.raises(PipetteError, match="^--context-parallel-size 2 needs Transformer Engine's attention"):
+    with pytest.raises(UnrunnableFlags, match="^--context-parallel-size 2 needs Transformer Engine's attention"):
         ma.constraints_from_args(args, ["--context-parallel-size", "2"])
     monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     assert ma.constraints_from_args(args, ["--context-parallel-size", "2"])["context_parallel_size"] == 2
