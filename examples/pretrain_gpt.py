@@ -35,6 +35,7 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.extensions.transformer_engine import HAVE_TE  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -54,11 +55,21 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0("building GPT model ...")
     if config is None:
         config = core_transformer_config_from_args(args)
-    if args.transformer_impl == "transformer_engine" and HAVE_TE:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    use_te = args.transformer_impl == "transformer_engine" and HAVE_TE
+    if args.num_experts:
+        # MoE layers where --moe-layer-freq puts them, as Megatron-LM's pretrain_gpt.py builds them
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+        )
+    elif use_te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention
+        )
     else:
         layer_spec = get_gpt_layer_local_spec(
-            qk_layernorm=args.qk_layernorm, normalization=args.normalization
+            qk_layernorm=args.qk_layernorm,
+            multi_latent_attention=args.multi_latent_attention,
+            normalization=args.normalization,
         )
     return GPTModel(
         config=config,

@@ -60,6 +60,7 @@ def enable_cpu_rehearsal() -> None:
     _patch_rng_tracker()
     _patch_megatron_training()
     _patch_distributed_optimizer_load()
+    _patch_moe_dispatcher()
     # Pushed for the life of the process: Megatron creates tensors on "cuda" from many
     # call sites (schedules, p2p buffers, optimizer, grad clipping, logging).
     _CudaToCpuMode().__enter__()
@@ -82,7 +83,7 @@ def _patch_torch_cuda() -> None:
     # initialize_megatron builds model-parallel groups and seeds the RNG tracker only if > 0.
     cuda.device_count = _device_count
     # DDP wrapping and the p2p/timer code order GPU streams; CPU work is already ordered.
-    cuda.Stream = torch.cpu.Stream
+    cuda.Stream = _CpuStream
     cuda.current_stream = _current_stream
     cuda.stream = _stream
     cuda.synchronize = _synchronize
@@ -98,6 +99,16 @@ def _patch_torch_cuda() -> None:
     cuda.manual_seed = _manual_seed
     # validate_args branches on the GPU generation (get_device_arch_version).
     cuda.get_device_properties = _device_properties
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch.cpu.Stream, except that record_event returns an event as CUDA's does: the MoE
+    all-to-all dispatcher records one on its device-to-host stream and synchronises on it."""
+
+    def record_event(self, event: torch.cpu.Event | None = None) -> torch.cpu.Event:
+        event = event or torch.cpu.Event()
+        event.record(self)
+        return event
 
 
 def _set_device(device: Any) -> None:
@@ -199,6 +210,19 @@ def _patch_megatron_training() -> None:
     training.initialize_megatron = functools.partial(
         initialize.initialize_megatron, allow_no_cuda=True
     )
+
+
+def _patch_moe_dispatcher() -> None:
+    """The all-to-all dispatcher moves its split sizes to the host as numpy arrays, which
+    all_to_all_single takes; its helper converts only tensors on a GPU, so on CPU they stayed
+    tensors, which the collective refuses. Convert them here too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
+
+
+def _host_tensor(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _patch_distributed_optimizer_load() -> None:

@@ -218,13 +218,19 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
 
 @pytest.mark.torchrun
 def test_mixture_of_experts_trains_under_the_planned_expert_layout(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """Megatron's MoE layer with the all-to-all dispatcher, 4 experts over EP 2 (typed; the rest is
-    planned): the hook applies the plan, Megatron builds the expert groups the log names, and the
-    loss falls."""
+    """Megatron's MoE layer with the all-to-all dispatcher, 4 SwiGLU experts over EP 2 (typed; the rest
+    is planned): the hook applies the plan, Megatron builds the expert groups the log names and, on
+    every pipeline rank, as many parameters as the plan priced there (the MoE layers built, not
+    dense ones: the example once built dense layers whatever --num-experts said), and the loss falls."""
     monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
     out = run_bounded(["bash", str(AUTO_GPT), "--train-iters", "6", "--num-experts", "4", "--moe-router-topk", "2",
-                       "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
+                       "--swiglu", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
                        "--expert-model-parallel-size", "2"], timeout=240)
+    (plan_file,) = (tmp_path / "cache").glob("*/plan.json")
+    priced = [s["parameters"] for s in json.loads(plan_file.read_text())["candidates"][0]["memory"]["stages"]]
+    built = {int(p): int(n) for p, n in re.findall(r"number of parameters on \(tensor, gtp_weight_remat, "
+                                                   r"pipeline\) model parallel rank \(0, 0, (\d+)\): (\d+)", out)}
+    assert built == dict(enumerate(priced)), (built, priced)
     chosen = re.search(r"> auto-parallel: chosen layout ([^:\n]*)", out).group(1)
     assert " ep2 " in f" {chosen} ", chosen
     groups = re.search(r"> auto-parallel: expert-parallel groups \(torchrun ranks\): (.*)", out).group(1)
