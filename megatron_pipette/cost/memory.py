@@ -275,11 +275,13 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
 
 @cache
 def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[tuple[int, int, int], ...]:
-    """The in-flight states no other state matches or exceeds in every count: a peak of bytes that
-    grow with each count (chunk, embedding and output activations) is always among them."""
+    """The in-flight states (chunks, of them chunk 0, of them the last chunk) no other state
+    matches or exceeds in each of chunk 0's count, the last chunk's and the other chunks': a peak of
+    bytes that grow with each of those (each chunk kind its own bytes) is always among them."""
     states = _in_flight_states(pp, rank, num_microbatches, vpp)
+    kinds = {s: (s[0] - s[1] - s[2], s[1], s[2]) if vpp > 1 else s for s in states}
     return tuple(a for a in states
-                 if not any(b != a and all(x <= y for x, y in zip(a, b, strict=True)) for b in states))
+                 if not any(b != a and all(x <= y for x, y in zip(kinds[a], kinds[b], strict=True)) for b in states))
 
 
 @dataclass(frozen=True)
@@ -439,13 +441,22 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
     moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
-    # The heaviest chunk of a stage (by its layers, and MoE layers among them) stands for all: an
-    # upper bound by one layer where the embedding or the loss counted in the split shortens one.
-    chunk, recomputed = max(chunk_bytes(n, m) for n, m in set(zip(job.chunk_sizes[stage], moe)))
+    stored = [chunk_bytes(n, m) for n, m in zip(job.chunk_sizes[stage], moe)]   # (kept, recomputed) per chunk
+    recomputed = max(r for _, r in stored)
     embedding = terms.embedding if first else 0
     output = terms.output if last else 0
-    activations = max(n * chunk + n_first * embedding + n_last * output
-                      for n, n_first, n_last in _peak_candidates(layout.pp, stage, job.num_microbatches, vpp))
+    states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp)
+    if vpp > 1 and (first or last):
+        # The end ranks' states count chunk 0 and the last chunk apart: each weighs its own layers
+        # (the embedding or the loss counted in the split shortens it, sometimes to none), the rest
+        # the heaviest middle chunk.
+        head, tail = stored[0][0] + embedding, stored[-1][0] + output
+        middle = max((b for b, _ in stored[1:-1]), default=0)
+        activations = max((n - n_first - n_last) * middle + n_first * head + n_last * tail
+                          for n, n_first, n_last in states)
+    else:   # one chunk, or a middle rank: the heaviest chunk (by its layers, MoE among them) for all
+        chunk = max(b for b, _ in stored)
+        activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
     backward = terms.backward[any(moe)]
     transient = terms.buffer + max(terms.logits if last else 0, recomputed + backward)
 

@@ -12,7 +12,9 @@ from megatron_pipette.cost.memory import (
     MemoryEstimate,
     RuntimeOverheads,
     StageMemory,
+    _chunk_activations,
     _in_flight_states,
+    _job_terms,
     _peak_candidates,
     activation_bytes_per_layer,
     communicators,
@@ -221,13 +223,16 @@ def test_in_flight_matches_megatron(pp, vpp, groups):
 @settings(max_examples=100, deadline=None)
 def test_peak_candidates_hold_the_peak_of_every_state(pp, vpp, groups, weights):
     """The memory model weighs only the states no other one exceeds in every count; for any
-    non-negative bytes per chunk, embedding and output chunk the peak is the same."""
+    non-negative bytes of a chunk 0, a last chunk and any other chunk (each chunk kind its own:
+    the embedding or the loss counted in the split can shorten chunk 0 or the last one below the
+    others) the peak is the same."""
     for r in (0, pp - 1):
         states, kept = _in_flight_states(pp, r, pp * groups, vpp), _peak_candidates(pp, r, pp * groups, vpp)
         assert set(kept) <= states
 
         def peak(counts):
-            return max(sum(c * w for c, w in zip(state, weights)) for state in counts)
+            return max((n - first - last) * weights[0] + first * weights[1] + last * weights[2]
+                       for n, first, last in counts)
         assert peak(kept) == peak(states)
 
 
@@ -471,3 +476,37 @@ def test_layout_megatron_rejects_is_infeasible():
         estimate_memory(resolve_job(GPT3, L(tensor_model_parallel_size=5)), H100)
     with pytest.raises(Infeasible, match="--recompute-method"):
         estimate_memory(resolve_job(GPT3, L(recompute_granularity="full")), H100)
+
+
+TINY = dataclasses.replace(GPT3, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64,
+                           max_position_embeddings=64, vocab_size=1024, global_batch_size=16)
+
+
+@pytest.mark.parametrize("layers, lay", [
+    (4, L(pipeline_model_parallel_size=2, data_parallel_size=2, micro_batch_size=2,
+          num_layers_per_virtual_pipeline_stage=1, account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True)),      # chunk 0 of stage 0 and the last chunk: no layer
+    (7, L(pipeline_model_parallel_size=2, data_parallel_size=2, micro_batch_size=1,
+          num_layers_per_virtual_pipeline_stage=2, account_for_embedding_in_pipeline_split=True)),
+    (8, L(pipeline_model_parallel_size=2, data_parallel_size=1, micro_batch_size=1,
+          num_layers_per_virtual_pipeline_stage=2)),      # every chunk alike
+], ids=["emb-and-loss-chunks-empty", "emb-chunk-short", "even"])
+def test_interleaved_stage_holds_each_chunk_at_its_own_size(layers, lay):
+    """The end ranks of an interleaved pipeline: the activations are the most, over the rank's
+    simulated program, of every in-flight chunk at its own layers' bytes (a chunk the embedding or
+    the loss shortened holds less), plus the embedding's and the output layer's own."""
+    job = resolve_job(dataclasses.replace(TINY, num_layers=layers), lay)
+    estimate = estimate_memory(job, 80 * 2**30)
+    one_layer = _chunk_activations(job, 1, 0, None)[0]
+    terms = _job_terms(job)
+    for stage in (0, lay.pp - 1):
+        sizes = [n * one_layer for n in job.chunk_sizes[stage]]
+        extra = [0] * job.virtual_stages
+        extra[0] += terms.embedding if stage == 0 else 0
+        extra[-1] += terms.output if stage == lay.pp - 1 else 0
+        live, peak = [0] * job.virtual_stages, 0
+        for op in simulator.program_interleaved(lay.pp, job.num_microbatches, job.virtual_stages)[stage]:
+            if op[0] == simulator.COMPUTE:
+                live[op[2]] += 1 if op[1] == simulator.FORWARD else -1
+                peak = max(peak, sum(k * (b + x) for k, b, x in zip(live, sizes, extra)))
+        assert estimate.stages[stage].activation_bytes == peak, (stage, job.chunk_sizes)
