@@ -5,7 +5,9 @@ iteration over the checked iterations, and on a GPU its memory: allocated at a s
 (model state: weights, gradients, optimizer state), the peak allocated and reserved, and the
 device memory held outside PyTorch's allocator (CUDA context, NCCL buffers). Those split the
 measured peak into the three terms the memory model predicts separately, so a stage over its
-prediction can be told which term is wrong.
+prediction can be told which term is wrong. In CPU rehearsal, where there is no allocator to ask,
+each rank counts tensors instead (TensorSample): the model state alive between steps and the
+activations autograd holds for backward at once, the two terms that do not depend on an allocator.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_pipette.units import GiB
+from megatron_pipette.units import GiB, MiB
 
 MEMORY_MARGIN = 0.05
 """A stage's measured peak may exceed its prediction by this fraction before it is a warning:
 allocator rounding and the few iterations measured move the peak by a few percent."""
 MEMORY_TERMS = ("model state", "activations", "overheads")
+TENSOR_TERMS = ("model state", "activations")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,22 @@ class MemorySample:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TensorSample:
+    """One rank's tensors in CPU rehearsal, bytes of distinct storages."""
+
+    model_state: int
+    """Alive between steps, after the optimizer has made its state: weights, gradient buffers,
+    optimizer state (and a few small buffers: position tables, RNG states)."""
+    activations: int
+    """The most that forward passes held for backward at once over one step (saved tensors,
+    storages alive before the step left out)."""
+
+    @property
+    def terms(self) -> dict[str, int]:
+        return {"model state": self.model_state, "activations": self.activations}
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankSample:
     """What one rank measured over the checked iterations."""
 
@@ -62,17 +81,20 @@ class RankSample:
     """Median per step of the time spent in forward and backward passes (tensor-parallel
     collectives inside them included), the part the layer profile and the GEMM rate price."""
     memory: MemorySample | None
-    """None where nothing honest can be measured (CPU rehearsal)."""
+    """Device memory (None in CPU rehearsal, where there is no allocator)."""
+    tensors: TensorSample | None = None
+    """Counted tensors (CPU rehearsal only)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def sample_from_json(doc: Mapping[str, Any]) -> RankSample:
-    memory = doc.get("memory")
+    memory, tensors = doc.get("memory"), doc.get("tensors")
     return RankSample(rank=int(doc["rank"]), stage=int(doc["stage"]), iteration_s=float(doc["iteration_s"]),
                       forward_backward_s=float(doc["forward_backward_s"]), compute_s=float(doc["compute_s"]),
-                      memory=None if memory is None else MemorySample(**{k: int(v) for k, v in memory.items()}))
+                      memory=None if memory is None else MemorySample(**{k: int(v) for k, v in memory.items()}),
+                      tensors=None if tensors is None else TensorSample(**{k: int(v) for k, v in tensors.items()}))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +112,10 @@ class StageCheck:
     """The worst reporting rank's peak (None: not measured)."""
     measured_terms: dict[str, int] | None
     """That rank's peak split into MEMORY_TERMS."""
+    predicted_tensors: dict[str, int]
+    """The plan's model state and activations (TensorSample.terms' names)."""
+    measured_tensors: dict[str, int] | None
+    """Each term's largest count over the stage's ranks (None: not counted; on a GPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,10 +155,15 @@ class CheckResult:
         predicted = [s.predicted_peak_bytes for s in self.stages]
         measured = [s.measured_peak_bytes for s in self.stages]
         head = f"self-check: peak memory per stage predicted {gib(predicted)} GiB"
-        if all(m is None for m in measured):
-            out.append(f"{head}, not measured on CPU")
-        else:
+        if any(m is not None for m in measured):
             out.append(f"{head}, measured {gib(measured)} GiB")
+        elif any(s.measured_tensors is not None for s in self.stages):
+            out.append(f"{head}; on CPU, tensors counted per stage: " + "; ".join(
+                f"{term} predicted {gib([s.predicted_tensors[term] for s in self.stages], MiB)}, counted "
+                f"{gib([None if s.measured_tensors is None else s.measured_tensors[term] for s in self.stages], MiB)}"
+                " MiB" for term in TENSOR_TERMS))
+        else:
+            out.append(f"{head}, not measured on CPU")
         for s, term in self.over_memory():
             over = s.measured_peak_bytes / s.predicted_peak_bytes - 1
             out.append(f"self-check: WARNING: stage {s.stage} peaked at {s.measured_peak_bytes / GiB:.2f} GiB, "
@@ -148,12 +179,12 @@ class CheckResult:
                 "over_memory": [{"stage": s.stage, "term": t} for s, t in self.over_memory()]}
 
 
-def gib(values: Sequence[int | None]) -> str:
-    """Byte counts as GiB joined by '/', all with the decimals that give the largest three digits
-    ('?' for a stage none of whose ranks reported)."""
-    top = max((v for v in values if v is not None), default=0) / GiB
+def gib(values: Sequence[int | None], unit: int = GiB) -> str:
+    """Byte counts in GiB (or `unit`) joined by '/', all with the decimals that give the largest
+    three digits ('?' for a stage none of whose ranks reported)."""
+    top = max((v for v in values if v is not None), default=0) / unit
     decimals = min(3, max(0, 2 - math.floor(math.log10(top)))) if top > 0 else 1
-    return "/".join("?" if v is None else f"{v / GiB:.{decimals}f}" for v in values)
+    return "/".join("?" if v is None else f"{v / unit:.{decimals}f}" for v in values)
 
 
 def predicted_terms(stage: Mapping[str, Any]) -> dict[str, int]:
@@ -161,6 +192,12 @@ def predicted_terms(stage: Mapping[str, Any]) -> dict[str, int]:
     return {"model state": stage["weight_bytes"] + stage["gradient_bytes"] + stage["optimizer_bytes"],
             "activations": stage["activation_bytes"] + stage["transient_bytes"],
             "overheads": stage["overhead_bytes"]}
+
+
+def predicted_tensors(stage: Mapping[str, Any]) -> dict[str, int]:
+    """A plan document's stage memory in TensorSample's terms (no transient or overhead bytes: a
+    tensor count sees neither the allocator nor what lives only inside one pass)."""
+    return {"model state": predicted_terms(stage)["model state"], "activations": stage["activation_bytes"]}
 
 
 def compare(candidate: Mapping[str, Any], samples: Sequence[RankSample], iterations: tuple[int, int],
@@ -171,12 +208,14 @@ def compare(candidate: Mapping[str, Any], samples: Sequence[RankSample], iterati
     for planned in candidate["memory"]["stages"]:
         mine = [s for s in samples if s.stage == planned["stage"]]
         worst = max((s.memory for s in mine if s.memory is not None), key=lambda m: m.peak_bytes, default=None)
+        counted = [s.tensors.terms for s in mine if s.tensors is not None]
         stages.append(StageCheck(
             stage=planned["stage"], ranks=len(mine),
             compute_s=statistics.median(s.compute_s for s in mine) if mine else math.nan,
             predicted_peak_bytes=planned["peak_bytes"], predicted_terms=predicted_terms(planned),
             measured_peak_bytes=None if worst is None else worst.peak_bytes,
-            measured_terms=None if worst is None else worst.terms))
+            measured_terms=None if worst is None else worst.terms, predicted_tensors=predicted_tensors(planned),
+            measured_tensors={t: max(c[t] for c in counted) for t in TENSOR_TERMS} if counted else None))
     return CheckResult(iterations=iterations, predicted_s=candidate["iteration_time_s"],
                        measured_s=statistics.median(s.iteration_s for s in samples),
                        forward_backward_s=statistics.median(s.forward_backward_s for s in samples),

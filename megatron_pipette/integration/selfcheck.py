@@ -6,6 +6,9 @@ against the plan's predictions, and calibrate the model for the next start on th
 megatron.core.pipeline_parallel.schedules' `forward_step` and `backward_step`, which every
 schedule calls the same way: the user's script is not touched. The first step is left alone
 (compilation, lazy allocations); the next `iterations` are timed; then the originals go back.
+In CPU rehearsal, which has no allocator to ask, the first step's forward passes count what they
+save for backward (the most held at once: the activations) and the check counts the tensors
+alive between steps (the model state), to set against the plan's memory terms.
 
 Nothing added on the training path is a collective. Each rank times itself: the host clock
 around `train_step` (on CUDA, Megatron's step ends by reading the model-parallel all-reduce of
@@ -32,9 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_pipette.calibration.check import CheckResult, MemorySample, RankSample, compare, sample_from_json
+from megatron_pipette.calibration.check import (
+    CheckResult,
+    MemorySample,
+    RankSample,
+    TensorSample,
+    compare,
+    sample_from_json,
+)
 from megatron_pipette.calibration.fit import calibration_json, fit
 from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, candidate_digest, log, write_json
+from megatron_pipette.profile.measure import LiveSavedBytes, live_tensor_bytes, storage_keys
 from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.layer_profile import profile_from_json
@@ -44,9 +55,10 @@ REPORT_WAIT_S = 30.0
 """Longest rank 0 waits for the others' records: they post theirs at the end of the same step."""
 SKIPPED = 1
 """Steps before the timed ones: the first compiles, allocates optimizer state and fills caches."""
-FORWARD_BACKWARD_ARG = 6
-"""Position of forward_backward_func in train_step(forward_step_func, data_iterator, model, optimizer,
-opt_param_scheduler, config, forward_backward_func, ...)."""
+MODEL_ARG, FORWARD_BACKWARD_ARG = 2, 6
+"""Positions of model (the list of model chunks) and forward_backward_func in
+train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+forward_backward_func, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +147,10 @@ class _Window:
         self.step_s: list[float] = []
         self.before_bytes: list[int] = []
         self.spans = _CudaSpans() if setup.on_gpu else _HostSpans()
+        self.saved: LiveSavedBytes | None = None
+        """Counting the first step's saved tensors (CPU rehearsal), while it runs."""
+        self.activations: int | None = None
+        """The most bytes that step's forwards held for backward at once."""
 
     def begin_step(self) -> None:
         if self.setup.on_gpu:
@@ -149,15 +165,17 @@ class _Window:
         self.spans.end_step()
 
     def sample(self, rank: int, stage: int) -> RankSample:
-        memory = None
+        memory = tensors = None
         if self.setup.on_gpu:
             free, total = torch.cuda.mem_get_info()
             memory = MemorySample(before_step=min(self.before_bytes), peak_allocated=torch.cuda.max_memory_allocated(),
                                   peak_reserved=torch.cuda.max_memory_reserved(),
                                   outside_allocator=max(0, total - free - torch.cuda.memory_reserved()))
+        elif self.activations is not None:
+            tensors = TensorSample(model_state=live_tensor_bytes(), activations=self.activations)
         return RankSample(rank=rank, stage=stage, iteration_s=statistics.median(self.step_s),
                           forward_backward_s=statistics.median(self.spans.seconds(FORWARD_BACKWARD)),
-                          compute_s=statistics.median(self.spans.seconds(PASSES)), memory=memory)
+                          compute_s=statistics.median(self.spans.seconds(PASSES)), memory=memory, tensors=tensors)
 
 
 def _timed(original: Callable, category: str) -> Callable:
@@ -176,6 +194,21 @@ def _timed(original: Callable, category: str) -> Callable:
     return timed
 
 
+def _forward(original: Callable) -> Callable:
+    """schedules.forward_step, timed, and counting what it saves while the first step is counted."""
+    timed = _timed(original, PASSES)
+
+    @functools.wraps(original)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        window = _active
+        if window is None or window.saved is None:
+            return timed(*args, **kwargs)
+        with window.saved.hooks():
+            return timed(*args, **kwargs)
+
+    return forward_step
+
+
 _active: _Window | None = None
 
 
@@ -189,7 +222,7 @@ def arm(setup: CheckSetup) -> None:
                  (schedules, "backward_step"): schedules.backward_step}
     _active = _Window(setup, originals)
     training.train_step = _timed_step(training.train_step)
-    schedules.forward_step = _timed(schedules.forward_step, PASSES)
+    schedules.forward_step = _forward(schedules.forward_step)
     schedules.backward_step = _timed(schedules.backward_step, PASSES)
 
 
@@ -210,7 +243,16 @@ def _timed_step(original: Callable) -> Callable:
         window.calls += 1
         if window.calls <= SKIPPED:
             _skip_if_too_short(kwargs.get("iteration"))
-            return original(*args, **kwargs)
+            if window.calls < SKIPPED or window.setup.on_gpu or _active is None:
+                return original(*args, **kwargs)
+            # Module.buffers by its class: Megatron's DDP wrapper names its gradient buffers `buffers`.
+            model = args[MODEL_ARG] if len(args) > MODEL_ARG else kwargs["model"]
+            window.saved = LiveSavedBytes(storage_keys(t for chunk in model for t in (
+                *chunk.parameters(), *torch.nn.Module.buffers(chunk))))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                window.activations, window.saved = window.saved.peak, None
         # Megatron passes its schedule as the 7th argument; time it too.
         if len(args) > FORWARD_BACKWARD_ARG:
             args = (*args[:FORWARD_BACKWARD_ARG], _timed(args[FORWARD_BACKWARD_ARG], FORWARD_BACKWARD),

@@ -16,7 +16,9 @@ cross-check: the `memory_allocated` growth across forward with the graph alive
 which also holds transient workspaces).
 
 Each saved tensor is attributed to the innermost module running when it was saved,
-so the profiler can tell which bytes sequence parallelism would shard.
+so the profiler can tell which bytes sequence parallelism would shard. The self-check's
+CPU rehearsal counts the same way across a whole pipeline schedule (LiveSavedBytes: the most
+held at once) and the tensors alive between steps (live_tensor_bytes: the model state).
 
 Times are wall-clock medians over `iters` iterations after `warmup`: perf_counter
 on CPU, CUDA events (synchronised after each iteration) on GPU.
@@ -25,10 +27,11 @@ on CPU, CUDA events (synchronised after each iteration) on GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +60,7 @@ def count_saved_tensors(root: torch.nn.Module, exclude: tuple[torch.Tensor, ...]
     in full recompute's first forward, pack what they save but keep no graph) are not
     activations. The result is filled in when the block exits, with the graph alive.
     """
-    excluded = {_storage_key(t) for t in (*root.parameters(), *root.buffers(), *exclude)}
+    excluded = storage_keys((*root.parameters(), *root.buffers(), *exclude))
     held: list[weakref.ref[_Held]] = []
     stack: list[str] = []
     result = SavedBytes()
@@ -100,6 +103,59 @@ def count_saved_tensors(root: torch.nn.Module, exclude: tuple[torch.Tensor, ...]
         nbytes = _storage_bytes(holder.tensor)
         result.total += nbytes
         result.by_module[holder.module] = result.by_module.get(holder.module, 0) + nbytes
+
+
+class LiveSavedBytes:
+    """Bytes autograd holds for backward at each moment across many forwards and backwards (a
+    pipeline schedule's micro-batches), and the most held at once. Each saved tensor reaches the
+    graph in a holder; when the graph lets the holder go (after the backward that used it, or with
+    the graph) its storage's bytes are returned once no other holder of that storage is left.
+    Storages in `excluded` (parameters, buffers) do not count. Use `hooks()` around forwards."""
+
+    def __init__(self, excluded: set[tuple[int, int]]) -> None:
+        self.excluded = excluded
+        self.holders: dict[tuple[int, int], int] = {}
+        self.live = self.peak = 0
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> _Held | torch.Tensor:
+        key = _storage_key(t)
+        if key in self.excluded:
+            return t
+        nbytes = _storage_bytes(t)
+        if not self.holders.get(key):
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        holder = _Held(t, "")
+        weakref.finalize(holder, self._release, key, nbytes)
+        return holder
+
+    def _release(self, key: tuple[int, int], nbytes: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            self.live -= nbytes
+
+
+def _unpack(packed: _Held | torch.Tensor) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Held) else packed
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
+    """The storages behind `tensors` (LiveSavedBytes' `excluded`)."""
+    return {_storage_key(t) for t in tensors}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor alive in this process, as the garbage
+    collector sees them (tensors take part in its tracking)."""
+    sizes = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            sizes[_storage_key(obj)] = _storage_bytes(obj)
+    return sum(sizes.values())
 
 
 class _Held:

@@ -5,7 +5,9 @@ import json
 from megatron_pipette.calibration.check import (
     GiB,
     MemorySample,
+    MiB,
     RankSample,
+    TensorSample,
     compare,
     gib,
     sample_from_json,
@@ -52,6 +54,27 @@ def test_without_memory_figures_memory_is_not_measured() -> None:
     lines = compare(CANDIDATE, [sample(0, 0, 1.9), sample(1, 1, 1.9)], (2, 6)).lines()
     assert lines[1] == "self-check: peak memory per stage predicted 61.2/58.0 GiB, not measured on CPU"
     assert len(lines) == 2
+
+
+def test_counted_tensors_are_set_against_model_state_and_activations() -> None:
+    """CPU rehearsal: per stage, the largest count of each term over the stage's ranks against the
+    plan's weights + gradients + optimizer state and its activations (not the transient bytes, which
+    live inside one pass, nor overheads: a tensor count sees neither). Kept through JSON."""
+    counted = [TensorSample(model_state=int(29.5 * GiB), activations=int(18.0 * GiB)),
+               TensorSample(model_state=int(30.5 * GiB), activations=int(17.5 * GiB)),
+               TensorSample(model_state=int(28.0 * GiB), activations=int(19.0 * GiB))]
+    samples = [sample_from_json(json.loads(json.dumps(RankSample(
+        rank=r, stage=r // 2, iteration_s=1.9, forward_backward_s=1.7, compute_s=1.1, memory=None,
+        tensors=t).as_json()))) for r, t in enumerate(counted)]
+    result = compare(CANDIDATE, samples, (2, 6))
+    stage0, stage1 = result.stages
+    assert stage0.measured_tensors == {"model state": int(30.5 * GiB), "activations": int(18.0 * GiB)}
+    assert stage1.predicted_tensors == {"model state": int(28.0 * GiB), "activations": int(24.0 * 0.75 * GiB)}
+    assert result.lines()[1] == (
+        "self-check: peak memory per stage predicted 61.2/58.0 GiB; on CPU, tensors counted per stage: "
+        "model state predicted 30720/28672, counted 31232/28672 MiB; activations predicted 19200/18432, "
+        "counted 18432/19456 MiB")
+    assert result.over_memory() == [] and int(30.5 * GiB) / MiB == 31232
 
 
 def test_memory_within_the_margin_is_no_warning() -> None:

@@ -46,7 +46,10 @@ def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
     assert sorted(int(i) for i, _ in LOSS.findall(out)) == list(range(1, 7))
     (line,) = TIME_LINE.findall(out)
     predicted, measured, error = map(float, line)
-    assert "> auto-parallel: self-check: peak memory per stage predicted " in out and "not measured on CPU\n" in out
+    memory_line = re.search(r"> auto-parallel: self-check: peak memory per stage predicted [0-9./]+ GiB; on CPU, "
+                            r"tensors counted per stage: model state predicted [0-9./]+, counted [0-9./]+ MiB; "
+                            r"activations predicted [0-9./]+, counted [0-9./]+ MiB\n", out)
+    assert memory_line, out[-3000:]
     doc = json.loads((directory / "plan.json").read_text())
     check = doc["self_check"]
     assert check["iterations"] == [2, 4] and check["missing_ranks"] == []
@@ -58,6 +61,9 @@ def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
     for stage in check["stages"]:
         assert 0 < stage["compute_s"] < check["forward_backward_s"] < check["measured_s"], check
         assert stage["measured_peak_bytes"] is None
+        # The tensors counted against the memory model's terms (docs/validation.md has the table).
+        for term in ("model state", "activations"):
+            assert 0.75 < stage["measured_tensors"][term] / stage["predicted_tensors"][term] < 1.25, stage
 
 
 @pytest.mark.torchrun
