@@ -68,10 +68,16 @@ def workload_from_args(args: Any) -> Workload:
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        attention_backend=_enum_name(getattr(args, "attention_backend", "auto")), precision=precision,
+        attention_backend=_attention_backend(args), precision=precision,
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
         **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args))
+
+
+def _attention_backend(args: Any) -> str:
+    """--attention-backend, except that without Transformer Engine's layer spec Megatron builds its
+    local DotProductAttention, which keeps the s x s scores whatever the flag says."""
+    return _enum_name(getattr(args, "attention_backend", "auto")) if transformer_engine_in_use(args) else "local"
 
 
 def _attention_fields(args: Any) -> dict[str, Any]:

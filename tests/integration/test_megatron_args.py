@@ -242,3 +242,12 @@ def test_pipeline_layout_strings_megatron_rejects_are_infeasible(text, pp, layer
     with pytest.raises(Infeasible, match=why):
         chunk_sizes(workload_from_preset("tiny-gpt", num_layers=layers),
                     Layout(pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text))
+
+
+def test_without_transformer_engine_the_attention_keeps_its_scores(monkeypatch):
+    """Megatron's local layer spec builds DotProductAttention, which stores the s x s scores,
+    whatever --attention-backend says; with Transformer Engine's spec the flag decides."""
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: False)
+    assert ma.workload_from_args(megatron_namespace(attention_backend="auto")).attention_backend == "local"
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
+    assert ma.workload_from_args(megatron_namespace(attention_backend="flash")).attention_backend == "flash"
