@@ -43,6 +43,9 @@ def plan_and_write(workload: Workload, model: CostModel, constraints: dict[str, 
         cluster = model.cluster
         rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
                                                                               key=lambda kv: -kv[1])[:3])
+        if not result.considered:       # every layout was rejected before memory was asked
+            raise PipetteError(f"no layout of this model is valid on {cluster.world_size} devices with the flags "
+                               f"as given ({rejected or 'none enumerated'})")
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
                            f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")

@@ -92,3 +92,13 @@ def test_replan_if_slower_switches_past_its_threshold(cache: Path, capsys, pct: 
     else:
         assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
         assert f"keeping the cached layout: not more than {pct:g}% faster" in out
+
+
+def test_nothing_valid_and_nothing_fitting_are_told_apart(cache: Path) -> None:
+    """When the flags as given leave no valid layout, the message says so and why, not that
+    nothing fits (no layout was out of memory)."""
+    from megatron_pipette.errors import PipetteError
+
+    with pytest.raises(PipetteError, match=r"^no layout of this model is valid on 4 devices with the flags as "
+                                           r"given \(none enumerated\)"):
+        replan.plan_from_cache(TINY, {**CONSTRAINTS, "tensor_model_parallel_size": 3}, cache, "k", Phases())
