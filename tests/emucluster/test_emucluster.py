@@ -74,14 +74,14 @@ def test_pair_override_shapes_only_its_path() -> None:
 @pytest.mark.torchrun
 @pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 def test_probe_finds_the_shaped_link(tmp_path: Path) -> None:
-    """2 nodes x 2 processes; each node's access link is shaped to 100 Mbit/s and the probe's
+    """2 nodes x 2 processes; each node's access link is shaped to 200 Mbit/s and the probe's
     inter-node rounds run both rails at once, so each rail gets about half of it (the loaded rate
     a pipeline-stage boundary sees). On CPU processes the two rails' transfers do not always start
     together, so a direction may see up to the whole link for part of its transfer: the node level
     lies between the half (-25%) and the whole link (+25%), and every namespace is gone afterwards.
     (A run under load measured one direction at 1.49x the half.)"""
     out = tmp_path / "cluster.json"
-    rate = 100.0
+    rate = 200.0          # the probe's 4 MB transfers take ~12 s of its budget at this rate (21 s at 100)
     cl = EmuCluster({"nodes": 2, "rate_mbit": rate}, tag="t")
     with cl:
         res = cl.torchrun(["-m", "megatron_pipette.probe", "--out", str(out), "--large-bytes", "4M",

@@ -192,7 +192,8 @@ CHOSEN = re.compile(r"> auto-parallel: chosen layout (tp\d+ pp\d+ dp\d+)")
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """4 processes train and save under one layout with the distributed optimizer; 2 processes
+    """4 processes train and save under one layout with the distributed optimizer (and full
+    recomputation, which no other test runs through Megatron); 2 processes
     resume under the layout the planner picks for 2 (keeping the distributed optimizer, whose
     state must reshard), from the saved iteration, with finite, still-falling loss."""
     pytest.importorskip("psutil")  # megatron's torch_dist checkpoint writer needs it
@@ -201,7 +202,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
             "--save-interval", "1000"]
     first = run_bounded(["bash", str(AUTO_GPT), *ckpt, "--tensor-model-parallel-size", "2",
                          "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                         "--exit-interval", "6"], timeout=240)
+                         "--recompute-granularity", "full", "--recompute-method", "uniform",
+                         "--recompute-num-layers", "1", "--exit-interval", "6"], timeout=240)
     monkeypatch.setenv("NPROC", "2")
     second = run_bounded(["bash", str(AUTO_GPT), *ckpt], timeout=240)
     before = {int(i): float(v) for i, v in LOSS.findall(first)}
@@ -211,43 +213,35 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
     chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
     assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines
+    assert "--recompute-granularity full" in chosen_lines[0], chosen_lines
     assert sorted(before) == list(range(1, 7)) and sorted(after) == list(range(7, 11))
     assert all(v == v and v < float("inf") for v in after.values())
     assert after[7] < before[1] - 0.2 and after[10] < after[7], (before, after)
 
 
 @pytest.mark.torchrun
-def test_mixture_of_experts_trains_under_the_planned_expert_layout(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """Megatron's MoE layer with the all-to-all dispatcher, 4 SwiGLU experts over EP 2 (typed; the rest
-    is planned): the hook applies the plan, Megatron builds the expert groups the log names and, on
-    every pipeline rank, as many parameters as the plan priced there (the MoE layers built, not
-    dense ones: the example once built dense layers whatever --num-experts said), and the loss falls."""
+def test_mixture_of_experts_trains_under_a_spelt_out_interleaved_layout(run_bounded, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """Megatron's MoE layer with the all-to-all dispatcher, 4 SwiGLU experts over EP 2, and
+    --pipeline-model-parallel-layout Et|t|t|tL over PP 2 (the embedding and one layer, a layer, a layer,
+    a layer and the loss: two chunks per stage), all typed, the rest planned: the hook applies the
+    plan, Megatron accepts the flags, builds the interleaved pipeline, the expert groups the log names
+    and, on every pipeline rank, as many parameters as the plan priced there (MoE layers, not dense
+    ones: the example once built dense layers whatever --num-experts said), and the loss falls.
+    (One launch for both: every launch costs ~25 s of start-up on 2 cores.)"""
     monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
     out = run_bounded(["bash", str(AUTO_GPT), "--train-iters", "6", "--num-experts", "4", "--moe-router-topk", "2",
                        "--swiglu", "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall",
-                       "--expert-model-parallel-size", "2"], timeout=240)
+                       "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--pipeline-model-parallel-layout", "Et|t|t|tL"], timeout=240)
     (plan_file,) = (tmp_path / "cache").glob("*/plan.json")
     priced = [s["parameters"] for s in json.loads(plan_file.read_text())["candidates"][0]["memory"]["stages"]]
     built = {int(p): int(n) for p, n in re.findall(r"number of parameters on \(tensor, gtp_weight_remat, "
                                                    r"pipeline\) model parallel rank \(0, 0, (\d+)\): (\d+)", out)}
-    assert built == dict(enumerate(priced)), (built, priced)
+    assert built == dict(enumerate(priced)) and len(built) == 2, (built, priced)
     chosen = re.search(r"> auto-parallel: chosen layout ([^:\n]*)", out).group(1)
-    assert " ep2 " in f" {chosen} ", chosen
+    assert all(f" {part} " in f" {chosen} " for part in ("ep2", "pp2", "layout=Et|t|t|tL")), chosen
     groups = re.search(r"> auto-parallel: expert-parallel groups \(torchrun ranks\): (.*)", out).group(1)
     assert sorted(len(g.split(",")) for g in re.findall(r"\[([^\]]*)\]", groups)) == [2, 2], groups
-    losses = {int(i): float(v) for i, v in LOSS.findall(out)}
-    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.2, losses
-
-
-@pytest.mark.torchrun
-def test_a_spelt_out_pipeline_layout_trains_interleaved(run_bounded, tmp_path: Path, monkeypatch) -> None:
-    """--pipeline-model-parallel-layout (typed; the rest is planned): the embedding and one layer, a
-    layer, a layer, a layer and the loss over PP 2 is two chunks per stage; Megatron accepts the
-    planned flags, builds the interleaved pipeline, and the loss falls."""
-    monkeypatch.setenv("PIPETTE_CACHE_DIR", str(tmp_path / "cache"))
-    out = run_bounded(["bash", str(AUTO_GPT), "--train-iters", "6", "--pipeline-model-parallel-size", "2",
-                       "--pipeline-model-parallel-layout", "Et|t|t|tL"], timeout=240)
-    chosen = re.search(r"> auto-parallel: chosen layout ([^:\n]*)", out).group(1)
-    assert " pp2 " in f" {chosen} " and "layout=Et|t|t|tL" in chosen, chosen
     losses = {int(i): float(v) for i, v in LOSS.findall(out)}
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.2, losses

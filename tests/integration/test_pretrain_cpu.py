@@ -1,4 +1,4 @@
-"""Megatron's real pretrain() trains a tiny GPT on CPU (rehearsal mode) in several layouts."""
+"""Megatron's real pretrain() trains a tiny GPT on CPU (rehearsal mode), without the hook."""
 
 import math
 import re
@@ -9,18 +9,14 @@ import pytest
 TINY_GPT = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt_cpu.sh"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.eE+-]+|nan|inf)")
 
-# Overrides of the script's TP=2 x PP=2 layout (later flags win in argparse). Two jobs, each as many
-# features as it can carry (every job costs ~25 s of start-up on 2 cores); TP 2 x PP 2 itself trains
-# in tests/integration/test_autoparallel.py.
+# Overrides of the script's TP=2 x PP=2 layout (later flags win in argparse). One job carrying as many
+# features as it can (every job costs ~25 s of start-up on 2 cores); TP 2 x PP 2 itself trains in
+# tests/integration/test_autoparallel.py, full recomputation in its resume test.
 LAYOUTS = {
-    "pp2-interleaved-dp2-selective-recompute": [
+    "pp2-interleaved-dp2-selective-recompute-distributed-optimizer": [
         "--tensor-model-parallel-size", "1", "--num-virtual-stages-per-pipeline-rank", "2",
-        "--recompute-granularity", "selective",
-    ],
-    "tp2-dp2-full-recompute-distributed-optimizer": [
-        "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+        "--recompute-granularity", "selective", "--use-distributed-optimizer",
         "--overlap-grad-reduce", "--overlap-param-gather",
-        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
     ],
 }
 
