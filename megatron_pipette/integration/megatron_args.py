@@ -153,9 +153,16 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
         constraints["cp_comm_type"] = constraints["cp_comm_type"][0]
     if "recompute_modules" in constraints:
         constraints["recompute_modules"] = tuple(constraints["recompute_modules"])
-    if not sequence_parallel_supported(args) and constraints.setdefault("sequence_parallel", False):
-        raise UnrunnableFlags("--sequence-parallel needs Transformer Engine's or apex's norms (megatron-core's "
-                              "torch LayerNorm asserts against it): install one, or leave the flag out")
+    if not sequence_parallel_supported(args):
+        if constraints.setdefault("sequence_parallel", False):
+            raise UnrunnableFlags("--sequence-parallel needs Transformer Engine's or apex's norms (megatron-core's "
+                                  "torch LayerNorm asserts against it): install one, or leave the flag out")
+        typed_tp = constraints.get("tensor_model_parallel_size", 1)
+        if getattr(args, "num_experts", None) and typed_tp > 1:
+            raise UnrunnableFlags(f"--tensor-model-parallel-size {typed_tp} with --num-experts needs "
+                                  "--sequence-parallel (Megatron's MoE layer raises without it), which needs "
+                                  "Transformer Engine's or apex's norms: install one, or leave the TP size to the "
+                                  "planner")
     if not transformer_engine_in_use(args):   # only Transformer Engine's attention splits the sequence
         typed_cp = constraints.setdefault("context_parallel_size", 1)
         if typed_cp > 1:

@@ -57,6 +57,18 @@ def test_typed_sequence_parallelism_without_te_or_apex_stops_the_job(monkeypatch
     assert ma.constraints_from_args(args, ["--sequence-parallel"]) == {"sequence_parallel": True}
 
 
+def test_typed_tensor_parallelism_under_moe_without_te_or_apex_stops_the_job(monkeypatch):
+    """Megatron's MoE layer needs SP beside TP, and SP needs TE's or apex's norms: a typed TP 2 with
+    --num-experts cannot run here (the planner, left the TP size, keeps TP 1)."""
+    monkeypatch.setattr(ma, "sequence_parallel_supported", lambda args: False)
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
+    args = megatron_namespace(tensor_model_parallel_size=2, num_experts=4)
+    with pytest.raises(UnrunnableFlags, match="^--tensor-model-parallel-size 2 with --num-experts needs "
+                                              "--sequence-parallel"):
+        ma.constraints_from_args(args, ["--tensor-model-parallel-size", "2", "--num-experts", "4"])
+    assert ma.constraints_from_args(args, ["--num-experts", "4"]) == {"sequence_parallel": False}
+
+
 def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     """The ranks' statuses: a planning failure falls back (the reason names each rank); an
     UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too."""
