@@ -17,7 +17,9 @@ ranks of a replica run the same schedule in lock step.
 
 Costs, with n ranks, S bytes in total, alpha the ring's worst two-way latency
 and B its narrowest two-way bandwidth (a ring step lasts as long as its slowest
-link, and in a step every rank sends and receives at once):
+link, and in a step every rank sends and receives at once; where the ring leaves
+a node that holds k of its ranks it does so on k rails at once, so that edge has
+k times the per-rail figure, shared among the ring's exits from the node):
   all-reduce        alpha + 2(n-1) S/(n B)
   reduce-scatter    alpha +  (n-1) S/(n B)   (S = the unsharded size)
   all-gather        alpha +  (n-1) S/(n B)
@@ -79,8 +81,27 @@ def rings(devices: np.ndarray, cluster: Cluster) -> Rings:
     if n == 1:
         z = np.zeros(devices.shape[:-1])
         return Rings(size=1, alpha_s=z, inv_bw_s_per_B=z)
-    lat, bw = cluster.link(devices, np.roll(devices, -1, axis=-1), two_way=True)
+    nxt = np.roll(devices, -1, axis=-1)
+    lat, bw = cluster.link(devices, nxt, two_way=True)
+    node = devices // cluster.gpus_per_node
+    leaves = node != nxt // cluster.gpus_per_node
+    if leaves.any():
+        bw = bw * _rails_per_exit(node, leaves)
     return Rings(size=n, alpha_s=lat.max(axis=-1), inv_bw_s_per_B=(1.0 / bw).max(axis=-1))
+
+
+def _rails_per_exit(node: np.ndarray, leaves: np.ndarray) -> np.ndarray:
+    """Per ring edge (last axis: a ring's ranks), how many rails carry it: where the edge leaves
+    node u, the ring's ranks on u over the ring's edges that leave u (1 inside a node). A ring
+    with k ranks on a node crosses to the next node on k rails at once: NCCL runs one channel per
+    rail (DGX nodes: one NIC per GPU), gloo's one stream gets the node's shared link, whose
+    per-rail figure is its share under every rail's load (docs/cluster-schema.md)."""
+    rows = node.reshape(-1, node.shape[-1])
+    keyed = rows + (rows.max() + 1) * np.arange(len(rows))[:, None]
+    _, where, ranks = np.unique(keyed, return_inverse=True, return_counts=True)
+    exits = np.bincount(where.ravel(), weights=leaves.ravel(), minlength=len(ranks))
+    share = ranks[where] / np.maximum(exits[where], 1)
+    return np.where(leaves, share.reshape(node.shape), 1.0)
 
 
 class AllToAll(LinkSummary):

@@ -7,7 +7,7 @@ import pytest
 
 from helpers.clusters import dense
 from megatron_pipette.cost.comm import group_links, rings
-from megatron_pipette.spec.hardware import Cluster, LinkLevel, make_cluster
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, make_cluster, preset_cluster
 
 
 def cluster(nodes=2, gpn=4, intra=100e9, inter=10e9, lat=1e-5, cross_rail=1.0) -> Cluster:
@@ -75,6 +75,31 @@ def test_ring_uses_its_slowest_link_and_only_its_own():
     cost = links.tensor.all_reduce_s(1e8)
     assert cost[0, 1] > cost[0, 0] * 5
     assert cost[0, 0] == cost[0, 2] == cost[0, 3]
+
+
+def test_a_ring_leaves_a_node_on_as_many_rails_as_it_has_ranks_there():
+    """NCCL runs one channel per rail: a ring with k ranks on a node crosses to the next on k rails
+    (the per-rail figure is each rail's rate while every rail runs), shared among the ring's exits
+    from the node; never faster than its links inside the node."""
+    c = cluster(2, 4, intra=100e9, inter=10e9)
+    inv = {name: rings(order[None], c).inv_bw_s_per_B[0] for name, order in {
+        "contiguous": np.arange(8), "alternating": np.array([0, 4, 1, 5, 2, 6, 3, 7]),
+        "pairs": np.array([0, 1, 4, 5, 2, 3, 6, 7]), "one per node": np.array([0, 4])}.items()}
+    assert inv["contiguous"] == pytest.approx(1 / 40e9)            # 4 ranks, one exit: 4 rails
+    assert inv["pairs"] == pytest.approx(1 / 20e9)                 # 4 ranks, two exits
+    assert inv["alternating"] == inv["one per node"] == pytest.approx(1 / 10e9)
+    assert rings(np.arange(8)[None], cluster(2, 4, intra=30e9, inter=10e9)).inv_bw_s_per_B[0] == pytest.approx(1 / 30e9)
+
+
+@pytest.mark.parametrize("preset, per_node", [("dgx-a100", 190e9), ("dgx-h100", 380e9)])
+def test_a_data_parallel_ring_over_whole_nodes_reaches_nccls_measured_bus_bandwidth(preset, per_node):
+    """shared/reference/hardware.md: NCCL's all-reduce across DGX nodes with 8 NICs, about 190 GB/s
+    bus bandwidth per node on A100 and 380 on H100 (the presets' per-rail figures are those / 8);
+    a ring priced on one rail gave an eighth of it."""
+    c = preset_cluster(preset, num_nodes=8)
+    size = 2**30
+    seconds = group_links(1, 1, 64, c).data.all_reduce_s(size)[0, 0]
+    assert 2 * 63 / 64 * size / seconds == pytest.approx(per_node, rel=0.05)
 
 
 def test_p2p_is_the_slowest_tp_ranks_link_and_wraps():
