@@ -70,9 +70,6 @@ def count_saved_tensors(root: torch.nn.Module, exclude: tuple[torch.Tensor, ...]
         held.append(weakref.ref(holder))
         return holder
 
-    def unpack(holder: _Held) -> torch.Tensor:
-        return holder.tensor
-
     def enter(name: str) -> None:
         stack.append(name)
 
@@ -84,7 +81,7 @@ def count_saved_tensors(root: torch.nn.Module, exclude: tuple[torch.Tensor, ...]
         handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: enter(n)))
         handles.append(module.register_forward_hook(lambda _m, _a, _o: leave()))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield result
     finally:
         for h in handles:
