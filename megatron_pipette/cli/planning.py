@@ -13,6 +13,7 @@ from megatron_pipette.cli.args import (
     add_workload_flags,
     cluster_from_args,
     layout_constraints,
+    overheads_from_environment,
     profile_from_args,
     read_json,
     workload_from_args,
@@ -61,7 +62,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
-    result = plan(workload, CostModel(cluster, profile=profile), constraints=constraints, top_k=ns.top,
+    model = CostModel(cluster, profile=profile, overheads=overheads_from_environment())
+    result = plan(workload, model, constraints=constraints, top_k=ns.top,
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
     if ns.json:
         print(json.dumps(plan_json(result), indent=1))
@@ -95,7 +97,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
-    time, memory = evaluate(CostModel(cluster, profile=profile), job)
+    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=overheads_from_environment()), job)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
@@ -124,7 +126,7 @@ def estimate_plan(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
-    time, memory = evaluate(CostModel(cluster, profile=profile), job, placement)
+    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=overheads_from_environment()), job, placement)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
                           "placement": {"node_order": list(placement.node_order)}}, indent=1))

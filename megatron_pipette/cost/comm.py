@@ -161,7 +161,7 @@ class GroupLinks:
     devices: np.ndarray
     """(pp, dp x cp, tp) physical device of each logical rank; axis 1 is the pipeline replica."""
     gemm_flops: np.ndarray
-    """(pp, dp x cp) attainable GEMM FLOP/s of each tensor-parallel group's slowest device."""
+    """(pp, dp x cp) GEMM FLOP/s each tensor-parallel group's slowest device sustains through a step."""
     tensor: Rings
     """Tensor-parallel groups, shape (pp, dp x cp)."""
     data: Rings
@@ -228,7 +228,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
 
     return GroupLinks(
         tp=tp, pp=pp, dp=dp, cp=cp, devices=dev,
-        gemm_flops=cluster.gemm_flops[dev].min(axis=2),
+        gemm_flops=cluster.sustained_gemm_flops[dev].min(axis=2),
         tensor=rings(dev, cluster),
         data=rings(dev.transpose(0, 2, 1), cluster),
         context=per_replica(rings(by_cp, cluster)),

@@ -42,6 +42,7 @@ from megatron_pipette.cost.gemm import (
     gemm_curve,
     gemm_work,
     linear_work,
+    main_grad_bytes,
 )
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
@@ -128,7 +129,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     if moe:
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
     linear = linear or gemm
-    linears = [linear_work(linear, *shape) for shape in shapes.values()]
+    linears = [linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)) for shape in shapes.values()]
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, list(shapes.values()))
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
@@ -195,7 +196,7 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h)
+    forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
     bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
     return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
@@ -340,9 +341,11 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     fwd[:, -1, -1] += _as_array(out.forward)
     bwd[:, -1, -1] += _as_array(out.backward)
     x = _shape(job)
-    works = {name: np.array(linear_work(linear, *shape)) for name, shape in _layer_linears(job).items()}
+    works = {name: np.array(linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)))
+             for name, shape in _layer_linears(job).items()}
     attn = sum(works[name] for name in _column_attention(w))
-    output = np.array(linear_work(gemm, x["n"], job.workload.padded_vocab_size(layout.tp) // layout.tp, x["h"]))
+    vocab = w.padded_vocab_size(layout.tp) // layout.tp
+    output = np.array(linear_work(gemm, x["n"], vocab, x["h"], main_grad_bytes(w)))
     overlap = np.array([attn[1:], works["fc1"][1:], output[1:]])
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],
                           x["dv"], x["cp"])

@@ -14,12 +14,14 @@ Megatron requires for MoE with TP > 1):
                    else min(1, capacity factor), dropless 1. Routing is taken as balanced: a real
                    router is not, and its busiest expert sets the pace (the load-balancing loss
                    keeps it near); docs/time-model.md says so.
-  local experts L = E / EP, each R / L rows, run as one grouped GEMM.
+  local experts L = E / EP, each R / L rows: a grouped GEMM, each expert's GEMM priced at its own
+                   shape (its own weights read, its own main_grad accumulated: the roofline
+                   floor binds at few rows per expert).
 """
 
 from __future__ import annotations
 
-from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, fp8_cast_bytes, gemm_work, linear_work
+from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, fp8_cast_bytes, linear_work, main_grad_bytes
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
 
@@ -65,9 +67,11 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     fc1, fc2 = _expert_widths(job)
     per_expert = rows / local
     linear = linear or gemm
-    grouped = [(gemm_work(linear, per_expert, out, inp, local), gemm_work(linear, per_expert, inp, out, local),
-                gemm_work(linear, out, inp, per_expert, local)) for out, inp in ((fc1, h), (h, fc2))]
-    dense = [linear_work(gemm, t, w.num_experts, h)]                             # the router, replicated
+    grads = main_grad_bytes(w)
+    # Each local expert's GEMM at its own shape (a grouped GEMM runs one per expert, each reading its
+    # own weights and accumulating its own main_grad), not one GEMM of all the rows.
+    grouped = [linear_work(linear, per_expert, out, inp, grads, count=local) for out, inp in ((fc1, h), (h, fc2))]
+    dense = [linear_work(gemm, t, w.num_experts, h, grads)]                      # the router, replicated
     shared = w.moe_shared_expert_intermediate_size
     n = job.tokens_per_microbatch
     fp8_gemms = [(rows, fc1, h), (rows, h, fc2)]
@@ -75,7 +79,7 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     if shared is not None:
         width = shared // layout.tp
         fp8_gemms += [(n, width * (2 if w.swiglu else 1), h), (n, h, width)]
-        shared_work = [linear_work(linear, rows_, out, inp) for rows_, out, inp in fp8_gemms[2:]]
+        shared_work = [linear_work(linear, rows_, out, inp, grads) for rows_, out, inp in fp8_gemms[2:]]
         shared_act = (3 if w.swiglu else 2) * e * n * width
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
@@ -113,8 +117,9 @@ def dispatch_bytes(job: Job) -> dict[str, float]:
 def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     """What the MLP half of an MoE layer keeps for its backward, one micro-batch, one rank (its input,
     the pre-MLP norm's output, is counted with the layer): router scores, the rows entering the
-    experts, their fc1 output and fc2 input, the expert output the probability weighting needs,
-    and the shared experts' two wide tensors. `redone`: --recompute-modules that drop some of it
+    experts, their fc1 output, fc2 input and routing probability (megatron-core 0.19 applies it
+    inside the weighted SwiGLU, which keeps it; unpermute, called without the probabilities, keeps
+    no expert output), and the shared experts' two wide tensors. `redone`: --recompute-modules that drop some of it
     (moe: all of it, the block keeps its input only; moe_act: the experts' activation output, which
     is fc2's input; shared_experts: the shared experts' tensors)."""
     if "moe" in redone:
@@ -127,7 +132,8 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
         shared // layout.tp) * (3 if w.swiglu else 2)
     lin = fp8_input_bytes(w)
     fc2_in = 0 if "moe_act" in redone else lin * fc2
-    return round(8 * t * w.num_experts + rows * (lin * h + e * h + e * fc1 + fc2_in) + shared_bytes)
+    probs = {None: e, "fp32": 4, "fp64": 8}[w.moe_router_dtype]
+    return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + shared_bytes)
 
 
 def fp8_input_bytes(workload: Workload) -> int:

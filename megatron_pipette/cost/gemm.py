@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU
+from megatron_pipette.spec.workload import Workload
 
 TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
 """The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
@@ -32,7 +33,10 @@ class GemmCurve:
     """Fraction of the large-GEMM rate (cluster.gemm_flops, an 8192^3 GEMM) an (m x k) @ (k x n)
     GEMM attains: a measured table (data/gemm_efficiency.json, log efficiency on a log2 grid,
     interpolated trilinearly, clamped beyond it), or where the GPU has none the parametric
-    prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes."""
+    prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes. Never
+    above the large GEMM's own rate, and never faster than HBM can feed it: a GEMM moves at least
+    its two operands and its output once, so its time is at least those bytes over the memory
+    bandwidth (the roofline floor; `ridge` turns it into an efficiency)."""
 
     log_table: np.ndarray | None
     """(g, g, g) log efficiency at m, n, k = 2^(lo + index); None: the parametric curve."""
@@ -43,20 +47,33 @@ class GemmCurve:
     speedup: float = 1.0
     """The large GEMM's rate in this curve's dtype over the rate `cluster.gemm_flops` holds (FP8
     GEMMs priced against the training dtype's rate); 1 for the training dtype itself."""
+    ridge: float = 0.0
+    """FLOPs per byte of HBM traffic at which a GEMM at the training dtype's large-GEMM rate turns
+    memory bound (that rate over the GPU's memory bandwidth); 0: no floor (no catalog GPU)."""
+    operand_bytes: float = 2.0
+    """Bytes per element of the two operands as the GEMM reads them (1 for FP8)."""
+    output_bytes: float = 2.0
+    """Bytes per output element written (a 16-bit result)."""
     _seen: dict = field(default_factory=dict, init=False, repr=False)
     """Efficiencies already looked up: a search prices the same few shapes for thousands of jobs."""
 
-    def __call__(self, m: float, n: float, k: float) -> float:
-        hit = self._seen.get((m, n, k))
+    def __call__(self, m: float, n: float, k: float, output_bytes: float | None = None) -> float:
+        """`output_bytes`: per output element where the GEMM writes other than a 16-bit result (the
+        weight gradient accumulated into an fp32 main_grad reads and writes 8 bytes)."""
+        key = (m, n, k, output_bytes)
+        hit = self._seen.get(key)
         if hit is None:
             if self.log_table is None:
                 hit = float(np.prod([x / (x + self.half_dim) for x in (m, n, k)]))
             else:
                 hit = _interpolate(self.log_table, self.lo, (m, n, k))
-            hit *= self.speedup
+            hit = min(hit, 1.0) * self.speedup
+            if self.ridge > 0:
+                moved = self.operand_bytes * (m * k + k * n) + (output_bytes or self.output_bytes) * m * n
+                hit = min(hit, 2.0 * m * n * k / moved / self.ridge)
             if len(self._seen) >= MAX_REMEMBERED_SHAPES:
                 self._seen.clear()
-            self._seen[(m, n, k)] = hit
+            self._seen[key] = hit
         return hit
 
 
@@ -116,13 +133,22 @@ def _gpu_entry(gpu: GPU | None) -> dict | None:
     return _gemm_data()["gpus"][entry["same_as"]] if entry is not None and "same_as" in entry else entry
 
 
+def large_gemm_rate(gpu: GPU, precision: str) -> float:
+    """The catalog's 8192^3 GEMM rate of this GPU in this dtype (what the probe measures)."""
+    return gpu.peak(precision) * gpu.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)
+
+
 @cache
 def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
     data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
+    ridge = large_gemm_rate(gpu, precision) / gpu.memory_bandwidth_Bps if gpu and precision in gpu.peak_flops else 0.0
+    width = 4.0 if precision == "fp32" else 2.0
     if entry is None or dtype not in entry["tables"]:
-        return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]))
-    return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0])
+        return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]), ridge=ridge,
+                         operand_bytes=width, output_bytes=width)
+    return GemmCurve(log_table=np.log(np.array(entry["tables"][dtype], dtype=float)), lo=data["log2_range"][0],
+                     ridge=ridge, operand_bytes=width, output_bytes=width)
 
 
 @cache
@@ -136,9 +162,10 @@ def fp8_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     if gpu is not None:
         if "fp8" not in gpu.peak_flops:
             raise PipetteError(f"--fp8-format: {gpu.name} has no FP8 tensor cores")
-        speedup = (gpu.peak("fp8") * gpu.large_gemm_efficiency.get("fp8", DEFAULT_GEMM_EFFICIENCY)
-                   / (gpu.peak(precision) * gpu.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)))
-    return dataclasses.replace(gemm_curve(gpu, "fp8"), speedup=speedup)
+        speedup = large_gemm_rate(gpu, "fp8") / large_gemm_rate(gpu, precision)
+    # Transformer Engine's FP8 GEMMs read 1-byte operands and write the 16-bit training dtype.
+    return dataclasses.replace(gemm_curve(gpu, precision), log_table=gemm_curve(gpu, "fp8").log_table,
+                               half_dim=gemm_curve(gpu, "fp8").half_dim, speedup=speedup, operand_bytes=1.0)
 
 
 FP8_CAST_BYTES = 3
@@ -155,17 +182,30 @@ def fp8_cast_bytes(fp8: bool, gemms: list[tuple[float, float, float]]) -> tuple[
             FP8_CAST_BYTES * sum(rows * out for rows, out, _ in gemms))
 
 
-def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0) -> float:
+def main_grad_bytes(workload: Workload) -> int:
+    """Bytes a weight-gradient GEMM reads and writes per weight: gradient-accumulation fusion (on
+    wherever Transformer Engine or Apex is, Megatron's default) adds it into the parameter's
+    main_grad in place (TE's fuse_wgrad_accumulation: the GEMM's output is main_grad, beta = 1)."""
+    return 2 * workload.grad_bytes
+
+
+def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0,
+              output_bytes: float | None = None) -> float:
     """Effective FLOPs (FLOPs / efficiency) of `count` GEMMs of this shape; a batch of them runs
-    as one GEMM of `count` times the rows."""
-    return 2.0 * m * n * k * count / gemm(m * count, n, k)
+    as one GEMM of `count` times the rows (a batched matmul: one kernel)."""
+    return 2.0 * m * n * k * count / gemm(m * count, n, k, output_bytes)
 
 
-def linear_work(gemm: GemmCurve, tokens: float, out: float, inp: float) -> tuple[float, float, float]:
+def linear_work(gemm: GemmCurve, tokens: float, out: float, inp: float, main_grad_bytes: float | None = None,
+                count: int = 1) -> tuple[float, float, float]:
     """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
     `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
-    at its own shape's efficiency."""
-    return gemm_work(gemm, tokens, out, inp), gemm_work(gemm, tokens, inp, out), gemm_work(gemm, out, inp, tokens)
+    at its own shape's efficiency. `main_grad_bytes`: what the weight-gradient GEMM reads and writes
+    per weight where it accumulates into Megatron's main_grad (gradient-accumulation fusion: twice
+    the gradient buffer's dtype); None: a 16-bit result. `count` such linears, each its own GEMM
+    (a grouped GEMM of the local experts: every expert reads its own weights)."""
+    return (count * gemm_work(gemm, tokens, out, inp), count * gemm_work(gemm, tokens, inp, out),
+            count * gemm_work(gemm, out, inp, tokens, output_bytes=main_grad_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ attention and any precision; docs/memory-model.md derives every term.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -58,6 +59,18 @@ class RuntimeOverheads:
 
 DEFAULT_OVERHEADS = RuntimeOverheads(cuda_context_bytes=1 * GiB, comm_buffer_bytes_per_group=512 * MiB,
                                      fragmentation=0.15)
+EXPANDABLE_SEGMENTS_FRAGMENTATION = 0.05
+"""The allocator's loss with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what NVIDIA's
+Megatron-Bridge recipes set): freed blocks of a stream's one growing segment coalesce, so what is
+lost is rounding to its 2 MiB pages and blocks pinned between live tensors. Assumed, not measured
+(bound: a few percent); the default allocator's 0.15 is the one measured (docs/memory-model.md)."""
+
+
+def runtime_overheads(expandable_segments: bool) -> RuntimeOverheads:
+    """The overheads under the CUDA caching allocator's configuration."""
+    if not expandable_segments:
+        return DEFAULT_OVERHEADS
+    return dataclasses.replace(DEFAULT_OVERHEADS, fragmentation=EXPANDABLE_SEGMENTS_FRAGMENTATION)
 """Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
 lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
 NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
@@ -131,10 +144,15 @@ def state_bytes_per_parameter(workload: Workload) -> tuple[int, int, int, int]:
     (Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads: main_param.grad =
     main_grad.float(); the distributed optimizer per shard) and zero_grad(set_to_none=True), at the
     start of the next train_step, frees them before any forward. bf16 with --grad-reduce-in-bf16
-    keeps bf16 gradient buffers, so it is fp16's case: 2+2+12+4."""
-    if workload.precision == "bf16" and workload.grad_reduce_in_bf16:
-        return 2, 2, 12, 4
-    return {"bf16": (2, 4, 12, 0), "fp16": (2, 2, 12, 4), "fp32": (4, 4, 8, 0)}[workload.precision]
+    keeps bf16 gradient buffers, so it is fp16's case: 2+2+12+4. --use-precision-aware-optimizer
+    keeps Adam's moments in their --*-dtype (Workload.optimizer_state_bytes) and, where
+    Transformer Engine holds the master weights, steps on the gradient buffer without an fp32 copy
+    (distrib_optimizer.py: decoupled_grad is a view; else shard_model_grad.float())."""
+    if workload.precision == "fp32":
+        return 4, 4, 8, 0
+    weight, gradient = 2, workload.grad_bytes
+    step = 0 if gradient == 4 or workload.te_holds_master_weights else 4
+    return weight, gradient, workload.optimizer_state_bytes, step
 
 
 def _attention_kept(workload: Workload) -> tuple[int, int, int, int]:
@@ -143,7 +161,8 @@ def _attention_kept(workload: Workload) -> tuple[int, int, int, int]:
     sharded only by SP, up-projection inputs sharded only by SP). Standard: Q, K and V (unfused
     attention stores K and V repeated to all heads) and, with --qk-layernorm, the query and key
     before their norms. MLA (megatron-core's MLASelfAttention): every head's assembled query and
-    key, the up projection's output that the values are a view of, the down projections' outputs
+    key and the values (megatron-core copies them out of the up projection's output, which is then
+    freed: fused_apply_mla_rope_for_kv, or .contiguous() unfused), the down projections' outputs
     (the latents and the keys' rotary part, whole on every TP rank) and, with --qk-layernorm, the
     normed latents the up projections take in."""
     a, dq, dv = workload.num_attention_heads, workload.query_head_dim, workload.value_head_dim
@@ -153,7 +172,7 @@ def _attention_kept(workload: Workload) -> tuple[int, int, int, int]:
         norms = (a + workload.query_groups) * dq if workload.qk_layernorm else 0
         return query + 2 * kv + norms, query, 0, 0
     latents = (workload.q_lora_rank or 0) + workload.kv_lora_rank
-    return (2 * a * dq + a * (workload.qk_head_dim + dv), a * dv, latents + workload.qk_pos_emb_head_dim,
+    return (2 * a * dq + a * dv, a * dv, latents + workload.qk_pos_emb_head_dim,
             latents if workload.qk_layernorm else 0)
 
 
@@ -202,9 +221,21 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
         mlp = moe_activation_bytes(job, redone)
     else:
         mlp = 0 if "mlp" in redone else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
-    tp_side = tokens * (e * kept + lin * proj_in) // t + mlp
+    tp_side = tokens * (e * kept + attention_output_bytes(workload) * proj_in) // t + mlp
     scores = 0 if "core_attn" in redone else _score_bytes(job)
     return norm_side + tp_side + scores
+
+
+def attention_output_bytes(workload: Workload) -> int:
+    """Bytes per element kept of the attention's output, the output projection's input: a linear's
+    copy (FP8: 1 byte). Under FP8 a fused or flash kernel keeps its 16-bit output for its own
+    backward as well, and megatron-core lets the projection reuse it (save_original_input) except
+    under delayed scaling, which keeps both (attention.py; Transformer Engine rejects the reuse with
+    its delayed-scaling quantizer)."""
+    lin = fp8_input_bytes(workload)
+    if workload.fp8 is None or workload.attention_backend in UNFUSED_ATTENTION:
+        return lin
+    return workload.bytes_per_element + (lin if workload.fp8_recipe == "delayed" else 0)
 
 
 def activation_bytes_per_layer(job: Job) -> int:
@@ -472,8 +503,13 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
     # Under FP8, Transformer Engine keeps each layer linear's FP8 weight and its transpose (Hopper's
-    # FP8 GEMMs take one operand layout) from the first micro-batch on: 2 bytes a parameter.
-    fp8_copies = FP8_WEIGHT_COPY_BYTES * (int(params.dense_in_layers[stage]) + expert) if workload.fp8 else 0
+    # FP8 GEMMs take one operand layout) from the first micro-batch on: 2 bytes a parameter. With
+    # --fp8-param-gather those are the weights (FP8 primary weights and their cached transpose):
+    # the 16-bit copy is gone, 2 bytes a parameter in all.
+    layer_linears = int(params.dense_in_layers[stage]) + expert
+    fp8_copies = FP8_WEIGHT_COPY_BYTES * layer_linears if workload.fp8 else 0
+    if workload.fp8_param_gather:
+        fp8_copies -= weight * layer_linears
     return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert) + fp8_copies,
                        gradient_bytes=gradient * (dense + expert), optimizer_bytes=sharded(optimizer),
                        activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,

@@ -19,6 +19,7 @@ import numpy as np
 
 from megatron_pipette.cost.comm import AllToAll, GroupLinks, expert_dispatch, group_links
 from megatron_pipette.cost.compute import StageWork, stage_work
+from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
 from megatron_pipette.cost.timing import TimeEstimate, iteration_time
 from megatron_pipette.spec.hardware import Cluster
@@ -33,8 +34,8 @@ class CostModel:
     """Time and memory of jobs on `cluster`, measured layers from `profile` where it has them."""
 
     def __init__(self, cluster: Cluster, *, profile: LayerProfile | None = None,
-                 overheads: RuntimeOverheads = DEFAULT_OVERHEADS):
-        self.cluster, self.profile, self.overheads = cluster, profile, overheads
+                 overheads: RuntimeOverheads = DEFAULT_OVERHEADS, execution: Execution = DEFAULT_EXECUTION):
+        self.cluster, self.profile, self.overheads, self.execution = cluster, profile, overheads, execution
         self._work: dict[Job, StageWork] = {}
         self._memory: dict[Job, MemoryEstimate] = {}
         self._default_links: dict[tuple, GroupLinks] = {}
@@ -77,7 +78,7 @@ class CostModel:
         fill and drain). The rest of the iteration only adds. `recompute` False leaves
         recomputation out: a bound for the job under any recomputation."""
         work = self.work(job)
-        rate = float(self.cluster.gemm_flops.max())
+        rate = float(self.cluster.sustained_gemm_flops.max())
         parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
         per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
         fill_and_drain = np.concatenate(([0.0], np.cumsum(per_chunk[:-1, 0])))   # stages before k, chunk 0
@@ -85,7 +86,8 @@ class CostModel:
 
     def time(self, job: Job, devices: np.ndarray | None = None, *, simulate: bool = False) -> TimeEstimate:
         """Predicted iteration time under the placement `devices` (None: the default order)."""
-        return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate)
+        return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate,
+                              execution=self.execution)
 
     def memory(self, job: Job) -> MemoryEstimate:
         """Peak memory of every pipeline stage against the cluster's per-device capacity (shared by

@@ -27,16 +27,20 @@ import numpy as np
 from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork, attention_input_width
+from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
 
-OPTIMIZER_BYTES_PER_PARAM = 40
-"""Memory traffic of one mixed-precision Adam step per parameter: fp32 main param, exp_avg and
-exp_avg_sq read and written (24), fp32 grad read for the norm, the clip scale and the update
-(12), the 16-bit model param written (2) and the grad buffer zeroed (2, amortised)."""
+
+def optimizer_bytes_per_param(workload: Workload) -> int:
+    """Memory traffic of one mixed-precision Adam step per parameter: the master weights and both
+    moments read and written (24 in fp32), the gradient read for the norm, the clip scale and the
+    update (12 in fp32), the 16-bit model param written (2) and the grad buffer zeroed (2,
+    amortised): 40 by default, less with the precision-aware optimizer's narrower state."""
+    return 2 * workload.optimizer_state_bytes + 3 * workload.grad_bytes + 2 * workload.bytes_per_element
 DDP_MIN_BUCKET_PARAMS = 40_000_000
 """Megatron's default bucket: max(40M, 1M x DP) parameters, first pipeline stage only."""
 
@@ -108,22 +112,26 @@ class _Stages:
     ep_comm: np.ndarray
 
 
-def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray) -> np.ndarray:
-    """Exposed seconds of collectives that each run behind one GEMM (`gemm_flops`, effective, on
-    the last axis; `rate` FLOP/s): the sum of max(0, collective - GEMM)."""
-    return np.maximum(0.0, collective_s[..., None] - gemm_flops / rate[..., None]).sum(axis=-1)
+def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, share: float = 0.0) -> np.ndarray:
+    """Seconds collectives that each run behind one GEMM (`gemm_flops`, effective, on the last axis;
+    `rate` FLOP/s) add: the part the GEMM cannot hide, max(0, collective - GEMM), and the `share`
+    of the GEMM's throughput the collective takes while it runs beside it (Execution.nccl_compute_share)."""
+    c, g = collective_s[..., None], gemm_flops / rate[..., None]
+    return (np.maximum(0.0, c - g) + share * np.minimum(c, g)).sum(axis=-1)
 
 
-def userbuffer_exposed(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, tp: int) -> np.ndarray:
+def userbuffer_exposed(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, tp: int,
+                       share: float = 0.0) -> np.ndarray:
     """Exposed seconds of collectives each pipelined with one GEMM in TP chunks (Transformer
     Engine's userbuffers, --tp-comm-overlap): a pair takes max(c, g) + min(c, g) / TP (the chunk
     that cannot overlap), so max(0, c - g) + min(c, g) / TP shows beyond the GEMM. Assumed, not
-    measured: the GEMM is taken as no slower for sharing the GPU with the collective."""
+    measured; the overlapped part takes `share` of the GEMM's throughput, as in behind_gemms."""
     c, g = collective_s[..., None], gemm_flops / rate[..., None]
-    return (np.maximum(0.0, c - g) + np.minimum(c, g) / tp).sum(axis=-1)
+    return (np.maximum(0.0, c - g) + (1 / tp + share) * np.minimum(c, g)).sum(axis=-1)
 
 
-def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.ndarray) -> tuple[np.ndarray, ...]:
+def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.ndarray,
+                      share: float) -> tuple[np.ndarray, ...]:
     """Exposed (forward, backward) seconds of one layer's context-parallel exchange, (dp x cp, pp, 1).
 
     p2p (Transformer Engine's ring, AttnFuncWithCPAndKVP2P): CP - 1 steps each pass a K/V block to
@@ -143,9 +151,9 @@ def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.nda
     gather = ring.all_gather_s(layout.cp * kv).T[:, :, None]
     if layout.cp_comm_type == "allgather":
         return gather, 2 * gather
-    share = (layout.cp - 1) / layout.cp
-    return (np.maximum(0.0, gather - share * work.core[0] / rate),
-            np.maximum(0.0, 2 * gather - share * work.core[1] / rate))
+    blocks = (layout.cp - 1) / layout.cp                   # the attention of CP - 1 blocks hides the ring
+    return (behind_gemms(gather, blocks * work.core[:1], rate, share),
+            behind_gemms(2 * gather, blocks * work.core[1:], rate, share))
 
 
 def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
@@ -158,7 +166,17 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
 
 
-def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
+def host_sync_s(job: Job, execution: Execution) -> float:
+    """Seconds the GPU idles per MoE layer forward while the all-to-all dispatcher waits on the host:
+    dropless routing over EP > 1 copies the token counts per expert to the CPU to size the
+    all-to-all (token_dispatcher.py, the cuda_sync_point before it); padding to capacity fixes the
+    sizes and never waits; the backward reuses the sizes."""
+    w = job.workload
+    waits = w.moe_token_dispatcher_type == "alltoall" and job.layout.ep > 1 and not w.moe_pad_expert_input_to_capacity
+    return execution.moe_layer_host_s if waits else 0.0
+
+
+def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
     workload, layout = job.workload, job.layout
     sp = layout.sequence_parallel
     tokens = job.tokens_per_microbatch
@@ -179,25 +197,33 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
     # the all-gather of their output gradient in the backward.
     # With --tp-comm-overlap the exposed ones are pipelined with the GEMM beside them (userbuffers).
     dgrad, wgrad = work.overlap[:, 0], work.overlap[:, 1]
+    share = execution.nccl_compute_share
+
+    def hidden(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+        return behind_gemms(collective, gemm_flops, rate, share)
+
+    def pipelined(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+        return userbuffer_exposed(collective, gemm_flops, rate, layout.tp, share)
+
     if sp:
         if layout.tp_comm_overlap:
             fprop, row_dgrad = work.userbuffer[:, 0], work.userbuffer[[1, 3], 1]     # proj's and fc2's
-            forward_ag = userbuffer_exposed(ag, fprop, rate, layout.tp)
-            mlp_ag = userbuffer_exposed(ag, fprop[2:], rate, layout.tp)
-            layer_grad_ag = userbuffer_exposed(ag, row_dgrad, rate, layout.tp)
-            mlp_grad_ag = userbuffer_exposed(ag, row_dgrad[1:], rate, layout.tp)
+            forward_ag = pipelined(ag, fprop)
+            mlp_ag = pipelined(ag, fprop[2:])
+            layer_grad_ag = pipelined(ag, row_dgrad)
+            mlp_grad_ag = pipelined(ag, row_dgrad[1:])
         else:
             forward_ag, mlp_ag, layer_grad_ag, mlp_grad_ag = ag_in + 3 * ag, 2 * ag, 2 * ag, ag
         layer_fwd = forward_ag
-        fc1_bwd = behind_gemms(ag, dgrad[1:2], rate) + behind_gemms(ag, wgrad[1:2], rate)
-        layer_bwd = (layer_grad_ag + behind_gemms(ag_in, dgrad[:1], rate) + behind_gemms(ag_in, wgrad[:1], rate)
+        fc1_bwd = hidden(ag, dgrad[1:2]) + hidden(ag, wgrad[1:2])
+        layer_bwd = (layer_grad_ag + hidden(ag_in, dgrad[:1]) + hidden(ag_in, wgrad[:1])
                      + fc1_bwd)
         mlp_fwd, mlp_bwd = mlp_ag, mlp_grad_ag + fc1_bwd
-        output_bwd = behind_gemms(ag, dgrad[2:], rate) + behind_gemms(ag, wgrad[2:], rate)
+        output_bwd = hidden(ag, dgrad[2:]) + hidden(ag, wgrad[2:])
     else:
-        mlp_fwd, mlp_bwd = ar, behind_gemms(ar, wgrad[1:2], rate)
-        layer_fwd, layer_bwd = 2 * ar, mlp_bwd + behind_gemms(ar_in, wgrad[:1], rate)
-        output_bwd = behind_gemms(ar, wgrad[2:], rate)
+        mlp_fwd, mlp_bwd = ar, hidden(ar, wgrad[1:2])
+        layer_fwd, layer_bwd = 2 * ar, mlp_bwd + hidden(ar_in, wgrad[:1])
+        output_bwd = hidden(ar, wgrad[2:])
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers + mlp_fwd * work.mlp_redone
     if workload.moe_shared_expert_intermediate_size is None:   # no dense MLP in an MoE layer: no TP collectives
@@ -205,12 +231,13 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks) -> _Stages:
         tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed
     ep_f = ep_b = np.zeros_like(tp_f)
     if work.moe_layers.any():
-        one = _dispatch(job, links)[None, :, None]
-        ep_f = ep_f + one * work.moe_layers                        # every replica of a stage alike
-        ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed + work.moe_blocks_redone)
+        one, host = _dispatch(job, links)[None, :, None], host_sync_s(job, execution)
+        redone = work.moe_recomputed + work.moe_blocks_redone      # MoE forwards run again in the backward
+        ep_f = ep_f + (one + host) * work.moe_layers               # every replica of a stage alike
+        ep_b = ep_b + one * (work.moe_layers + redone) + host * redone
     cp_f = cp_b = np.zeros_like(tp_f)
     if layout.cp > 1:
-        one_f, one_b = _context_parallel(job, work, links, rate)
+        one_f, one_b = _context_parallel(job, work, links, rate, share)
         redone = work.layers if "core_attn" in layout.selective_modules else work.recomputed_layers
         cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
@@ -249,21 +276,23 @@ def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool
                                      ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
 
 
-def _grad_bytes(workload: Workload) -> int:
-    """Megatron reduces gradients in fp32 for bf16 (accumulate_allreduce_grads_in_fp32) unless
-    --grad-reduce-in-bf16, else in the param dtype."""
-    if workload.precision == "bf16":
-        return 2 if workload.grad_reduce_in_bf16 else 4
-    return 4 if workload.precision == "fp32" else 2
-
-
-def _overlapped(total: float, window: float, buckets: int) -> float:
+def _overlapped(total: float, window: float, last: float) -> float:
     """Exposed part of a reduction issued bucket by bucket while a backward of `window` seconds
-    produces the gradients: all but the last bucket hide, as far as the window allows."""
-    return max(total / buckets, total - window * (1 - 1 / buckets))
+    produces the gradients: all but the last bucket (`last`, its share of the total) hide, as far
+    as the window allows."""
+    return max(total * last, total - window * (1 - last))
 
 
-def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, buckets: int,
+def edge_bucket_share(job: Job, params: StageParameters, buckets: int) -> float:
+    """Share of stage 0's gradients in its last bucket to reduce (and its first to all-gather):
+    an even share of its buckets, or the word embedding's, which a bucket cannot split and whose
+    gradient is complete only when the backward ends (param_and_grad_buffer builds buckets in
+    backward order, whole parameters each)."""
+    words = job.workload.padded_vocab_size(job.layout.tp) * job.workload.hidden_size // job.layout.tp
+    return max(1 / buckets, words / params.total[0])
+
+
+def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, first: float,
                           step_window: np.ndarray) -> float:
     """Exposed distributed-optimizer all-gather with --overlap-param-gather ((pp,) `ag`: each
     stage's all-gather alone); without the flag the step runs every stage's at once (max).
@@ -271,10 +300,10 @@ def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int,
     Without interleaving Megatron sets align_param_gather = False (megatron/training/arguments.py,
     "non-interleaved schedule does not support ... aligned param AG"), so no stage starts its
     all-gather before its first forward pre-hook (DistributedDataParallel._make_forward_pre_hook ->
-    finish_param_sync dispatches it): stage 0 waits for its first bucket and prefetches the rest
-    behind its first forward (F_0); every later stage (one bucket: bucketing is for the first stage
-    only) waits for all of its own, and the pipeline fill waits for each in turn:
-    max(AG_0 - F_0, AG_0 / buckets) + sum over r >= 1 of AG_r.
+    finish_param_sync dispatches it): stage 0 waits for its first bucket (`first`, its share) and
+    prefetches the rest behind its first forward (F_0); every later stage (one bucket: bucketing is
+    for the first stage only) waits for all of its own, and the pipeline fill waits for each in turn:
+    max(AG_0 - F_0, AG_0 x first) + sum over r >= 1 of AG_r.
     Interleaved (align_param_gather): the schedule dispatches every stage's first chunks at once
     (forward_backward_pipelining_with_interleaving, param_sync_func), so later stages hide theirs
     behind the pipeline fill and stage 0 waits for its first bucket. With
@@ -283,9 +312,9 @@ def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int,
     seconds more: the rest of each stage's optimizer step."""
     fill_f = stages.times.forward_s[crit].sum(axis=1)
     if name != "interleaved":
-        return float(max(ag[0] - fill_f[0], ag[0] / buckets) + ag[1:].sum())
+        return float(max(ag[0] - fill_f[0], ag[0] * first) + ag[1:].sum())
     fill = np.concatenate([[0.0], np.cumsum(fill_f + stages.times.fwd_comm_s[crit])[:-1]])
-    waits = np.concatenate([[ag[0] / buckets], ag[1:] - fill[1:]]) - step_window
+    waits = np.concatenate([[ag[0] * first], ag[1:] - fill[1:]]) - step_window
     return float(np.maximum(0.0, waits).max())
 
 
@@ -309,9 +338,10 @@ def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> n
 
 
 def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
-                params: StageParameters, optimizer_s: np.ndarray) -> tuple[np.ndarray, float]:
+                params: StageParameters, optimizer_s: np.ndarray, share: float) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
-    exposed parameter all-gather of the distributed optimizer.
+    exposed parameter all-gather of the distributed optimizer, with what the hidden part of both
+    takes from the compute beside it (`share`, Execution.nccl_compute_share: the busiest rank's).
 
     With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
     reduction with its last backward, bucket by bucket; later stages start theirs when they
@@ -326,40 +356,46 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
         return np.zeros(layout.pp), 0.0
     ring, dopt = links.data, layout.use_distributed_optimizer
 
-    def both(collective: str, per_param: int) -> np.ndarray:
-        """(pp,) the dense and the expert collective of each stage (worst TP rank's group)."""
-        out = getattr(ring, collective)(params.dense[:, None] * per_param).max(axis=1)
-        return out + (getattr(experts.data, collective)(params.expert * per_param) if experts else 0.0)
+    def both(collective: str, per_param: int, fp8_layers: bool = False) -> np.ndarray:
+        """(pp,) the dense and the expert collective of each stage (worst TP rank's group);
+        `fp8_layers`: the layers' linear weights move in one byte (--fp8-param-gather)."""
+        dense = params.dense * per_param - (params.dense_in_layers * (per_param - 1) if fp8_layers else 0)
+        out = getattr(ring, collective)(dense[:, None]).max(axis=1)
+        expert = params.expert * (1 if fp8_layers else per_param)
+        return out + (getattr(experts.data, collective)(expert) if experts else 0.0)
 
-    reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", _grad_bytes(workload))
+    reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", workload.grad_bytes)
     buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
+    edge = edge_bucket_share(job, params, buckets)
     backward = stages.times.backward_s[crit]                                    # (p, v)
     exposed = reduce.copy()
     if layout.overlap_grad_reduce:
         if name == "interleaved":
             exposed = interleaved_grad_sync_exposed(reduce, backward)
         else:
-            exposed[0] = _overlapped(reduce[0], backward[0, 0], buckets)
+            exposed[0] = _overlapped(reduce[0], backward[0, 0], edge)
+    contention = share * float((reduce - exposed).max())
     gather = 0.0
     if dopt:
-        ag = both("all_gather_s", workload.bytes_per_element)
+        ag = both("all_gather_s", workload.bytes_per_element, workload.fp8_param_gather)
         # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
         window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
             else np.zeros(layout.pp)
-        gather = _param_gather_exposed(ag, name, stages, crit, buckets, window) if layout.overlap_param_gather \
+        gather = _param_gather_exposed(ag, name, stages, crit, edge, window) if layout.overlap_param_gather \
             else float(ag.max())
-    return exposed, gather
+        contention += share * max(0.0, float(ag.max()) - gather)
+    return exposed, gather + contention
 
 
 def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
-                   simulate: bool = False) -> TimeEstimate:
+                   simulate: bool = False, execution: Execution = DEFAULT_EXECUTION) -> TimeEstimate:
     """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
     workload, layout = job.workload, job.layout
     assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
         "links are for another grid"
-    stages = _stage_times(job, work, links)
+    stages = _stage_times(job, work, links, execution)
     m, v = job.num_microbatches, job.virtual_stages
     name = schedules.schedule_name(layout.pp, v)
     pipe = _run_schedule(name, stages.times, m, simulate)
@@ -367,14 +403,15 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     t_pipe = float(pipe.total_s[crit])
     params = stage_parameters(job)
     shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
-    optimizer_s = (params.dense / shards[0] + params.expert / shards[1]) * OPTIMIZER_BYTES_PER_PARAM \
+    optimizer_s = (params.dense / shards[0] + params.expert / shards[1]) * optimizer_bytes_per_param(workload) \
         / cluster.memory_bandwidth_Bps
-    exposed, gather = _dp_exposed(job, links, name, stages, crit, params, optimizer_s)
+    exposed, gather = _dp_exposed(job, links, name, stages, crit, params, optimizer_s,
+                                  execution.nccl_compute_share)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
     t_sync = t_dp
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
-        words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * _grad_bytes(workload)
+        words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * workload.grad_bytes
         t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
     optimizer = float(optimizer_s.max())
     total = t_sync + gather + optimizer

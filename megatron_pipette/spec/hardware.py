@@ -50,6 +50,10 @@ class GPU:
     """Other names for it (device names as torch reports them)."""
     large_gemm_efficiency: dict[str, float] = field(default_factory=dict, hash=False)
     """Measured rate of an 8192^3 GEMM over the dense peak, per precision (where measured)."""
+    sustained_gemm_fraction: float = 1.0
+    """The GEMM rate a training step sustains (clocks settled under the power limit) over the short
+    burst the large-GEMM figure, the GEMM tables and the probe measure; 1 where the catalog rate
+    already is a sustained one (calibrated on training runs) or nothing is known."""
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -67,7 +71,8 @@ def gpu_catalog() -> dict[str, GPU]:
                   memory_bandwidth_Bps=float(entry["memory_bandwidth_Bps"]),
                   peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
                   aliases=tuple(entry.get("aliases", ())),
-                  large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()})
+                  large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()},
+                  sustained_gemm_fraction=float(entry.get("sustained_gemm_fraction", 1.0)))
         for name in (gpu.name, *gpu.aliases):
             catalog[name.lower()] = gpu
     return catalog
@@ -180,6 +185,12 @@ class Cluster:
         assert self.node_class.shape == (self.num_nodes,) and self.node_class.max() < len(self.intra_node)
         assert self.inter_node.size == self.num_nodes
         assert self.domain_of_node is None or self.domain_of_node.shape == (self.num_nodes,)
+
+    @property
+    def sustained_gemm_flops(self) -> np.ndarray:
+        """(N,) the GEMM rate each device holds through a training step (GPU.sustained_gemm_fraction
+        of the burst rate gemm_flops)."""
+        return self.gemm_flops * (1.0 if self.gpu is None else self.gpu.sustained_gemm_fraction)
 
     @property
     def world_size(self) -> int:

@@ -27,6 +27,9 @@ MOE_DISPATCHERS = ("allgather", "alltoall")
 """--moe-token-dispatcher-type values the cost model prices (flex runs DeepEP-style kernels it does not)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
+OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+"""Dtypes --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
+(megatron/training/arguments.py) and their bytes per element."""
 """--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
 per-block scales and kernels of their own)."""
 FLAGS = {"fp8": "--fp8-format"}
@@ -112,6 +115,21 @@ class Workload:
     through Transformer Engine, the rest in the training dtype; None: no FP8."""
     fp8_recipe: str = "delayed"
     """--fp8-recipe: delayed or tensorwise (per-tensor) scaling."""
+    fp8_param_gather: bool = False
+    """--fp8-param-gather: the layers' linear weights are kept in FP8 (Transformer Engine's FP8
+    primary weights: 1 byte, plus the transpose Hopper's FP8 GEMMs need) instead of 16-bit weights
+    and their FP8 copies, and the distributed optimizer all-gathers them in FP8."""
+    use_precision_aware_optimizer: bool = False
+    """--use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the optimizer state in
+    the dtypes below and reads the gradients in their own dtype (no fp32 copy for the step)."""
+    main_params_dtype: str = "fp32"
+    """--main-params-dtype: the optimizer's master copy of the weights (fp32 or fp16)."""
+    main_grads_dtype: str = "fp32"
+    """--main-grads-dtype: the gradients the optimizer reads (fp32 or bf16)."""
+    exp_avg_dtype: str = "fp32"
+    """--exp-avg-dtype: Adam's first moment (fp32, fp16, bf16 or fp8)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """--exp-avg-sq-dtype: Adam's second moment (fp32, fp16, bf16 or fp8)."""
     num_experts: int | None = None
     """--num-experts: routed experts in each MoE layer; None: a dense model."""
     moe_router_topk: int = 2
@@ -128,6 +146,9 @@ class Workload:
     """--moe-pad-expert-input-to-capacity: every expert computes its full capacity."""
     moe_token_dispatcher_type: str = "allgather"
     """--moe-token-dispatcher-type: allgather (over TP x EP) or alltoall (over EP)."""
+    moe_router_dtype: str | None = None
+    """--moe-router-dtype: fp32 or fp64 router logits, and so routing probabilities (kept for the
+    experts' weighted activation); None: the training dtype."""
     name: str = "custom"
     """A label for reports; not a Megatron flag."""
 
@@ -169,6 +190,9 @@ class Workload:
             self._check_moe()
         if self.fp8 is not None:
             self._check_fp8()
+        elif self.fp8_param_gather:
+            raise PipetteError("--fp8-param-gather needs --fp8-format (the weights it gathers are FP8)")
+        self._check_optimizer()
 
     def _check_fp8(self) -> None:
         if self.fp8 not in FP8_FORMATS:
@@ -177,6 +201,17 @@ class Workload:
             raise PipetteError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.precision not in ("bf16", "fp16"):
             raise PipetteError(f"--fp8-format {self.fp8} needs --bf16 or --fp16 (FP8 GEMMs keep 16-bit weights)")
+
+    def _check_optimizer(self) -> None:
+        dtypes = {"main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16"),
+                  "exp_avg_dtype": tuple(OPTIMIZER_DTYPES), "exp_avg_sq_dtype": tuple(OPTIMIZER_DTYPES)}
+        for field, allowed in dtypes.items():
+            value = getattr(self, field)
+            if value not in allowed:
+                raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, got {value!r}")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise PipetteError(f"{megatron_flag(field)} {value} needs --use-precision-aware-optimizer "
+                                   "(as in Megatron)")
 
     def _check_moe(self) -> None:
         for field in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
@@ -193,6 +228,8 @@ class Workload:
             raise PipetteError(f"--moe-expert-capacity-factor must be positive, got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise PipetteError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
         if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
             raise PipetteError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
                                "(megatron-core's shared experts have no biases)")
@@ -228,6 +265,36 @@ class Workload:
     @property
     def bytes_per_element(self) -> int:
         return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes per parameter of the optimizer's state: the master weights and Adam's two moments.
+        The precision-aware optimizer hands the master weights to Transformer Engine's FusedAdam
+        unless FP8 tensorwise weights need megatron-core's own fp32 copy (optimizer_config.py,
+        use_precision_aware_optimizer_no_fp8_or_ds_fp8); FusedAdam then keeps only the 16 bits an
+        fp32 master adds to a bf16 weight (store_param_remainders)."""
+        moments = OPTIMIZER_DTYPES[self.exp_avg_dtype] + OPTIMIZER_DTYPES[self.exp_avg_sq_dtype]
+        if self.precision == "fp32":
+            return moments
+        master = OPTIMIZER_DTYPES[self.main_params_dtype]
+        if self.te_holds_master_weights and self.main_params_dtype == "fp32" and self.precision == "bf16":
+            master = 2
+        return master + moments
+
+    @property
+    def te_holds_master_weights(self) -> bool:
+        """Transformer Engine's FusedAdam keeps the master weights and reads the gradients in place."""
+        return self.use_precision_aware_optimizer and (
+            self.main_params_dtype != "fp32" or self.fp8 is None or self.fp8_recipe == "delayed")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of Megatron's gradient buffer (each parameter's main_grad, which the
+        weight-gradient GEMMs accumulate into and data parallelism reduces): fp32 under --bf16
+        (grad_reduce_in_fp32) unless --grad-reduce-in-bf16, else the parameters' dtype."""
+        if self.precision == "bf16":
+            return 2 if self.grad_reduce_in_bf16 else 4
+        return 4 if self.precision == "fp32" else 2
 
     @property
     def max_positions(self) -> int:

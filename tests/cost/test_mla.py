@@ -61,12 +61,13 @@ def test_linears_and_core_attention_work():
 def test_kept_activations_hold_whole_latents_without_sequence_parallelism():
     """Per token, bf16, TP t: the layer norms' and the down and fc1 linears' inputs (4 h, sharded
     by SP only), the latents and their normed copies (q + kv + r, q + kv; sharded by SP only),
-    every head's query and key, the up projection's output that V views, the output projection's
-    input ((2 a dq + a (qk + v) + a v) / t) and SwiGLU's fc1 output and fc2 input (3 f / t)."""
+    every head's query and key and its value (a copy out of the up projection's output, which is
+    freed: megatron-core's fused MLA RoPE, or .contiguous()), the output projection's input
+    ((2 a dq + a v + a v) / t) and SwiGLU's fc1 output and fc2 input (3 f / t)."""
     w, e, n, h, a, f = SMALL, 2, 128, 256, 8, 512
     dq, dv = 48, 24
     latents = (96 + 64 + 16) + (96 + 64)
-    heads = 2 * a * dq + a * (32 + dv) + a * dv
+    heads = 2 * a * dq + a * dv + a * dv
 
     def expected(t, sp):
         return e * n * (4 * h // sp + latents // sp) + e * n * (heads + 3 * f) // t

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_pipette.cost import experts
+from megatron_pipette.cost.execution import Execution
 from megatron_pipette.cost.memory import activation_bytes_per_layer, estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
@@ -104,8 +105,9 @@ def test_layernorm_on_a_dense_model_is_taken_to_change_nothing():
 
 def test_moe_recomputation_dispatches_again():
     """moe redoes the whole MoE block, its all-to-all dispatch and combine included: the forward's
-    once more in the backward, so the expert-parallel communication grows by half."""
-    model = CostModel(H100x8)
+    once more in the backward, so the expert-parallel communication grows by half (without the
+    dispatcher's host wait, which only the forwards have)."""
+    model = CostModel(H100x8, execution=Execution())
     kw = dict(expert_model_parallel_size=8, data_parallel_size=8)
     core, moe = (model.time(job(MOE, modules=m, **kw)).breakdown for m in (("core_attn",), ("core_attn", "moe")))
     assert moe.ep_comm_s == pytest.approx(1.5 * core.ep_comm_s, rel=1e-12)

@@ -1,0 +1,252 @@
+"""Predict NVIDIA's published H100 runs at their own layouts and settings; print every row.
+
+    python benchmarks/published_runs_h100.py [--out benchmarks/results/published_h100-DATE] [--no-search]
+
+Why: the planner is only worth trusting if it agrees with what NVIDIA runs today. The rows
+(benchmarks/published_runs_h100.json, a copy of the team's development set: NeMo 24.07,
+Megatron-Bridge 25.09-26.04 and the Megatron-LM README's H100 table) give each run's model flags,
+published layout, global batch, measured tokens/s/GPU, and the Megatron flags its recipe resolves
+to (field `recipe`). Each row is priced the way a user would price it: `pipette estimate` (its
+parser and functions, called in-process) with the published layout, the distributed optimizer and
+the data-parallel overlaps every one of these runs used, the recipe's flags (and, for runs made from
+a Megatron-Bridge recipe, the environment it sets: NVLS off, expandable allocator segments); then
+`pipette plan` with the same model and settings and no layout
+(the free search), for its pick and predicted gain over the published layout.
+
+Bars (issue: predictions that agree with what NVIDIA runs): mean |error| <= 10%, signed mean within
++-5%, no run beyond 25%; every published layout predicted to fit; MoE runs' median free-search gain
+within 5%. Other published runs are kept apart and scored outside this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_pipette.cli.args import (
+    DEFAULT_MODEL,
+    check_megatron_flags,
+    cluster_from_args,
+    layout_constraints,
+    overheads_from_environment,
+    split_megatron_flags,
+    workload_from_args,
+)
+from megatron_pipette.cli.main import build_parser
+from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
+from megatron_pipette.cost.memory import RuntimeOverheads
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.plan.planner import evaluate, plan
+from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout, check_user_layout
+from megatron_pipette.spec.workload import Workload
+from megatron_pipette.units import GiB
+
+DATA = Path(__file__).with_name("published_runs_h100.json")
+OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+"""Every run of the set trained with the distributed optimizer and both data-parallel overlaps (the
+NeMo and Megatron-Bridge defaults; the Megatron-LM README's runs name them in its scripts)."""
+MEAN_BAR, SIGNED_BAR, WORST_BAR, GAIN_BAR = 0.10, 0.05, 0.25, 0.05
+PRECISION = {"bf16": ["--bf16"], "fp8 hybrid, delayed scaling": ["--bf16", "--fp8-format", "hybrid",
+                                                                    "--fp8-recipe", "delayed"]}
+
+
+def base_argv(row: dict) -> list[str]:
+    """The run's model, cluster, batch and precision flags."""
+    return [*row["model_flags"], "--seq-length", str(row["seq_length"]),
+            "--global-batch-size", str(row["global_batch_size"]), *PRECISION[row["precision"]],
+            "--cluster", row["cluster"], "--num-nodes", str(row["gpus"] // row["gpus_per_node"]),
+            "--gpus-per-node", str(row["gpus_per_node"])]
+
+
+def recipe_flags(row: dict) -> tuple[list[str], list[str]]:
+    """The recipe's Megatron flags the planner prices: the row's `megatron_flags`, and of the
+    settings the set lists as not expressible (each "FLAGS: why"), those the planner now models;
+    and the ones it still refuses, by their flags."""
+    flags, left = list(row["recipe"]["megatron_flags"]), []
+    for entry in row["recipe"]["not_expressible"]:
+        words = entry.split(":")[0].split() if entry.startswith("--") else []
+        try:
+            check_user_layout(Layout(**build([*base_argv(row), *flags, *words,
+                                              *layout_argv(row["published_layout"])]).fields))
+        except (PipetteError, Infeasible):
+            words = []
+        (flags.extend(words) if words else left.append(entry.split(":")[0]))
+    return flags, left
+
+
+def model_argv(row: dict, recipe: bool) -> list[str]:
+    """The run's flags, with its recipe's where `recipe`."""
+    return [*base_argv(row), *(recipe_flags(row)[0] if recipe else [])]
+
+
+def layout_argv(layout: dict) -> list[str]:
+    """The published layout as Megatron flags."""
+    words = ["--tensor-model-parallel-size", str(layout["tp"]), "--pipeline-model-parallel-size", str(layout["pp"]),
+             "--context-parallel-size", str(layout["cp"])]
+    if layout["micro_batch_size"] is not None:
+        words += ["--micro-batch-size", str(layout["micro_batch_size"])]
+    if layout["ep"] > 1:
+        words += ["--expert-model-parallel-size", str(layout["ep"])]
+    if layout["etp"] is not None:
+        words += ["--expert-tensor-parallel-size", str(layout["etp"])]
+    if layout["num_layers_per_virtual_pipeline_stage"]:
+        words += ["--num-layers-per-virtual-pipeline-stage", str(layout["num_layers_per_virtual_pipeline_stage"])]
+    if layout["pipeline_model_parallel_layout"]:
+        words += ["--pipeline-model-parallel-layout", layout["pipeline_model_parallel_layout"]]
+    if layout["account_for_embedding_and_loss_in_pipeline_split"]:
+        words += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    if layout["tp"] > 1:     # NeMo's and Megatron-Bridge's recipes turn sequence parallelism on with TP
+        words += ["--sequence-parallel"]
+    return words
+
+
+@dataclass(frozen=True)
+class Priced:
+    """What the CLI would build from a row's flags: the model, the cluster, the typed layout."""
+
+    workload: Workload
+    cluster: Cluster
+    fields: dict
+    overheads: RuntimeOverheads
+
+
+def environment(row: dict, recipe: bool) -> dict[str, str]:
+    """The environment NVIDIA's Megatron-Bridge recipes launch with (COMMON_RECIPE_ENV_VARS: NVLS
+    off, expandable allocator segments), for the rows run from one; the others' is not published."""
+    if not recipe or row["recipe"]["function"] is None:
+        return {}
+    return {"NCCL_NVLS_ENABLE": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def build(argv: list[str], env: dict[str, str] | None = None) -> Priced:
+    """The row's flags read as `pipette estimate` reads them (its parser, its Megatron-flag check),
+    in the job environment `env`."""
+    ns, leftovers = build_parser().parse_known_args(["estimate", *argv])
+    megatron, unknown = split_megatron_flags(leftovers)
+    if unknown:
+        raise PipetteError(f"not a Megatron flag: {' '.join(unknown)}")
+    check_megatron_flags(megatron)
+    workload = workload_from_args(ns, DEFAULT_MODEL)
+    return Priced(workload=workload, cluster=cluster_from_args(ns, workload.precision, env or {}),
+                  fields=layout_constraints(ns), overheads=overheads_from_environment(env or {}))
+
+
+def with_execution(cluster: Cluster, sustained: float | None) -> Cluster:
+    """The cluster with its GPU's sustained GEMM fraction replaced (for fitting it)."""
+    if sustained is None:
+        return cluster
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, sustained_gemm_fraction=sustained))
+
+
+def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,
+           sustained: float | None = None) -> dict:
+    """Time and memory of the published layout; where its micro-batch size is not published, of
+    the fastest fitting one (and interleaving) the search finds with the rest fixed."""
+    try:
+        priced = build([*model_argv(row, recipe), *layout_argv(row["published_layout"]), *OVERLAPS],
+                       environment(row, recipe))
+        model = CostModel(with_execution(priced.cluster, sustained), execution=execution, overheads=priced.overheads)
+        if row["published_layout"]["micro_batch_size"] is None:
+            result = plan(priced.workload, model, constraints=priced.fields, top_k=1)
+            if result.best is None:
+                return {"error_message": "no layout fits"}
+            time, memory = result.best.time, result.best.memory
+        else:
+            fields = priced.fields
+            shards = fields["tensor_model_parallel_size"] * fields["pipeline_model_parallel_size"] * \
+                fields["context_parallel_size"]
+            layout = Layout(**fields, data_parallel_size=priced.cluster.world_size // shards)
+            time, memory = evaluate(model, resolve_job(priced.workload, layout, priced.cluster.world_size))
+    except (PipetteError, Infeasible) as e:
+        return {"error_message": str(e)}
+    return {"predicted_s": time.iteration_time_s, "error": time.iteration_time_s / row["iteration_time_s"] - 1,
+            "fits": memory.fits, "peak_gib": memory.peak_bytes / GiB, "capacity_gib": memory.capacity_bytes / GiB,
+            "headroom": 1 - memory.peak_bytes / memory.capacity_bytes, "breakdown_s": time.breakdown.as_dict()}
+
+
+def searched(row: dict, predicted_s: float | None) -> dict:
+    """The free search's pick for the row's model and settings (no layout flag), and its predicted
+    gain over the published layout."""
+    try:
+        priced = build(model_argv(row, recipe=True), environment(row, True))
+        best = plan(priced.workload, CostModel(priced.cluster, overheads=priced.overheads), top_k=1).best
+    except (PipetteError, Infeasible) as e:
+        return {"search_error": str(e)}
+    if best is None:
+        return {"search_error": "no layout fits"}
+    out = {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args())}
+    if predicted_s is not None:
+        out["search_gain"] = predicted_s / best.time.iteration_time_s - 1
+    return out
+
+
+def summary(rows: list[dict], key: str) -> dict:
+    priced = [r[key] for r in rows if "error" in r[key]]
+    errors = np.array([p["error"] for p in priced])
+    gains = [r["search"]["search_gain"] for r in rows if r["moe"] and "search_gain" in r.get("search", {})]
+    return {"runs": len(rows), "priced": len(priced), "mean_abs_error": float(np.abs(errors).mean()),
+            "mean_error": float(errors.mean()), "worst_error": float(errors[np.argmax(np.abs(errors))]),
+            "beyond_25pct": int((np.abs(errors) > WORST_BAR).sum()),
+            "predicted_not_to_fit": sum(not p["fits"] for p in priced),
+            "fits_within_2pct": sum(p["fits"] and p["headroom"] < 0.02 for p in priced),
+            "moe_median_search_gain": float(np.median(gains)) if gains else None}
+
+
+def is_moe(row: dict) -> bool:
+    return "--num-experts" in row["model_flags"] or "deepseek-v3-like" in row["model_flags"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="folder for results.json (default: print only)")
+    p.add_argument("--no-search", action="store_true", help="skip the free search (faster)")
+    ns = p.parse_args(argv)
+    rows = []
+    print(f"{'run':<26} {'measured s':>10} {'no recipe':>9} {'predicted s':>11} {'error':>7} "
+          f"{'peak GiB':>8}  {'search gain':>11}  search pick")
+    for row in json.loads(DATA.read_text())["rows"]:
+        plain, recipe = pinned(row, recipe=False), pinned(row, recipe=True)
+        search = {} if ns.no_search else searched(row, recipe.get("predicted_s"))
+        rows.append({"id": row["id"], "measured_s": row["iteration_time_s"], "moe": is_moe(row), "plain": plain,
+                     "recipe": recipe, "search": search, "recipe_flags": recipe_flags(row)[0],
+                     "recipe_not_priced": recipe_flags(row)[1]})
+        if "error" not in recipe:
+            print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f}  {recipe['error_message']}")
+            continue
+        fits = " OOM" if not recipe["fits"] else " <2%" if recipe["headroom"] < 0.02 else ""
+        gain = f"{search['search_gain']:+.1%}" if "search_gain" in search else search.get("search_error", "")
+        print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f} {plain.get('error', float('nan')):>+9.1%} "
+              f"{recipe['predicted_s']:>11.3f} {recipe['error']:>+7.1%} {recipe['peak_gib']:>7.1f}{fits:<4} "
+              f"{gain:>11}  {search.get('search_layout', '')}", flush=True)
+    result = {"date": datetime.date.today().isoformat(),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(),
+              "bars": {"mean_abs_error": MEAN_BAR, "signed_mean": SIGNED_BAR, "worst": WORST_BAR,
+                       "moe_median_search_gain": GAIN_BAR},
+              "summary": {k: summary(rows, k) for k in ("plain", "recipe")}, "rows": rows}
+    for name, s in result["summary"].items():
+        median = s["moe_median_search_gain"]
+        gain = "" if median is None else f", MoE median search gain {median:+.1%}"
+        print(f"{name:>7}: {s['priced']}/{s['runs']} priced, mean |error| {s['mean_abs_error']:.1%} "
+              f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond 25%, "
+              f"{s['predicted_not_to_fit']} predicted not to fit, {s['fits_within_2pct']} within 2% of capacity{gain}")
+    if ns.out:
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
