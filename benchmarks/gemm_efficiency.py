@@ -219,15 +219,18 @@ def gemm_step(g: Gemm, device: torch.device) -> Callable[[Callable[[], None]], o
     return step
 
 
-def nvidia_smi() -> str | None:
-    """Clocks, power and temperature as the driver reports them (None where unreadable)."""
-    query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu"
+NVIDIA_SMI_QUERY = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu"
+
+
+def nvidia_smi(query: str = NVIDIA_SMI_QUERY) -> str | None:
+    """Clocks, power and temperature as the driver reports them, CSV with a header (None where
+    unreadable, or where the driver knows no field of `query`)."""
     try:
         proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True,
                               text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return proc.stdout.strip() or None
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
 def device_metadata(device: torch.device) -> dict:

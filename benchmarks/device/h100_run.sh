@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GEMM efficiency table, causal attention, megatron-core layer
-# profiles with their comparison to the roofline; everything lands in $OUT (README.md here).
+# profiles with their comparison to the roofline; or (cost_check.sh) the planner's prices held
+# against the GPU: sustained GEMM, grouped and skinny GEMMs, one Megatron training step.
+# Everything lands in $OUT (README.md here).
 #
 #   bash benchmarks/device/h100_run.sh                        # on the GPU machine, from the repo root
 #   OUT=/tmp/out DEVICE_DRY_RUN=1 bash benchmarks/device/h100_run.sh   # locally: CPU, tiny shapes
@@ -10,6 +12,8 @@
 # PARTS (default "gemm attention profile") picks parts; GEMM_BUDGET_S, ATTENTION_BUDGET_S
 # and PROFILE_SCALE (multiplies each profile's budget) trade them off; GEMM_TOKENS (e.g.
 # "2048 16384") picks the GEMM table's token counts, to finish one a first run cut short.
+# The cost-check parts (sustained grouped skinny train) take SUSTAIN_S (per dtype),
+# GROUPED_BUDGET_S, SKINNY_BUDGET_S and TRAIN_LIMIT_S.
 set -u -o pipefail
 
 START=$(date +%s)
@@ -20,6 +24,11 @@ GEMM_S=${GEMM_BUDGET_S:-180}
 ATTENTION_S=${ATTENTION_BUDGET_S:-35}
 PROFILE_SCALE=${PROFILE_SCALE:-1}
 PROFILE_SETUP_S=25  # per profile beyond its budget: imports, process group, first compile
+SUSTAIN_S=${SUSTAIN_S:-60}
+GROUPED_S=${GROUPED_BUDGET_S:-40}
+SKINNY_S=${SKINNY_BUDGET_S:-20}
+TRAIN_S=${TRAIN_LIMIT_S:-150}
+CHECK_SETUP_S=30    # per cost-check part beyond its budget: imports, operands, the JSON
 PYTHON=${PYTHON:-python3}
 : "${OUT:?set OUT to the folder for the results}"
 mkdir -p "$OUT"
@@ -114,6 +123,30 @@ rows = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[
 pathlib.Path(sys.argv[2]).write_text(json.dumps(rows, indent=1) + "\n")
 EOF
         rm -rf "$cmp"
+    fi
+    local check=benchmarks/device/cost_check.py window=5 dry_flag=
+    [[ $DRY == 1 ]] && { SUSTAIN_S=3 window=1 dry_flag=--dry-run; }
+    if wants sustained; then
+        say "sustained GEMM (${SUSTAIN_S} s per dtype)"
+        step $((2 * SUSTAIN_S + CHECK_SETUP_S)) "$PYTHON" $check sustained $dry_flag --duration-s "$SUSTAIN_S" \
+            --window-s $window --out "$OUT/sustained.json"
+    fi
+    if wants grouped; then
+        say "grouped GEMMs (budget ${GROUPED_S} s)"
+        step $((GROUPED_S + CHECK_SETUP_S)) "$PYTHON" $check grouped $dry_flag --budget-s "$GROUPED_S" \
+            --out "$OUT/grouped.json"
+    fi
+    if wants skinny; then
+        say "skinny GEMMs (budget ${SKINNY_S} s)"
+        step $((SKINNY_S + CHECK_SETUP_S)) "$PYTHON" $check skinny $dry_flag --budget-s "$SKINNY_S" \
+            --out "$OUT/skinny.json"
+    fi
+    if wants train; then
+        local limit=$TRAIN_S room=$(($(left) - 20))   # 20 s for the recap
+        ((limit > room)) && limit=$room
+        say "one Megatron training step (limit ${limit} s)"
+        # Megatron gets the limit less the time to price, parse and write around it.
+        step "$limit" "$PYTHON" $check train $dry_flag --budget-s $((limit - 20)) --out "$OUT/train.json"
     fi
     say "recap"
     "$PYTHON" benchmarks/device/recap.py "$OUT"

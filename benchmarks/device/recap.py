@@ -4,7 +4,8 @@
 
 Why: only the end of the run's output comes back with the files; this puts the figures
 that matter in a few lines there: the GEMM table's summary and fit, attention's
-measured/modelled time ratios, and each layer profile's measured/modelled ratios.
+measured/modelled time ratios, each layer profile's measured/modelled ratios, and the cost
+check's measured/predicted figures (cost_check.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cost_check import recap as cost_check_lines  # noqa: E402
 from gemm_efficiency import summary  # noqa: E402
 
 
@@ -74,6 +76,8 @@ def main(out: Path) -> int:
     for path in sorted(out.glob("profile_*.json")):
         name = path.stem.removeprefix("profile_")
         print("\n".join(profile_lines(name, load(path), compare.get(name))))
+    for line in cost_check_lines(out):
+        print(line)
     for path in sorted(out.iterdir()):
         print(f"{path.name:>28} {path.stat().st_size / 2**20:8.2f} MiB")
     return 0

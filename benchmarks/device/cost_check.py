@@ -1,0 +1,460 @@
+"""The planner's GPU prices held against one GPU, one part at a time.
+
+    python benchmarks/device/cost_check.py PART --out FILE.json [--dry-run] [--gpu NAME]
+
+Why: the GEMM table was measured in short bursts (5-30 runs of a few ms each, L2 flushed), the
+MoE experts are priced as one merged GEMM of all their rows, GEMMs with a small dimension are
+priced from the table clamped at 128, and a whole training step has only been predicted on a
+GPU, never timed there. Each part measures one of these and writes its rows as it goes, each with
+`measured`, `predicted` (the planner's price, from the functions the planner itself calls) and
+their `ratio`, plus `meta` (GPU, versions, clocks).
+
+Parts:
+  sustained  an 8192^3 GEMM, bf16 (torch.matmul) and fp8 (torch._scaled_mm), back to back for
+             --duration-s each: TFLOP/s per --window-s window of device time, over the first
+             second (the short burst), and over the whole run, against the planner's price of
+             that GEMM (cluster.gemm_flops x the table's efficiency at 8192^3, 0.85 in bf16) and
+             against the catalog's 8192^3 rate itself (gemm_flops: measured in short bursts);
+             nvidia-smi's SM clock, power and throttle reasons sampled every window.
+  grouped    MoE expert GEMMs (forward fc1 and fc2, SwiGLU) of E local experts x rows each: a
+             loop of per-expert matmuls (what the local spec's SequentialMLP runs),
+             torch._grouped_mm where this torch has it, and the one merged GEMM of E x rows rows
+             the planner prices (cost.experts: gemm_work(curve, rows, n, k, E)), against that
+             price and against the roofline max(FLOPs / dense peak, bytes / HBM bandwidth).
+  skinny     GEMMs with K of 64-256 and large M, N, and with M of 16-256: measured against the
+             roofline and the planner's price.
+  train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
+             2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
+             Megatron falls back to without Apex or TE, mock data) through
+             examples/pretrain_gpt.py under torchrun: the median iteration time after warm-up
+             and the last `max allocated` Megatron reports, against `pipette estimate` on a
+             one-GPU cluster of this GPU given the same flags (allocated peak = predicted peak
+             less the runtime overheads: CUDA context, NCCL, fragmentation, which sit outside
+             torch's allocated count).
+GEMM timing is gemm_efficiency.py's (CUDA events, L2 flushed before each run, median of 5-30).
+`--dry-run` runs tiny shapes for a second or two on the CPU, priced as if on an H100, to check
+the script: its ratios mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
+
+from megatron_pipette.cli.main import main as pipette  # noqa: E402
+from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, gemm_work  # noqa: E402
+from megatron_pipette.errors import PipetteError  # noqa: E402
+from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
+
+PRESET = "dgx-h100"
+"""The preset a one-GPU cluster is made from; with one GPU only its --gpu entry prices anything."""
+STAND_IN = "H100-80GB"
+"""What a dry run on the CPU is priced as."""
+SMI_QUERY = "clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
+MOE_SHAPES = ((2048, 768), (4096, 1536), (7168, 2048))
+"""(hidden, expert ffn): Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3."""
+EXPERTS, ROWS = (8, 32, 4), (512, 2048, 128)
+"""Local experts and rows per expert, in measuring order (a budget cut drops the last)."""
+SKINNY = [(m, m, k) for m in (8192, 16384) for k in (64, 128, 256)] + \
+         [(m, n, k) for m in (16, 64, 256) for n, k in ((8192, 8192), (14336, 4096))]
+"""(m, n, k): small K with large M and N, then small M (one weight read for few rows)."""
+QUICK = dict(n=256, moe_shapes=((64, 24), (128, 48)), experts=(4, 2), rows=(16, 32),
+             skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3))
+"""The dry run's shapes, and its (warm-up, timed) training iterations."""
+TRAIN_MODEL = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+               "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8")
+TRAIN_TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+              "--max-position-embeddings 64 --vocab-size 1000 --micro-batch-size 2 --global-batch-size 4")
+TRAIN_COMMON = ("--bf16 --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
+                "--no-masked-softmax-fusion --mock-data --tokenizer-type NullTokenizer --num-workers 0 "
+                "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1 "
+                "--log-interval 1 --eval-iters 0 --eval-interval 100000")
+"""No Transformer Engine or Apex on the GPU machine: the local spec, and no fusion that needs them."""
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: "
+                    r"([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
+PARAMETERS = re.compile(r"number of parameters on .*?: (\d+)")
+MEGATRON_THEORY = re.compile(r"Theoretical memory footprints: .*total=([0-9.]+) MB")
+
+
+# -- the planner's prices --------------------------------------------------------------------------
+
+def target_gpu(device: torch.device, name: str | None) -> GPU:
+    """The catalog GPU the prices are for: --gpu, else the device's own name (the stand-in on a CPU)."""
+    if name is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else STAND_IN
+    return lookup_gpu(name)
+
+
+def large_gemm_flops(gpu: GPU, precision: str = "bf16") -> float:
+    """The planner's gemm_flops for `gpu` training in `precision`: the catalog's 8192^3 rate."""
+    return float(preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name, precision=precision).gemm_flops[0])
+
+
+def planner_gemm_s(gpu: GPU, dtype: str, m: float, n: float, k: float, count: float = 1) -> float:
+    """Seconds the planner prices `count` (m x k) @ (k x n) GEMMs at on a one-GPU cluster of `gpu`
+    training in bf16 (fp8: Transformer Engine's GEMMs under --fp8-format), as cost.experts does."""
+    curve = fp8_curve(gpu, "bf16") if dtype == "fp8" else gemm_curve(gpu, "bf16")
+    return gemm_work(curve, m, n, k, count) / large_gemm_flops(gpu)
+
+
+def roofline_s(gpu: GPU, dtype: str, m: float, n: float, k: float, count: float = 1) -> float:
+    """max(FLOPs / dense datasheet peak, bytes / datasheet HBM bandwidth): operands read once, a
+    bf16 output written once."""
+    operand = 1 if dtype == "fp8" else 2
+    moved = count * ((m * k + k * n) * operand + 2 * m * n)
+    return max(2.0 * m * n * k * count / gpu.peak(dtype), moved / gpu.memory_bandwidth_Bps)
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    return sig(measured / predicted) if measured and predicted else None
+
+
+# -- sustained -------------------------------------------------------------------------------------
+
+class SmiSampler(threading.Thread):
+    """nvidia-smi 1 s into the load, then every `every_s` seconds, in the background (none on a CPU);
+    without the throttle reasons where the driver does not know the field."""
+
+    def __init__(self, every_s: float, active: bool) -> None:
+        super().__init__(daemon=True)
+        self.every_s, self.active, self.samples, self.halt = every_s, active, [], threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        delay = min(1.0, self.every_s)
+        while self.active and not self.halt.wait(delay):
+            delay = self.every_s
+            for query in (SMI_QUERY, SMI_QUERY.rsplit(",", 1)[0]):
+                if text := nvidia_smi(query):
+                    values = text.splitlines()[-1].split(",")
+                    self.samples.append({"t_s": round(time.monotonic() - self.t0, 1),
+                                         **dict(zip(query.split(","), (v.strip() for v in values)))})
+                    break
+
+
+def sustain(g: Gemm, device: torch.device, duration_s: float, window_s: float, burst_s: float) -> dict:
+    """Runs g back to back for duration_s, a time mark after every chunk of ~50 ms of GEMMs (at most
+    three chunks queued ahead), and returns TFLOP/s per window of device time, over the first
+    burst_s and over the whole run, with nvidia-smi's samples."""
+    cuda = device.type == "cuda"
+    step, noop = gemm_step(g, device), lambda: None
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def mark() -> torch.cuda.Event | float:
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    for _ in range(3):
+        step(noop)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step(noop)
+    sync()
+    chunk = max(1, int(0.05 / ((time.perf_counter() - t0) / 5)))
+    smi = SmiSampler(window_s, cuda)
+    smi.start()
+    start, marks, queued = mark(), [], deque()
+    stop = time.monotonic() + duration_s
+    while time.monotonic() < stop:
+        for _ in range(chunk):
+            step(noop)
+        marks.append(mark())
+        if cuda:
+            queued.append(marks[-1])
+            if len(queued) > 3:
+                queued.popleft().synchronize()
+    sync()
+    smi.halt.set()
+    smi.join()
+    ends = [start.elapsed_time(m) / 1e3 for m in marks] if cuda else [m - start for m in marks]
+    per_chunk = g.flops * chunk / 1e12
+    windows, begin, done = [], 0.0, 0
+    for i, end in enumerate(ends):     # a window closes with the last chunk that ends inside it
+        if i == len(ends) - 1 or ends[i + 1] // window_s != end // window_s:
+            windows.append({"end_s": round(end, 2), "tflops": sig((i + 1 - done) * per_chunk / (end - begin))})
+            begin, done = end, i + 1
+    in_burst = [e for e in ends if e <= burst_s] or ends[:1]
+    return {"gemms": chunk * len(ends), "elapsed_s": round(ends[-1], 2), "windows": windows,
+            "burst_tflops": sig(len(in_burst) * per_chunk / in_burst[-1]),
+            "sustained_tflops": sig(len(ends) * per_chunk / ends[-1]), "nvidia_smi": smi.samples}
+
+
+def part_sustained(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    n = QUICK["n"] if ns.dry_run else 8192
+    for dtype in ("bf16", "fp8"):
+        g = Gemm(n, n, n, "NN" if dtype == "bf16" else "NT", dtype)   # the table's reference GEMMs
+        predicted = sig(g.flops / planner_gemm_s(gpu, dtype, n, n, n) / 1e12)
+        catalog = sig(large_gemm_flops(gpu, dtype) / 1e12)
+        row = {"dtype": dtype, "n": n, "predicted": predicted, "catalog_tflops": catalog}
+        try:
+            run = sustain(g, device, ns.duration_s, ns.window_s, ns.burst_s)
+            row.update(run, measured=run["sustained_tflops"], ratio=ratio(run["sustained_tflops"], predicted),
+                       burst_ratio=ratio(run["burst_tflops"], predicted),
+                       catalog_ratio=ratio(run["sustained_tflops"], catalog),
+                       last_window_over_burst=ratio(run["windows"][-1]["tflops"], run["burst_tflops"]))
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        doc["rows"].append(row)
+        write_json(Path(ns.out), doc)
+
+
+# -- grouped and skinny GEMMs ----------------------------------------------------------------------
+
+def as_step(run):
+    """Timer.measure's step: `run` between two marks."""
+    def step(mark) -> None:
+        mark()
+        run()
+        mark()
+    return step
+
+
+def grouped_row(timer: Timer, device: torch.device, gpu: GPU, experts: int, rows: int, n: int, k: int) -> dict:
+    """One expert GEMM (rows x k) @ (k x n) on each of `experts` experts, three ways."""
+    x = torch.randn(experts * rows, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)     # Megatron's [out, in] weights
+    runs = {"loop": lambda: [torch.matmul(x[e * rows:(e + 1) * rows], w[e].t()) for e in range(experts)],
+            "merged": lambda: torch.matmul(x, w[0].t())}
+    if hasattr(torch, "_grouped_mm"):
+        offs = torch.arange(rows, experts * rows + 1, rows, device=device, dtype=torch.int32)
+        runs["grouped_mm"] = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    measured, errors = {}, {}
+    for name, run in runs.items():
+        try:
+            (measured[name],) = timer.measure(as_step(run))
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    predicted = planner_gemm_s(gpu, "bf16", rows, n, k, experts)
+    roof = roofline_s(gpu, "bf16", rows, n, k, experts)
+    return {"experts": experts, "rows": rows, "n": n, "k": k, "measured_s": measured, "predicted_s": predicted,
+            "roofline_s": roof, "ratio": {m: ratio(t, predicted) for m, t in measured.items()},
+            "over_roofline": {m: ratio(t, roof) for m, t in measured.items()}, **({"errors": errors} if errors else {})}
+
+
+def part_grouped(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    timer, deadline = Timer(device), time.monotonic() + ns.budget_s
+    shapes, experts, rows = ((QUICK["moe_shapes"], QUICK["experts"], QUICK["rows"]) if ns.dry_run
+                             else (MOE_SHAPES, EXPERTS, ROWS))
+    plan = [(e, r, h, f, gemm, n, k) for r in rows for e in experts for h, f in shapes
+            for gemm, n, k in (("fc1", 2 * f, h), ("fc2", h, f))]
+    doc["planned"] = len(plan)
+    for e, r, h, f, gemm, n, k in plan:
+        if time.monotonic() > deadline:
+            break
+        doc["rows"].append({"hidden": h, "ffn": f, "gemm": gemm, **grouped_row(timer, device, gpu, e, r, n, k)})
+        write_json(Path(ns.out), doc)
+
+
+def part_skinny(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    timer, deadline = Timer(device), time.monotonic() + ns.budget_s
+    shapes = QUICK["skinny"] if ns.dry_run else SKINNY
+    doc["planned"] = len(shapes)
+    for m, n, k in shapes:
+        if time.monotonic() > deadline:
+            break
+        row = {"m": m, "n": n, "k": k}
+        try:
+            (t,) = timer.measure(gemm_step(Gemm(m, n, k, "NN", "bf16"), device))
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            t = None
+        roof, predicted = roofline_s(gpu, "bf16", m, n, k), planner_gemm_s(gpu, "bf16", m, n, k)
+        row.update(measured_s=t, predicted_s=predicted, roofline_s=roof, ratio=ratio(t, predicted),
+                   over_roofline=ratio(t, roof))
+        doc["rows"].append(row)
+        write_json(Path(ns.out), doc)
+
+
+# -- one training step -----------------------------------------------------------------------------
+
+def train_flags(dry_run: bool, iterations: int) -> list[str]:
+    """The flags Megatron and `pipette estimate` both get."""
+    flags = f"{TRAIN_TINY if dry_run else TRAIN_MODEL} {TRAIN_COMMON} --train-iters {iterations} " \
+            f"--log-memory-interval {iterations}"
+    return flags.split() + (["--distributed-backend", "gloo"] if dry_run else [])
+
+
+def estimate(gpu: GPU, flags: list[str]) -> dict:
+    """`pipette estimate --json` of these Megatron flags on a one-GPU cluster of `gpu`; its error
+    message instead where it refuses them."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pipette(["estimate", "--json", "--cluster", PRESET, "--gpu", gpu.name, "--num-nodes", "1",
+                        "--gpus-per-node", "1", *flags])
+    return json.loads(out.getvalue()) if code == 0 else {"error": err.getvalue().strip()}
+
+
+def parse_megatron_log(text: str, warmup: int) -> dict:
+    """Iteration times after `warmup` iterations, the last memory report, the parameter count."""
+    times = {int(i): float(ms) / 1e3 for i, ms in ITERATION.findall(text)}
+    timed_s = [t for i, t in sorted(times.items()) if i > warmup]
+    reports = MEMORY.findall(text)
+    params = PARAMETERS.findall(text)
+    theory = MEGATRON_THEORY.findall(text)
+    return {"iteration_s": [times[i] for i in sorted(times)], "step_s": statistics.median(timed_s) if timed_s else None,
+            "max_allocated_bytes": round(float(reports[-1][2]) * 2**20) if reports else None,
+            "max_reserved_bytes": round(float(reports[-1][4]) * 2**20) if reports else None,
+            "parameters": int(params[-1]) if params else None,
+            "megatron_theoretical_bytes": round(float(theory[-1]) * 2**20) if theory else None}
+
+
+def run_megatron(flags: list[str], log: Path, limit_s: float) -> int | None:
+    """examples/pretrain_gpt.py under torchrun on this one device; the log to `log`. None: killed at
+    the limit (the whole process group, so no worker keeps the GPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(REPO / "examples" / "pretrain_gpt.py"), *flags]
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        try:
+            return proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            for sig_ in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig_)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+                    break
+            return None
+
+
+def part_train(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    warmup, timed_steps = QUICK["train"] if ns.dry_run else (3, 10)
+    flags = train_flags(ns.dry_run, warmup + timed_steps)
+    predicted = estimate(gpu, flags)
+    doc.update(flags=" ".join(flags), warmup_iterations=warmup, estimate=predicted)
+    write_json(Path(ns.out), doc)
+    log = Path(ns.out).with_name("train_megatron.log")
+    code = run_megatron(flags, log, ns.budget_s)
+    got = parse_megatron_log(log.read_text(errors="replace"), warmup)
+    stage = predicted["memory"]["stages"][0] if "memory" in predicted else {}
+    doc["rows"] = [
+        {"what": "step_s", "measured": got["step_s"], "predicted": predicted.get("iteration_time_s")},
+        {"what": "max_allocated_bytes", "measured": got["max_allocated_bytes"],
+         "predicted": stage["peak_bytes"] - stage["overhead_bytes"] if stage else None},
+        {"what": "parameters", "measured": got["parameters"], "predicted": stage.get("parameters")}]
+    for row in doc["rows"]:
+        row["ratio"] = ratio(row["measured"], row["predicted"])
+    doc.update(exit_code=code, measured=got)
+    write_json(Path(ns.out), doc)
+
+
+# -- recap -----------------------------------------------------------------------------------------
+
+def sustained_lines(doc: dict) -> list[str]:
+    lines = []
+    for r in doc["rows"]:
+        if "error" in r:
+            lines.append(f"sustained {r['dtype']} {r['n']}^3: {r['error']}")
+            continue
+        smi = [f"{s.get('clocks.sm')} {s.get('power.draw')} {s.get('clocks_throttle_reasons.active', '')}".strip()
+               for s in r["nvidia_smi"]] or ["-"]
+        lines.append(f"sustained {r['dtype']} {r['n']}^3 for {r['elapsed_s']} s: TFLOP/s first second "
+                     f"{r['burst_tflops']:.4g}, whole run {r['measured']:.4g}, last window "
+                     f"{r['windows'][-1]['tflops']:.4g}; planner {r['predicted']:.4g} (whole run/planner "
+                     f"{r['ratio']}, first second/planner {r['burst_ratio']}), catalog 8192^3 rate "
+                     f"{r['catalog_tflops']:.4g} (x{r['catalog_ratio']}); SM clock, power, throttle: "
+                     f"{smi[0]} -> {smi[-1]}")
+    return lines
+
+
+def grouped_lines(doc: dict) -> list[str]:
+    lines = [f"grouped ({len(doc['rows'])} of {doc.get('planned')} shapes): measured / the planner's merged-GEMM "
+             "price, and / roofline: median [min, max]"]
+    for method in ("loop", "grouped_mm", "merged"):
+        for key in ("ratio", "over_roofline"):
+            rs = [r[key][method] for r in doc["rows"] if r[key].get(method)]
+            if rs:
+                lines.append(f"  {method:>10} {key:>13}: {statistics.median(rs):.3g} [{min(rs):.3g}, {max(rs):.3g}]")
+    return lines
+
+
+def skinny_lines(doc: dict) -> list[str]:
+    lines = ["skinny:      m      n     k  measured us  /roofline  /planner"]
+    lines += [f"  {r['m']:>12} {r['n']:>6} {r['k']:>5} {r['measured_s'] * 1e6:12.1f} {r['over_roofline']:>10} "
+              f"{r['ratio']:>9}" for r in doc["rows"] if r["measured_s"]]
+    return lines
+
+
+def train_lines(doc: dict) -> list[str]:
+    if "error" in doc.get("estimate", {}):
+        return [f"train: the estimate failed: {doc['estimate']['error']}"]
+    return [f"train (exit {doc.get('exit_code')}): " + "; ".join(
+        f"{r['what']} measured {r['measured']} predicted {r['predicted']:.4g} (x{r['ratio']})"
+        for r in doc["rows"])]
+
+
+RECAP = {"sustained": sustained_lines, "grouped": grouped_lines, "skinny": skinny_lines, "train": train_lines}
+
+
+def recap(out: Path) -> list[str]:
+    """The figures that matter from whichever parts' files are in `out`."""
+    lines = []
+    for part, describe in RECAP.items():
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            lines += describe(json.loads((out / f"{part}.json").read_text()))
+    return lines
+
+
+PARTS = {"sustained": part_sustained, "grouped": part_grouped, "skinny": part_skinny, "train": part_train}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=sorted(PARTS))
+    p.add_argument("--out", required=True, help="JSON file, rewritten as rows come in")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    p.add_argument("--gpu", help="catalog GPU to price for (default: this device's name)")
+    p.add_argument("--budget-s", type=float, default=40.0,
+                   help="grouped, skinny: stop starting GEMMs after this long; train: kill Megatron after it")
+    p.add_argument("--duration-s", type=float, default=60.0, help="sustained: seconds per dtype")
+    p.add_argument("--window-s", type=float, default=5.0, help="sustained: rate and nvidia-smi window")
+    p.add_argument("--burst-s", type=float, default=1.0, help="sustained: the short burst")
+    ns = p.parse_args(argv)
+    device = torch.device("cpu" if ns.dry_run else "cuda")
+    try:
+        gpu = target_gpu(device, ns.gpu)
+    except PipetteError as e:
+        print(f"cost_check: error: {e} (name a catalog GPU to price it as with --gpu)", file=sys.stderr)
+        return 2
+    meta = device_metadata(device)
+    meta.update(part=ns.part, priced_as=gpu.name, dry_run=ns.dry_run, method=__doc__.split("Parts:\n", 1)[1])
+    doc = {"meta": meta, "rows": []}
+    start = time.monotonic()
+    PARTS[ns.part](ns, device, gpu, doc)
+    meta["elapsed_s"] = round(time.monotonic() - start, 1)
+    meta["nvidia_smi_after"] = nvidia_smi() if device.type == "cuda" else None
+    write_json(Path(ns.out), doc)
+    print("\n".join(RECAP[ns.part](doc)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
