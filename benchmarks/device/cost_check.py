@@ -2,10 +2,11 @@
 
     python benchmarks/device/cost_check.py PART --out FILE.json [--dry-run] [--gpu NAME]
 
-Why: the GEMM table was measured in short bursts (5-30 runs of a few ms each, L2 flushed), the
-MoE experts are priced as one merged GEMM of all their rows, GEMMs with a small dimension are
-priced from the table clamped at 128, and a whole training step has only been predicted on a
-GPU, never timed there. Each part measures one of these and writes its rows as it goes, each with
+Why: the GEMM table was measured in short bursts (5-30 runs of a few ms each, L2 flushed) and the
+sustained fraction that corrects it was fitted on published runs, not measured; the MoE experts'
+per-expert prices and the roofline floor of GEMMs with a small dimension come from physics, not
+from timings; and a whole training step has only been predicted on a GPU, never timed there.
+Each part measures one of these and writes its rows as it goes, each with
 `measured`, `predicted` (the planner's price, from the functions the planner itself calls) and
 their `ratio`, plus `meta` (GPU, versions, clocks).
 
@@ -18,9 +19,10 @@ Parts:
              nvidia-smi's SM clock, power and throttle reasons sampled every window.
   grouped    MoE expert GEMMs (forward fc1 and fc2, SwiGLU) of E local experts x rows each: a
              loop of per-expert matmuls (what the local spec's SequentialMLP runs),
-             torch._grouped_mm where this torch has it, and the one merged GEMM of E x rows rows
-             the planner prices (cost.experts: gemm_work(curve, rows, n, k, E)), against that
-             price and against the roofline max(FLOPs / dense peak, bytes / HBM bandwidth).
+             torch._grouped_mm where this torch has it, and one merged GEMM of E x rows rows,
+             against the planner's price (cost.experts: each expert's GEMM at its own shape,
+             linear_work(curve, rows, n, k, count=E)) and the roofline max(FLOPs / dense peak,
+             bytes / HBM bandwidth).
   skinny     GEMMs with K of 64-256 and large M, N, and with M of 16-256: measured against the
              roofline and the planner's price.
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
@@ -61,7 +63,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
 
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
-from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, gemm_work  # noqa: E402
+from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
 
@@ -110,11 +112,12 @@ def large_gemm_flops(gpu: GPU, precision: str = "bf16") -> float:
     return float(preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name, precision=precision).gemm_flops[0])
 
 
-def planner_gemm_s(gpu: GPU, dtype: str, m: float, n: float, k: float, count: float = 1) -> float:
+def planner_gemm_s(gpu: GPU, dtype: str, m: float, n: float, k: float, count: int = 1) -> float:
     """Seconds the planner prices `count` (m x k) @ (k x n) GEMMs at on a one-GPU cluster of `gpu`
-    training in bf16 (fp8: Transformer Engine's GEMMs under --fp8-format), as cost.experts does."""
+    training in bf16 (fp8: Transformer Engine's GEMMs under --fp8-format), as cost.experts does
+    (each expert's GEMM at its own shape: linear_work's forward)."""
     curve = fp8_curve(gpu, "bf16") if dtype == "fp8" else gemm_curve(gpu, "bf16")
-    return gemm_work(curve, m, n, k, count) / large_gemm_flops(gpu)
+    return linear_work(curve, m, n, k, count=count)[0] / large_gemm_flops(gpu)
 
 
 def roofline_s(gpu: GPU, dtype: str, m: float, n: float, k: float, count: float = 1) -> float:
@@ -386,7 +389,7 @@ def sustained_lines(doc: dict) -> list[str]:
 
 
 def grouped_lines(doc: dict) -> list[str]:
-    lines = [f"grouped ({len(doc['rows'])} of {doc.get('planned')} shapes): measured / the planner's merged-GEMM "
+    lines = [f"grouped ({len(doc['rows'])} of {doc.get('planned')} shapes): measured / the planner's per-expert "
              "price, and / roofline: median [min, max]"]
     for method in ("loop", "grouped_mm", "merged"):
         for key in ("ratio", "over_roofline"):
