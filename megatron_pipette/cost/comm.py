@@ -104,20 +104,38 @@ def _rails_per_exit(node: np.ndarray, leaves: np.ndarray) -> np.ndarray:
     return np.where(leaves, share.reshape(node.shape), 1.0)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
 class AllToAll(LinkSummary):
     """All-to-alls: alpha the worst latency between two ranks of the group, the cost per byte the
-    busiest rank's sum over its peers (module docstring), per byte of one peer's share."""
+    busiest rank's sum over its peers (module docstring), per byte of one peer's share; where
+    asked for, the two sums apart (inside the rank's NVLink domain, and beyond it)."""
 
-    def all_to_all_s(self, nbytes: float) -> np.ndarray:
-        return self._seconds(nbytes / self.size)
+    near_inv_bw_s_per_B: np.ndarray | None = None
+    """The busiest rank's sum of 1/B over its peers in its NVLink domain (group shape); None: not kept."""
+    far_inv_bw_s_per_B: np.ndarray | None = None
+    """The same over its peers beyond its NVLink domain."""
+
+    def all_to_all_s(self, nbytes: float, far_share: float = 1.0, near_share: float = 1.0) -> np.ndarray:
+        """`far_share` and `near_share`: what reaches each peer beyond and inside the rank's NVLink
+        domain, relative to an all-to-all's equal share (a dispatcher that sends a token once per
+        remote node and fans it out there sends less beyond, more inside)."""
+        if far_share == near_share == 1.0:
+            return self._seconds(nbytes / self.size)
+        assert self.far_inv_bw_s_per_B is not None, "all_to_all(..., split=True) keeps the two sums apart"
+        if self.size == 1:
+            return np.zeros_like(self.alpha_s)
+        return self.alpha_s + nbytes / self.size * np.maximum(near_share * self.near_inv_bw_s_per_B,
+                                                              far_share * self.far_inv_bw_s_per_B)
 
 
-def all_to_all(devices: np.ndarray, cluster: Cluster) -> AllToAll:
-    """All-to-alls over the last axis of `devices`: n - 1 rotations of the group, each a vector of links."""
+def all_to_all(devices: np.ndarray, cluster: Cluster, *, split: bool = False) -> AllToAll:
+    """All-to-alls over the last axis of `devices`: n - 1 rotations of the group, each a vector of
+    links; `split` keeps the links inside and beyond the NVLink domain apart."""
     n = devices.shape[-1]
     z = np.zeros(devices.shape[:-1])
     if n == 1:
-        return AllToAll(size=1, alpha_s=z, inv_bw_s_per_B=z)
+        return AllToAll(size=1, alpha_s=z, inv_bw_s_per_B=z, near_inv_bw_s_per_B=z if split else None,
+                        far_inv_bw_s_per_B=z if split else None)
     domain = cluster.domains[devices // cluster.gpus_per_node]
     alpha, near, far = np.zeros(devices.shape), np.zeros(devices.shape), np.zeros(devices.shape)
     for k in range(1, n):
@@ -126,14 +144,21 @@ def all_to_all(devices: np.ndarray, cluster: Cluster) -> AllToAll:
         alpha = np.maximum(alpha, lat)
         near += np.where(same, 1.0 / bw, 0.0)
         far += np.where(same, 0.0, 1.0 / bw)
-    return AllToAll(size=n, alpha_s=alpha.max(axis=-1), inv_bw_s_per_B=np.maximum(near, far).max(axis=-1))
+    return AllToAll(size=n, alpha_s=alpha.max(axis=-1), inv_bw_s_per_B=np.maximum(near, far).max(axis=-1),
+                    near_inv_bw_s_per_B=near.max(axis=-1) if split else None,
+                    far_inv_bw_s_per_B=far.max(axis=-1) if split else None)
+
+
+def _each_array(summary: LinkSummary, fn) -> LinkSummary:
+    """The summary with `fn` applied to each of its per-group arrays."""
+    return dataclasses.replace(summary, **{f.name: fn(getattr(summary, f.name)) for f in dataclasses.fields(summary)
+                                           if isinstance(getattr(summary, f.name), np.ndarray)})
 
 
 def _worst_per_stage(summary: LinkSummary, groups_axes: tuple[int, ...]) -> LinkSummary:
     """A ring or all-to-all summary reduced to (pp,): the slowest group of each stage sets the pace
     (an MoE layer's dispatch, or a stage's expert-gradient reduction, waits for all of them)."""
-    return dataclasses.replace(summary, alpha_s=summary.alpha_s.max(axis=groups_axes),
-                               inv_bw_s_per_B=summary.inv_bw_s_per_B.max(axis=groups_axes))
+    return _each_array(summary, lambda a: a.max(axis=groups_axes))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -141,13 +166,15 @@ class ExpertLinks:
     """The expert grid's groups, each reduced to its slowest group per pipeline stage, (pp,)."""
 
     dispatch: AllToAll
-    """Expert-parallel groups: the alltoall dispatcher's all-to-alls."""
+    """Expert-parallel groups: the alltoall dispatcher's all-to-alls (flex: over ETP x EP)."""
     tensor: Rings
     """Expert tensor-parallel groups: the routed rows' all-gather and reduce-scatter."""
     tensor_and_expert: Rings
     """ETP x EP groups: the allgather dispatcher's all-gather and reduce-scatter."""
     data: Rings
     """Expert data-parallel groups: the experts' gradient reduction and parameter all-gather."""
+    gpus_per_domain: int
+    """GPUs of an NVLink domain: what the flex dispatcher's groups span beyond it goes over the NICs."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -196,10 +223,12 @@ def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
 
 
 def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, cp: int = 1, ep: int = 1,
-                etp: int | None = None, experts: bool = False, dispatch: AllToAll | None = None) -> GroupLinks:
+                etp: int | None = None, experts: bool = False, dispatch: AllToAll | None = None,
+                flex: bool = False) -> GroupLinks:
     """Summarise the links of every group of this grid under this placement (None: identity);
     `experts`: also the expert grid's (ETP None: TP, Megatron's default), with `dispatch` the
-    expert-parallel all-to-alls of this placement where the caller has them (expert_dispatch)."""
+    expert-parallel all-to-alls of this placement where the caller has them (expert_dispatch;
+    `flex`: the flex dispatcher's, over ETP x EP)."""
     world = tp * cp * pp * dp
     assert world == cluster.world_size, f"TP*CP*PP*DP = {world} but the cluster has {cluster.world_size} devices"
     logical = np.arange(world) if placement is None else np.asarray(placement, dtype=np.int64)
@@ -234,29 +263,34 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         context=per_replica(rings(by_cp, cluster)),
         context_a2a=per_replica(all_to_all(by_cp, cluster)),
         embedding=rings(ends, cluster),
-        experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster, dispatch) if experts else None,
+        experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster, dispatch, flex) if experts
+        else None,
         hop_alpha_s=hop_alpha,
         hop_inv_bw=hop_inv,
         hop_xchg=hop_xchg,
     )
 
 
-def expert_dispatch(logical: np.ndarray, ep: int, etp: int, cluster: Cluster) -> AllToAll:
+def expert_dispatch(logical: np.ndarray, ep: int, etp: int, cluster: Cluster, flex: bool = False) -> AllToAll:
     """The all-to-all of every expert-parallel group, (world / (EP x ETP), ETP), in Megatron's
     expert rank order (etp-ep-edp-pp): which groups form depends on EP and ETP alone, not on how
-    the rest splits into pipeline stages, so layouts that share EP and ETP share it."""
+    the rest splits into pipeline stages, so layouts that share EP and ETP share it. `flex`: the
+    flex dispatcher's one group over ETP x EP instead, (world / (EP x ETP), 1), its links inside
+    and beyond the NVLink domain apart."""
+    if flex:
+        return all_to_all(logical.reshape(-1, 1, ep * etp), cluster, split=True)
     return all_to_all(logical.reshape(-1, ep, etp).transpose(0, 2, 1), cluster)
 
 
 def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Cluster,
-                  dispatch: AllToAll | None = None) -> ExpertLinks:
+                  dispatch: AllToAll | None = None, flex: bool = False) -> ExpertLinks:
     grid = logical.reshape(pp, -1, ep, etp)                                # (pp, edp, ep, etp)
-    flat = dispatch if dispatch is not None else expert_dispatch(logical, ep, etp, cluster)
-    by_stage = dataclasses.replace(flat, alpha_s=flat.alpha_s.reshape(pp, -1, etp),
-                                   inv_bw_s_per_B=flat.inv_bw_s_per_B.reshape(pp, -1, etp))
+    flat = dispatch if dispatch is not None else expert_dispatch(logical, ep, etp, cluster, flex)
+    by_stage = _each_array(flat, lambda a: a.reshape(pp, -1, a.shape[-1]))
     return ExpertLinks(
         dispatch=_worst_per_stage(by_stage, (1, 2)),
         tensor=_worst_per_stage(rings(grid, cluster), (1, 2)),
         tensor_and_expert=_worst_per_stage(rings(grid.reshape(pp, -1, ep * etp), cluster), (1,)),
         data=_worst_per_stage(rings(grid.transpose(0, 2, 3, 1), cluster), (1, 2)),
+        gpus_per_domain=cluster.gpus_per_domain,
     )

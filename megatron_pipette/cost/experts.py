@@ -21,6 +21,8 @@ Megatron requires for MoE with TP > 1):
 
 from __future__ import annotations
 
+import math
+
 from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, fp8_cast_bytes, linear_work, main_grad_bytes
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
@@ -110,8 +112,30 @@ def dispatch_bytes(job: Job) -> dict[str, float]:
     t, h, e = tokens_in(job), w.hidden_size, w.bytes_per_element
     if w.moe_token_dispatcher_type == "alltoall":
         return {"a2a": t * w.moe_router_topk * capacity_share(job) * h * e,
-                "etp": routed_rows(job) * h * e if layout.etp > 1 else 0.0, "tp_ep": 0.0}
-    return {"a2a": 0.0, "etp": 0.0, "tp_ep": t * layout.etp * layout.ep * h * e}
+                "etp": routed_rows(job) * h * e if layout.etp > 1 else 0.0, "tp_ep": 0.0, "flex": 0.0}
+    if w.moe_token_dispatcher_type == "flex":     # every expert-TP rank of a chosen expert gets the token
+        return {"a2a": 0.0, "etp": 0.0, "tp_ep": 0.0, "flex": routed_rows(job) * h * e}
+    return {"a2a": 0.0, "etp": 0.0, "tp_ep": t * layout.etp * layout.ep * h * e, "flex": 0.0}
+
+
+def flex_shares(job: Job, gpus_per_domain: int) -> tuple[float, float]:
+    """(far, near) shares of the flex dispatcher (DeepEP, HybridEP) against an all-to-all of the
+    same copies over its ETP x EP group (cost.comm.AllToAll.all_to_all_s). It sends each token once
+    to every remote node holding one of its experts and fans it out there over NVLink: beyond the
+    node E[distinct nodes a token's experts are on] / copies; inside it, every copy, N times an
+    all-to-all's share, with N the NVLink domains (nodes) the group spans. Routing balanced, each token's top-k
+    experts (of E, N nodes of E / N) drawn alike; with group-limited routing (G groups, M chosen,
+    groups whole on nodes) the M groups drawn alike instead."""
+    w, layout = job.workload, job.layout
+    span = max(1, layout.ep * layout.etp // gpus_per_domain)
+    if span == 1:
+        return 1.0, 1.0
+    if w.moe_router_num_groups is not None and w.moe_router_num_groups % span == 0:
+        pool, per_node, picks = w.moe_router_num_groups, w.moe_router_num_groups // span, w.moe_router_group_topk
+    else:
+        pool, per_node, picks = w.num_experts, w.num_experts // span, w.moe_router_topk
+    nodes_hit = span * (1 - math.comb(pool - per_node, picks) / math.comb(pool, picks))
+    return nodes_hit / (w.moe_router_topk * layout.etp), float(span)
 
 
 def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:

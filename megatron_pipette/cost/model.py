@@ -39,7 +39,7 @@ class CostModel:
         self._work: dict[Job, StageWork] = {}
         self._memory: dict[Job, MemoryEstimate] = {}
         self._default_links: dict[tuple, GroupLinks] = {}
-        self._dispatch: dict[tuple[int, int], AllToAll] = {}
+        self._dispatch: dict[tuple[int, int, bool], AllToAll] = {}
 
     def work(self, job: Job) -> StageWork:
         """Compute of one micro-batch per stage and chunk (placement independent; shared by the
@@ -51,17 +51,18 @@ class CostModel:
         """The links of the job's groups when logical rank r runs on device devices[r] (None:
         Megatron's default order, cached per rank grid)."""
         layout = job.layout
-        grid = dict(cp=layout.cp, ep=layout.ep, etp=layout.etp, experts=job.workload.num_experts is not None)
+        grid = dict(cp=layout.cp, ep=layout.ep, etp=layout.etp, experts=job.workload.num_experts is not None,
+                    flex=job.workload.moe_token_dispatcher_type == "flex")
         if devices is not None:
             return group_links(layout.tp, layout.pp, layout.dp, self.cluster, devices, **grid)
         key = (layout.tp, layout.pp, layout.dp, *grid.values())
         if key not in self._default_links:
             dispatch = None
             if grid["experts"]:      # the expert-parallel all-to-alls, shared by grids of one EP and ETP
-                ep_etp = (layout.ep, layout.etp)
+                ep_etp = (layout.ep, layout.etp, grid["flex"])
                 if ep_etp not in self._dispatch:
-                    self._dispatch[ep_etp] = expert_dispatch(np.arange(self.cluster.world_size), *ep_etp,
-                                                             self.cluster)
+                    self._dispatch[ep_etp] = expert_dispatch(np.arange(self.cluster.world_size), *ep_etp[:2],
+                                                             self.cluster, flex=grid["flex"])
                 dispatch = self._dispatch[ep_etp]
             self._default_links[key] = group_links(layout.tp, layout.pp, layout.dp, self.cluster, **grid,
                                                    dispatch=dispatch)

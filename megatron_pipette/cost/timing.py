@@ -28,7 +28,7 @@ from megatron_pipette.cost import schedules
 from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
-from megatron_pipette.cost.experts import dispatch_bytes
+from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
@@ -163,6 +163,8 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     volume, experts = dispatch_bytes(job), links.experts
     if job.workload.moe_token_dispatcher_type == "alltoall":
         return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.tensor.all_gather_s(volume["etp"])
+    if job.workload.moe_token_dispatcher_type == "flex":
+        return 2 * experts.dispatch.all_to_all_s(volume["flex"], *flex_shares(job, experts.gpus_per_domain))
     return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
 
 
@@ -172,7 +174,7 @@ def host_sync_s(job: Job, execution: Execution) -> float:
     all-to-all (token_dispatcher.py, the cuda_sync_point before it); padding to capacity fixes the
     sizes and never waits; the backward reuses the sizes."""
     w = job.workload
-    waits = w.moe_token_dispatcher_type == "alltoall" and job.layout.ep > 1 and not w.moe_pad_expert_input_to_capacity
+    waits = w.moe_token_dispatcher_type != "allgather" and job.layout.ep > 1 and not w.moe_pad_expert_input_to_capacity
     return execution.moe_layer_host_s if waits else 0.0
 
 

@@ -439,6 +439,9 @@ def _validate_experts(workload: Workload, layout: Layout) -> None:
     if layout.tp > 1 and not layout.sequence_parallel:
         raise Infeasible("mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                          "(MoELayer.forward raises without it)")
+    if workload.moe_token_dispatcher_type == "flex" and ep * etp == 1:
+        raise Infeasible("--moe-token-dispatcher-type flex needs --expert-tensor-parallel-size x "
+                         "--expert-model-parallel-size above 1 (MoEFlexTokenDispatcher asserts it)")
 
 
 def _validate_recompute(layout: Layout, layers: list[int]) -> None:

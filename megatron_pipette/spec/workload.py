@@ -23,7 +23,10 @@ BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
+FLEX_BACKENDS = ("deepep", "hybridep")
+"""--moe-flex-dispatcher-backend values modelled: both send a token once to each remote node that
+holds one of its experts and fan it out there over NVLink (ncclep is not modelled)."""
 """--moe-token-dispatcher-type values the cost model prices (flex runs DeepEP-style kernels it does not)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
@@ -145,7 +148,15 @@ class Workload:
     moe_pad_expert_input_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: every expert computes its full capacity."""
     moe_token_dispatcher_type: str = "allgather"
-    """--moe-token-dispatcher-type: allgather (over TP x EP) or alltoall (over EP)."""
+    """--moe-token-dispatcher-type: allgather (over TP x EP), alltoall (over EP) or flex (one group
+    over expert TP x EP, each token sent once per remote node: --moe-flex-dispatcher-backend)."""
+    moe_flex_dispatcher_backend: str = "deepep"
+    """--moe-flex-dispatcher-backend: deepep or hybridep (with --moe-token-dispatcher-type flex)."""
+    moe_router_num_groups: int | None = None
+    """--moe-router-num-groups: experts split into this many groups for group-limited routing
+    (DeepSeek-V3's node-limited routing sets it to the nodes of the EP group); None: no limit."""
+    moe_router_group_topk: int | None = None
+    """--moe-router-group-topk: groups each token may route to."""
     moe_router_dtype: str | None = None
     """--moe-router-dtype: fp32 or fp64 router logits, and so routing probabilities (kept for the
     experts' weighted activation); None: the training dtype."""
@@ -228,6 +239,22 @@ class Workload:
             raise PipetteError(f"--moe-expert-capacity-factor must be positive, got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_flex_dispatcher_backend not in FLEX_BACKENDS:
+            raise PipetteError(f"--moe-flex-dispatcher-backend must be one of {', '.join(FLEX_BACKENDS)}, "
+                               f"got {self.moe_flex_dispatcher_backend!r}")
+        if self.moe_token_dispatcher_type == "flex" and self.moe_pad_expert_input_to_capacity \
+                and self.moe_flex_dispatcher_backend == "deepep":
+            raise PipetteError("--moe-pad-expert-input-to-capacity does not run with the flex dispatcher's deepep "
+                               "backend (as in Megatron)")
+        groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (chosen is None):
+            raise PipetteError("--moe-router-num-groups and --moe-router-group-topk go together")
+        if groups is not None:
+            if not (isinstance(groups, int) and isinstance(chosen, int) and 0 < chosen <= groups):
+                raise PipetteError(f"--moe-router-group-topk {chosen} must be in 1..--moe-router-num-groups {groups}")
+            if self.num_experts % groups or self.moe_router_topk % chosen:
+                raise PipetteError(f"--moe-router-num-groups {groups} must divide --num-experts {self.num_experts} "
+                                   f"and --moe-router-group-topk {chosen} --moe-router-topk {self.moe_router_topk}")
         if self.moe_router_dtype not in (None, "fp32", "fp64"):
             raise PipetteError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
         if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
