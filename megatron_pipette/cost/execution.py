@@ -10,9 +10,13 @@ benchmarks/fit_execution.py refits them on the development set of published H100
 - A collective that overlaps compute is not free: NCCL's kernels hold SMs (one CTA per channel)
   and move its bytes through HBM while the GEMMs beside them run, so the compute stretches by a
   share of the time the collective runs hidden (`nccl_compute_share`).
-- Megatron's all-to-all token dispatcher waits on the host once per MoE layer and direction
-  (the token counts per expert are copied to the CPU to size the all-to-all), so the GPU idles
-  while the host catches up and relaunches the layer's small kernels (`moe_layer_host_s`).
+- An MoE layer does more than its priced kernels: the token dispatcher's preprocessing (the
+  routing map, the token counts' all-gather and the probabilities' all-to-all beside the tokens',
+  each a small collective paid in latency), the dropless dispatcher's wait on the host (the counts
+  copied to the CPU to size the all-to-all, after which the GPU idles until the host relaunches
+  the layer's kernels), and the launch latency of a layer of many small kernels (per-expert
+  quantisation and GEMMs, router, permutations): one fixed cost per MoE layer, micro-batch and
+  direction (`moe_layer_fixed_s`).
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ class Execution:
     """Fraction of a GPU's compute throughput an overlapped NCCL collective takes while it runs.
     Physical bounds: NCCL's channels over the GPU's SMs (16-32 CTAs of an H100's 132 SMs: 0.12-0.24)
     plus its HBM traffic (a few percent): 0.1-0.3."""
-    moe_layer_host_s: float = 0.0
-    """Seconds the GPU idles per MoE layer, micro-batch and direction for the all-to-all dispatcher's
-    host synchronisation. Physical bound: a CUDA sync and host round trip (10-50 us) plus the launch
-    latency of the kernels up to the next one the GPU can run ahead of (10-40 kernels at 5-20 us
-    each in eager PyTorch): 0.05-1 ms."""
+    moe_layer_fixed_s: float = 0.0
+    """Seconds per MoE layer, micro-batch and direction beyond its priced kernels and dispatch.
+    Physical bounds: three or four small collectives at NCCL's 20-50 us latency each, a host round
+    trip (10-50 us), and up to a hundred kernel launches at 5-10 us not hidden behind the GPU's work:
+    0.1-2 ms."""
 
 
-DEFAULT_EXECUTION = Execution(nccl_compute_share=0.10, moe_layer_host_s=5e-5)
+DEFAULT_EXECUTION = Execution(nccl_compute_share=0.10, moe_layer_fixed_s=1.6e-3)
 """Fitted on the development set of published H100 runs only (benchmarks/fit_execution.py; raw
 output benchmarks/results/fit_execution-2026-11-26): both at the low end of their physical range."""

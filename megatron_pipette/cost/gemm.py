@@ -142,7 +142,8 @@ def large_gemm_rate(gpu: GPU, precision: str) -> float:
 def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
     data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
-    ridge = large_gemm_rate(gpu, precision) / gpu.memory_bandwidth_Bps if gpu and precision in gpu.peak_flops else 0.0
+    ridge = (large_gemm_rate(gpu, precision) / gpu.attained_memory_bandwidth_Bps if gpu and precision in gpu.peak_flops
+             else 0.0)
     width = 4.0 if precision == "fp32" else 2.0
     if entry is None or dtype not in entry["tables"]:
         return GemmCurve(log_table=None, half_dim=float(data["half_dim"][dtype]), ridge=ridge,

@@ -168,16 +168,6 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
 
 
-def host_sync_s(job: Job, execution: Execution) -> float:
-    """Seconds the GPU idles per MoE layer forward while the all-to-all dispatcher waits on the host:
-    dropless routing over EP > 1 copies the token counts per expert to the CPU to size the
-    all-to-all (token_dispatcher.py, the cuda_sync_point before it); padding to capacity fixes the
-    sizes and never waits; the backward reuses the sizes."""
-    w = job.workload
-    waits = w.moe_token_dispatcher_type != "allgather" and job.layout.ep > 1 and not w.moe_pad_expert_input_to_capacity
-    return execution.moe_layer_host_s if waits else 0.0
-
-
 def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
     workload, layout = job.workload, job.layout
     sp = layout.sequence_parallel
@@ -233,10 +223,11 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed
     ep_f = ep_b = np.zeros_like(tp_f)
     if work.moe_layers.any():
-        one, host = _dispatch(job, links)[None, :, None], host_sync_s(job, execution)
-        redone = work.moe_recomputed + work.moe_blocks_redone      # MoE forwards run again in the backward
-        ep_f = ep_f + (one + host) * work.moe_layers               # every replica of a stage alike
-        ep_b = ep_b + one * (work.moe_layers + redone) + host * redone
+        # Dispatch and combine, and the layer's fixed cost (Execution.moe_layer_fixed_s), in each
+        # direction; recomputed MoE forwards pay them again in the backward.
+        one = _dispatch(job, links)[None, :, None] + execution.moe_layer_fixed_s
+        ep_f = ep_f + one * work.moe_layers                        # every replica of a stage alike
+        ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed + work.moe_blocks_redone)
     cp_f = cp_b = np.zeros_like(tp_f)
     if layout.cp > 1:
         one_f, one_b = _context_parallel(job, work, links, rate, share)

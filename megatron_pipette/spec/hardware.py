@@ -44,6 +44,9 @@ class GPU:
     """Device memory capacity, as the driver reports it."""
     memory_bandwidth_Bps: float
     """Datasheet HBM bandwidth, bytes/s."""
+    copy_bandwidth_Bps: float | None = None
+    """Measured device-to-device copy rate, bytes read and written per second: what the probe
+    measures, and what memory-bound kernels attain; None where not measured (the datasheet's)."""
     peak_flops: dict[str, float] = field(hash=False)
     """Dense peak FLOP/s per precision ("fp32", "fp16", "bf16", "fp8")."""
     aliases: tuple[str, ...] = ()
@@ -54,6 +57,11 @@ class GPU:
     """The GEMM rate a training step sustains (clocks settled under the power limit) over the short
     burst the large-GEMM figure, the GEMM tables and the probe measure; 1 where the catalog rate
     already is a sustained one (calibrated on training runs) or nothing is known."""
+
+    @property
+    def attained_memory_bandwidth_Bps(self) -> float:
+        """The HBM rate a memory-bound kernel attains: the measured copy rate, else the datasheet's."""
+        return self.copy_bandwidth_Bps or self.memory_bandwidth_Bps
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -69,6 +77,7 @@ def gpu_catalog() -> dict[str, GPU]:
     for entry in data["gpus"]:
         gpu = GPU(name=entry["name"], memory_bytes=int(entry["memory_bytes"]),
                   memory_bandwidth_Bps=float(entry["memory_bandwidth_Bps"]),
+                  copy_bandwidth_Bps=float(entry["copy_bandwidth_Bps"]) if "copy_bandwidth_Bps" in entry else None,
                   peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
                   aliases=tuple(entry.get("aliases", ())),
                   large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()},
@@ -290,7 +299,7 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
                           latency_s=np.where(same, p["domain_latency_s"], p["inter_node_latency_s"]))
     return make_cluster(
         name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device,
-        memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.memory_bandwidth_Bps,
+        memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.attained_memory_bandwidth_Bps,
         gemm_flops=device.peak(precision) * device.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY),
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
         inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False))
