@@ -1,13 +1,14 @@
 """Translation between Megatron's parsed args and the planner's descriptions (no torch)."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
+from helpers.plans import plan_doc
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import megatron_args as ma
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import workload_from_preset
 
 
 def megatron_namespace(**kw):
@@ -163,13 +164,28 @@ def test_the_fallback_layout_has_megatrons_data_parallel_size():
 
 
 def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
-    args = megatron_namespace(load=str(tmp_path))
-    assert ma.checkpoint_constraints(args) == {}
-    plan = {"candidates": [{"layout": {"use_distributed_optimizer": True}}]}
-    (tmp_path / ma.CHECKPOINT_PLAN).write_text(json.dumps(plan))
-    assert ma.checkpoint_constraints(args) == {"use_distributed_optimizer": True}
+    """The layout a checkpoint was saved under is read only where Megatron will resume one; it fixes the
+    distributed optimizer, and a typed --use-distributed-optimizer it overrides is said to be."""
+    args = megatron_namespace(load=str(tmp_path), save=str(tmp_path))
+    saved = Layout(data_parallel_size=4, use_distributed_optimizer=False)
+    ma.save_checkpoint_plan(args, plan_doc(workload_from_preset("tiny-gpt"), saved))
+    assert ma.saved_layout(args) is None     # no checkpoint yet (Megatron's tracker file)
+    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
+    assert ma.saved_layout(args) == saved and ma.checkpoint_constraints(saved) == {"use_distributed_optimizer": False}
+    argv = ["--use-distributed-optimizer", "--auto-parallel"]
+    request = ma.job_request(megatron_namespace(use_distributed_optimizer=True), argv, 4, 4, saved)
+    assert request.constraints["use_distributed_optimizer"] is False
+    assert ma.overridden_by_checkpoint(request).startswith("--use-distributed-optimizer is ignored: the checkpoint")
+    assert ma.overridden_by_checkpoint(ma.job_request(megatron_namespace(), [], 4, 4, saved)) is None
     ma.make_resumable_across_layouts(args)
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
+
+
+def test_an_unreadable_checkpoint_plan_names_load(tmp_path):
+    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
+    (tmp_path / ma.CHECKPOINT_PLAN).write_bytes(b"\x00\xff")
+    with pytest.raises(PipetteError, match=r"^--load .*pipette_plan.json: cannot read"):
+        ma.saved_layout(megatron_namespace(load=str(tmp_path)))
 
 
 @pytest.mark.parametrize("layers, pp, lpv, embedding, loss",
