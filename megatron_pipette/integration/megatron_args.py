@@ -225,6 +225,10 @@ def overridden_by_checkpoint(request: JobRequest) -> str | None:
 
 def save_checkpoint_plan(args: Any, doc: dict) -> None:
     """The plan beside the checkpoints --save writes (PipetteError naming --save when it cannot be)."""
+    try:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipetteError(f"--save {args.save}: cannot create: {e.strerror or e}") from None
     write_atomic(Path(args.save) / CHECKPOINT_PLAN, (json.dumps(doc, indent=1) + "\n").encode(), "--save")
 
 

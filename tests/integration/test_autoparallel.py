@@ -114,6 +114,36 @@ def test_a_dry_run_reuses_the_cached_plan(run_torchrun, restarted_job) -> None:
 
 
 @pytest.mark.torchrun
+def test_a_restart_reuses_its_plan_and_a_plan_for_another_job_is_not_applied(run_torchrun, tmp_path: Path) -> None:
+    """The same command restarted from its checkpoint finds the plan it saved under (the checkpoint is no
+    part of the cache key: it once re-probed and switched layout), says which layout the checkpoint
+    was saved under and which it resumes under, and says that probe, profile and plan were cached. A
+    plan pinned for another global batch (Megatron's validate_args once killed every rank on it) is
+    one warning, and the job goes on with a plan that runs."""
+    ckpt, cache = tmp_path / "ckpt", tmp_path / "cache"
+    line = [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(cache), "--save", str(ckpt), "--load", str(ckpt),
+            "--save-interval", "1000"]
+    first = run_torchrun(WORKER, line, nproc=2, timeout=240)
+    assert "> auto-parallel: probed 2 devices" in first
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")   # as Megatron's first save leaves it
+    doc = json.loads(cached_plan(cache).read_text())
+    other = json.loads(json.dumps(doc))
+    other["model"]["global_batch_size"], other["candidates"][0]["layout"]["micro_batch_size"] = 48, 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    again = run_torchrun(WORKER, [*line, "--auto-parallel-plan-file", str(tmp_path / "other.json")], nproc=2,
+                         timeout=240)
+    said = "\n".join(re.findall(r"> auto-parallel: .*", again))
+    assert said.count("WARNING") == 1 and re.search(
+        r"WARNING: the plan in \S+other.json cannot run this job \(--global-batch-size 48 in the plan, 16 here; "
+        r"--micro-batch-size is 3 in the plan, 1 fixed here\): planning again", said), said
+    assert f"using the plan in {cached_plan(cache)}" in again and "probed" not in again
+    layout = chosen_from_json(doc, "plan")[0].describe()
+    assert f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {layout}, under the same layout" in again
+    assert "> auto-parallel: phases: probe, profile and plan cached; total" in again, said
+    check_groups(again, doc)
+
+
+@pytest.mark.torchrun
 def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     """A plan that puts logical node 0 on physical node 1 renumbers every process accordingly."""
     from megatron_pipette.cost.model import CostModel
