@@ -26,6 +26,7 @@ when those flags cannot run here either: errors.UnrunnableFlags).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -191,24 +192,31 @@ def _profile_and_plan(request, start: replan.Start, cluster_doc: dict | None, en
 
 
 def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, timeout: timedelta) -> list[str]:
-    """Every rank's status, exchanged through the store (which outlives a broken process group)."""
+    """Every rank's status, exchanged through the store (which outlives a broken process group). A rank
+    that has not posted within `timeout` (hung or dead) is "missing". The first rank to decide writes the
+    verdict (compare_set) and every rank, a late one included, takes it: all act on the same statuses."""
     store.set(f"{prefix}{rank}", status)
     keys = [f"{prefix}{r}" for r in range(world)]
-    store.wait(keys, timeout)
-    return [store.get(k).decode() for k in keys]
+    with contextlib.suppress(dist.DistStoreError):   # a rank did not post in time: it is missing
+        store.wait(keys, timeout)
+    seen = [store.get(k).decode() if store.check([k]) else
+            f"missing:no answer within {timeout.total_seconds():.0f} s (hung or dead)" for k in keys]
+    return json.loads(store.compare_set(f"{prefix}verdict", "", json.dumps(seen)))
 
 
 def failure_verdict(statuses: list[str]) -> tuple[str, bool]:
-    """From the ranks' statuses ("ok:<plan digest>", "failed:<why>", "stop:<why>") when they do not
-    all hold one plan: the reason naming each failed rank, and whether to stop even without
-    --auto-parallel-strict (some rank's failure is a flag the user's own line cannot run with)."""
+    """From the ranks' statuses ("ok:<plan digest>", "failed:<why>", "stop:<why>", "missing:<why>") when
+    they do not all hold one plan: the reason naming each failed rank, and whether to stop even without
+    --auto-parallel-strict (some rank's failure is a flag the user's own line cannot run with, or a rank
+    is missing, without which no training group can form)."""
     failures: dict[str, list[int]] = {}
+    missing = any(s.startswith("missing:") for s in statuses)
     for r, s in enumerate(statuses):
-        if not s.startswith("ok:"):
+        if s.startswith("missing:") if missing else not s.startswith("ok:"):   # a missing rank is why others failed
             failures.setdefault(s.split(":", 1)[1], []).append(r)
     reason = "; ".join(f"rank {','.join(map(str, ranks))}: {why}" for why, ranks in failures.items()) \
         or "ranks hold different plans"
-    return reason, any(s.startswith("stop:") for s in statuses)
+    return reason, missing or any(s.startswith("stop:") for s in statuses)
 
 
 def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
@@ -226,7 +234,11 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     # pre-launch phase outlasts the whole budget by more than half.
     probe_timeout = timedelta(seconds=min(user_timeout.total_seconds(),
                                           max(MIN_WAIT_S, 1.5 * opts.auto_parallel_budget_s)))
-    store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    try:
+        store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    except dist.DistError as e:    # a rank did not join in time (hung or dead): nothing can start without it
+        raise SystemExit(f"auto-parallel failed: not every rank joined within {probe_timeout.total_seconds():.0f} s "
+                         f"(hung or dead): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if supplied:
         log("CPU rehearsal: " + ", ".join(supplied), rank)
     fallback = megatron_args.layout_from_args(args, world)

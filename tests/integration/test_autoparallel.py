@@ -184,6 +184,29 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
 
 
 @pytest.mark.torchrun
+def test_a_rank_that_hangs_while_rank_0_profiles_stops_every_other_within_the_bound(run_torchrun, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Rank 1 stops (SIGSTOP: hung, its sockets open, so no peer hears of it from the network) while rank 0
+    profiles. Every other rank ends the pre-launch phase within the documented bound after the stop, the
+    budget plus 3 x max(MIN_WAIT_S, 1.5 x budget) (rank 0's remaining work, one wait in a collective, the
+    final agreement): 36 s with the floor lowered to 10 s and a 6 s budget. Each stops with one line
+    naming rank 1 (no training group can form without it); no raw DistStoreError."""
+    monkeypatch.setenv("PIPETTE_TEST_STOP_RANK", "1")
+    monkeypatch.setenv("PIPETTE_TEST_MIN_WAIT_S", "10")
+    out = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
+                                "--auto-parallel-budget-s", "6"], nproc=3, timeout=240, expect_failure=True)
+    stopped = float(re.search(r"STOPPED 1 ([0-9.]+)", out).group(1))
+    exited = {int(r): float(t) for r, t in re.findall(r"EXITED (\d+) ([0-9.]+)", out)}
+    print(f"rank 1 stopped; ranks 0 and 2 ended {exited[0] - stopped:.1f} s and {exited[2] - stopped:.1f} s later "
+          "(bound 36 s)")
+    assert max(exited[0], exited[2]) - stopped <= 36, (exited, stopped)
+    lines = re.findall(r"auto-parallel failed: .*", out)
+    assert len(lines) == 2 and all(line == "auto-parallel failed: rank 1: no answer within 20 s (hung or dead)"
+                                   for line in lines), lines
+    assert "DistStoreError" not in out and "GROUPS" not in out
+
+
+@pytest.mark.torchrun
 def test_a_flag_the_planner_cannot_price_falls_back_or_stops(run_torchrun, tmp_path: Path) -> None:
     """--no-overlap-p2p-communication is not modelled: before any probe, every rank keeps the user's flags with one
     warning naming the flag, or, under --auto-parallel-strict, every rank stops. The micro-batch size the
@@ -241,6 +264,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert CHOSEN.search(first).group(1).endswith("dp1")  # tp2 pp2 on 4
     replanned = CHOSEN.search(second).group(1)
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
+    assert re.search(rf"> auto-parallel: resuming the checkpoint in {tmp_path / 'ckpt'}, saved under "
+                     rf"{CHOSEN.search(first).group(1)} [^,]*, under {replanned} .*\(Megatron reshards it\)", second)
     chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
     assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines
     assert "--recompute-granularity full" in chosen_lines[0], chosen_lines

@@ -72,7 +72,8 @@ def test_typed_tensor_parallelism_under_moe_without_te_or_apex_stops_the_job(mon
 
 def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     """The ranks' statuses: a planning failure falls back (the reason names each rank); an
-    UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too."""
+    UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too, and so
+    does a missing rank (hung or dead), which is then the reason given."""
     from megatron_pipette.integration.hook import failure_verdict
 
     assert failure_verdict(["ok:a", "failed:probe timed out", "failed:probe timed out"]) == \
@@ -80,6 +81,8 @@ def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     assert failure_verdict(["stop:--sequence-parallel needs x", "stop:--sequence-parallel needs x"]) == \
         ("rank 0,1: --sequence-parallel needs x", True)
     assert failure_verdict(["ok:a", "ok:b"]) == ("ranks hold different plans", False)
+    assert failure_verdict(["failed:budget exceeded", "missing:no answer", "ok:a"]) == ("rank 1: no answer", True)
+
 
 def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
     """Only Transformer Engine's attention splits the sequence: without it CP stays 1, and a typed
@@ -279,3 +282,13 @@ def test_without_transformer_engine_the_attention_keeps_its_scores(monkeypatch):
     assert ma.workload_from_args(megatron_namespace(attention_backend="auto")).attention_backend == "local"
     monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     assert ma.workload_from_args(megatron_namespace(attention_backend="flash")).attention_backend == "flash"
+
+
+def test_the_cache_key_identity_names_the_gpus_given(monkeypatch):
+    """Without a visible GPU UUID (here: no GPU), the GPUs a job was given are CUDA_VISIBLE_DEVICES'."""
+    from megatron_pipette.integration.hook import _identity
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    two = _identity()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert two["gpu"] == "2,3" and _identity()["gpu"] == "0,1" and two["host"] == _identity()["host"]
