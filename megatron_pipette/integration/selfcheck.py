@@ -52,6 +52,8 @@ from megatron_pipette.spec.workload import Workload
 
 REPORT_WAIT_S = 30.0
 """Longest rank 0 waits for the others' records: they post theirs at the end of the same step."""
+RECORD_LOCK_S = 5.0
+"""Longest rank 0 waits, inside a training step, for another job to release the cache entry."""
 SKIPPED = 1
 """Steps before the timed ones: the first compiles, allocates optimizer state and fills caches."""
 MODEL_ARG, FORWARD_BACKWARD_ARG = 2, 6
@@ -310,7 +312,7 @@ def _conclude(setup: CheckSetup, world: int) -> None:
         return
     entry = setup.record
     try:
-        with entry.locked(REPORT_WAIT_S):
+        with entry.locked(RECORD_LOCK_S):
             _record(entry, candidate, result)
     except PipetteError as e:   # another job holds the entry
         log(f"self-check not recorded: {e}", 0)
