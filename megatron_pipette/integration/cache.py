@@ -53,7 +53,6 @@ class Document[T]:
     """A file of an entry and its reader (the codec's: raises PipetteError on a bad document)."""
 
     name: str
-    what: str
     without: str
     """What the job does when the file is unusable."""
     decode: Callable[[Any, str], T]
@@ -69,10 +68,10 @@ def _calibration(doc: Any, where: str) -> dict:
     return doc
 
 
-PLAN = Document("plan.json", "plan", "planning again", _plan)
-CLUSTER = Document("cluster.json", "probe", "probing again", cluster_from_json)
-PROFILE = Document("layer_profile.json", "layer profile", "profiling again", profile_from_json)
-CALIBRATION = Document("calibration.json", "calibration", "planning uncalibrated", _calibration)
+PLAN = Document("plan.json", "planning again", _plan)
+CLUSTER = Document("cluster.json", "probing again", cluster_from_json)
+PROFILE = Document("layer_profile.json", "profiling again", profile_from_json)
+CALIBRATION = Document("calibration.json", "planning uncalibrated", _calibration)
 
 
 def cache_key(identities: list[dict], workload: Workload, typed: Mapping[str, Any]) -> str:
@@ -171,11 +170,16 @@ class Entry:
             self._set_aside(doc, f"{path}: cannot read: {e.strerror or e}")
             return None
         try:
-            return doc.decode(json.loads(data), str(path))
+            value = json.loads(data)
+        except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
+            self._set_aside(doc, f"{path}: not a JSON document ({type(e).__name__}: {str(e)[:80]})")
+            return None
+        try:
+            return doc.decode(value, str(path))
         except PipetteError as e:
             self._set_aside(doc, str(e))
-        except (ValueError, RecursionError) as e:    # not JSON (UnicodeDecodeError is a ValueError)
-            self._set_aside(doc, f"{path}: not a JSON document ({type(e).__name__}: {str(e)[:80]})")
+        except Exception as e:  # noqa: BLE001 (a reader tripping on a malformed field: still only this file)
+            self._set_aside(doc, f"{path}: malformed ({type(e).__name__}: {str(e)[:80]})")
         return None
 
     def _set_aside(self, doc: Document, reason: str) -> None:

@@ -42,6 +42,7 @@ from megatron_pipette.integration import dropin, megatron_args, replan, selfchec
 from megatron_pipette.integration.cache import CLUSTER, PROFILE, Entry, cache_key
 from megatron_pipette.integration.common import Phases, candidate_digest, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
+from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
@@ -115,8 +116,8 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
                                  budget, timeout), entry
 
 
-def _measure_and_plan(request, entry: Entry, start: replan.Start | None, probe: bool, profile: bool, rank: int,
-                      phases: Phases, budget: float, timeout: timedelta) -> dict:
+def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | None, probe: bool, profile: bool,
+                      rank: int, phases: Phases, budget: float, timeout: timedelta) -> dict:
     """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
     workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
@@ -130,18 +131,20 @@ def _measure_and_plan(request, entry: Entry, start: replan.Start | None, probe: 
             timeout_s=timeout.total_seconds()))   # the document: rank 0 only
     else:
         phases.skip("probe", "cached")
+
+    def plan() -> dict:
+        return _profile_and_plan(request, start, cluster_doc, entry, phases, on_gpu, budget)
+
     if not profile:
         phases.skip("profile", "cached")
-        return _on_rank0_then_broadcast(lambda: _profile_and_plan(
-            request, start, cluster_doc, entry, phases, on_gpu, budget), rank)
+        return _on_rank0_then_broadcast(plan, rank)
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
     # neutral one (a collective) and tear it down before Megatron builds the real one.
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        return _on_rank0_then_broadcast(lambda: _profile_and_plan(
-            request, start, cluster_doc, entry, phases, on_gpu, budget), rank)
+        return _on_rank0_then_broadcast(plan, rank)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -161,7 +164,7 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
     return result
 
 
-def _profile_and_plan(request, start: replan.Start, cluster_doc: dict | None, entry: Entry, phases: Phases,
+def _profile_and_plan(request: JobRequest, start: replan.Start, cluster_doc: dict | None, entry: Entry, phases: Phases,
                       on_gpu: bool, budget: float) -> dict:
     """Rank 0: the cluster (probed now, or cached), the layer profile (profiled now, or cached), the plan."""
     workload, constraints = request.workload, request.constraints

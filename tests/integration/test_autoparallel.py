@@ -152,8 +152,11 @@ def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     from megatron_pipette.spec.hardware import preset_cluster
     from megatron_pipette.spec.workload import workload_from_preset
 
-    result = plan(workload_from_preset("tiny-gpt"), CostModel(preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2)),
-                  constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    # The model of TINY's flags (a plan for another model is not applied), with its typed micro-batch size.
+    model = workload_from_preset("tiny-gpt", max_position_embeddings=64, attention_backend="local")
+    result = plan(model, CostModel(preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2)),
+                  constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                               "micro_batch_size": 1})
     doc = plan_json(result)
     doc["candidates"][0]["placement"]["node_order"] = [1, 0]
     pinned = tmp_path / "plan.json"

@@ -47,7 +47,9 @@ def bad_contents(good: dict) -> dict[str, bytes]:
     return {"truncated": text[:len(text) // 2], "binary": bytes(range(256)) * 4,
             "wrong schema": json.dumps({**good, "schema": "someone-else/plan"}).encode(),
             "old version": json.dumps({**good, "version": 0}).encode(), "empty": b"",
-            "not an object": b"[1, 2, 3]", "nested too deep": b"[" * 100000}
+            "not an object": b"[1, 2, 3]", "nested too deep": b"[" * 100000,
+            "a field of the wrong type": json.dumps({**good, **{k: None for k in good if k not in
+                                                               ("schema", "version")}}).encode()}
 
 
 @pytest.fixture
@@ -79,6 +81,14 @@ def test_a_bad_file_is_moved_aside_once_with_one_warning(entry: Entry, kind: str
     assert not entry.file(doc).exists() and len(set_aside(entry, doc)) == 1
     assert entry.read(doc) is None and capsys.readouterr().out == ""    # gone: nothing more to say
     assert entry.write(doc, good) and entry.read(doc) is not None
+
+
+def test_a_reader_tripping_on_a_malformed_field_sets_only_that_file_aside(entry: Entry, capsys) -> None:
+    """Whatever a document's reader raises on a malformed field (here a profile whose device is null),
+    the file is set aside like any other bad file."""
+    entry.file(PROFILE).write_text(json.dumps({**PROFILE_DOC, "device": None}))
+    assert entry.read(PROFILE) is None and len(set_aside(entry, PROFILE)) == 1
+    assert capsys.readouterr().out.count("WARNING") == 1
 
 
 @pytest.mark.parametrize("kind", DOCS)
