@@ -45,6 +45,7 @@ if os.environ.get("PIPETTE_TEST_FAIL_PROBE_RANK") == str(physical):
 
 if os.environ.get("PIPETTE_TEST_STOP_RANK") == str(physical):
     import signal
+    import subprocess
     import time
 
     from megatron.core import parallel_state as state
@@ -52,9 +53,11 @@ if os.environ.get("PIPETTE_TEST_STOP_RANK") == str(physical):
     set_up = state.initialize_model_parallel
 
     def stop_after_setup(*args, **kwargs):
-        """The hook sets up a neutral model-parallel state for rank 0's profile: stop there."""
+        """The hook sets up a neutral model-parallel state for rank 0's profile: stop there. Continued
+        after 40 s, past the others' bound, so that torchrun's SIGTERM ends it without its 30 s wait."""
         set_up(*args, **kwargs)
         print(f"STOPPED {physical} {time.time()}", flush=True)
+        subprocess.Popen(["sh", "-c", f"sleep 40; kill -CONT {os.getpid()}"], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
 
     state.initialize_model_parallel = stop_after_setup

@@ -187,6 +187,7 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
 
 
 @pytest.mark.torchrun
+@pytest.mark.slow
 def test_a_rank_that_hangs_while_rank_0_profiles_stops_every_other_within_the_bound(run_torchrun, tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """Rank 1 stops (SIGSTOP: hung, its sockets open, so no peer hears of it from the network) while rank 0
