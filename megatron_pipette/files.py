@@ -1,32 +1,54 @@
-"""Atomic file writes for the parts that do I/O (probe, reports, the hook): readers never see half a file."""
+"""Atomic file writes for the parts that do I/O (probe, reports, the hook): readers never see half a file.
+
+The temporary file is made by tempfile.mkstemp in the target's directory (a fresh name opened with
+O_EXCL: a name planted in a shared directory, or a link, is never written through), filled,
+synced and renamed over the target.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
+import tempfile
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, flag: str) -> Iterator[Path]:
-    """Yield a temporary path beside `path` to write to; it replaces `path` when the block ends.
-    A failed write names `flag` (the option that chose the path) and leaves nothing behind."""
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_atomic(path: str | os.PathLike, data: bytes, flag: str, mode: int | None = None) -> None:
+    """Replace `path` with `data` at once. The file gets `mode` (default: what the umask gives). A failed
+    write names `flag` (the option that chose the path) and leaves nothing behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp: str | None = None
     try:
-        yield tmp
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, _umask_mode() if mode is None else mode)
+            _write_all(fd, data)
+            os.fsync(fd)   # a full disk may only say so here
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise PipetteError(f"{flag} {path}: cannot write: {e.strerror or e}") from None
 
 
 def write_cluster_file(doc: dict, path: str | os.PathLike, flag: str = "--out") -> None:
     """Write a cluster document (the probe's, or its twin's) atomically; small ones indented for reading."""
     indent = 1 if doc["num_nodes"] * doc["gpus_per_node"] <= 64 else None
-    with atomic_path(path, flag) as tmp:
-        tmp.write_text(json.dumps(doc, indent=indent) + "\n")
+    write_atomic(path, (json.dumps(doc, indent=indent) + "\n").encode(), flag)

@@ -88,10 +88,15 @@ class Factors:
 
 
 def factors_from_json(doc: Any, where: str) -> Factors:
-    """The factors of a calibration document; a malformed one names the file."""
+    """The factors of a calibration document, checked whole (its id and what it was fitted on too, which
+    the replanning reports); a malformed one names the file."""
     try:
         if doc["schema"] != SCHEMA or doc["version"] != VERSION:
             raise ValueError(f"not a {SCHEMA} version {VERSION} document")
+        if not isinstance(doc["id"], str):
+            raise ValueError("its id is not a string")
+        for key in ("measured_s", "predicted_s"):
+            float(doc["fitted_on"][key])
         f = doc["factors"]
         links = {str(k): float(v) for k, v in f["link_bandwidth"].items()}
         factors = Factors(compute_rate=float(f["compute_rate"]), memory_rate=float(f["memory_rate"]),

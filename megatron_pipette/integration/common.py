@@ -1,9 +1,4 @@
-"""What the pre-launch hook and the in-job self-check share: rank-0 log lines and the plan cache.
-
-The cache holds one directory per allocation fingerprint (hook.allocation_fingerprint):
-the probe's cluster file, the layer profile, the plan in use and, once a self-check has
-measured that plan, the calibration fitted to it.
-"""
+"""What the pre-launch hook and the in-job self-check share: rank-0 log lines, phase times, plan digests."""
 
 from __future__ import annotations
 
@@ -12,22 +7,16 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from megatron_pipette.files import atomic_path
-
-PLAN = "plan.json"
-CLUSTER = "cluster.json"
-PROFILE = "layer_profile.json"
-CALIBRATION = "calibration.json"
 
 
 @dataclass
 class Phases:
-    """Wall time of each pre-launch phase, for the log and the plan file."""
+    """Wall time of each pre-launch phase (for the log and the plan file), and the phases skipped."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Phase -> why it did not run ("cached", "pinned plan")."""
     _start: float = field(default_factory=time.perf_counter)
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
@@ -37,21 +26,29 @@ class Phases:
         finally:
             self.seconds[name] = round(time.perf_counter() - t, 3)
 
+    def skip(self, name: str, why: str) -> None:
+        self.skipped.setdefault(name, why)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
+
+    def line(self) -> str:
+        """"probe 1.5 s, profile 2.0 s, plan 0.1 s; total 4.1 s", or for a start that reused the cache
+        "probe, profile and plan cached; total 0.1 s"."""
+        ran = [f"{k} {v:.1f} s" for k, v in self.seconds.items()]
+        by_why: dict[str, list[str]] = {}
+        for name, why in self.skipped.items():
+            if name not in self.seconds:
+                by_why.setdefault(why, []).append(name)
+        skipped = [(", ".join(names[:-1]) + " and " if len(names) > 1 else "") + f"{names[-1]} {why}"
+                   for why, names in by_why.items()]
+        return ", ".join([*skipped, *ran] or ["none"]) + f"; total {self.elapsed():.1f} s"
 
 
 def log(message: str, rank: int) -> None:
     """Megatron-style rank-0 log line."""
     if rank == 0:
         print(f"> auto-parallel: {message}", flush=True)
-
-
-def write_json(path: Path, doc: dict, flag: str) -> None:
-    """Write atomically; a failure names the flag that chose the path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, flag) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1))
 
 
 def candidate_digest(candidate: dict) -> str:

@@ -5,10 +5,11 @@ On every rank, before Megatron derives anything from the layout flags:
 0. without a GPU, turn on the CPU rehearsal and supply the settings it needs
    that the command line leaves out; keep prebuilt dataset helpers (dropin);
 1. initialise torch.distributed from the torchrun environment (a probe group);
-2. identify the allocation; a plan cached for the same allocation and model
-   is reused (planned again if a self-check calibrated the model since; a
-   cached probe without a plan is planned from: replan), else probe the links
-   and devices and profile one layer (rank 0);
+2. identify the allocation; a plan pinned or cached for the same allocation
+   and model is checked against the job (plan_check) and reused (planned
+   again if a self-check calibrated the model since; a cached probe without a
+   plan is planned from: replan), else probe the links and devices and
+   profile one layer (rank 0), whatever the cache (integration.cache) lacks;
 3. plan on rank 0, broadcast the plan, and agree through the store that every
    rank holds the same one (a failed rank says so instead of leaving the
    others waiting);
@@ -25,55 +26,54 @@ when those flags cannot run here either: errors.UnrunnableFlags).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_pipette import __version__
-from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
-from megatron_pipette.integration.common import CLUSTER, PLAN, PROFILE, Phases, candidate_digest, log, write_json
+from megatron_pipette.integration.cache import CLUSTER, PROFILE, Entry, cache_key
+from megatron_pipette.integration.common import Phases, candidate_digest, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
+from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.search import context_parallel_options
+from megatron_pipette.probe.document import gpus_per_node
 from megatron_pipette.probe.identity import node_name
 from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB, MiB
 
 PROBE_SHARE = 0.4
 """Share of the budget the link probe may use; the layer profile gets PROFILE_SHARE."""
 PROFILE_SHARE = 0.3
+LOCK_SHARE = 0.5
+"""Share of the budget rank 0 may wait for another job planning into the same cache entry."""
 PROFILE_MICRO_BATCHES = (1, 2, 4, 8)
 MIN_WAIT_S = 30.0
 """Shortest timeout of a pre-launch wait (process start-up skew across nodes)."""
 
 
-def allocation_fingerprint(identities: list[dict], workload: Workload, constraints: dict) -> str:
-    """Key of the plan cache: the hosts and devices in rank order, the model and the constraints."""
-    key = {"pipette": __version__, "devices": [(i["host"], i["device"]) for i in identities],
-           "model": asdict(workload), "constraints": sorted((k, repr(v)) for k, v in constraints.items())}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def _identity() -> dict:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not rehearsal_requested() else "cpu"
-    return {"host": node_name(), "device": device}
+    """This process's part of the cache key: its node, its device and which GPU it is (the UUID where
+    torch shows it, else CUDA_VISIBLE_DEVICES), so that jobs on disjoint GPUs of a node do not share."""
+    ident = {"host": node_name(), "device": "cpu", "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if torch.cuda.is_available() and not rehearsal_requested():
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        uuid = getattr(props, "uuid", None)
+        ident.update(device=props.name, gpu=str(uuid) if uuid is not None else ident["gpu"])
+    return ident
 
 
 def _broadcast(obj: Any, rank: int) -> Any:
@@ -83,53 +83,68 @@ def _broadcast(obj: Any, rank: int) -> Any:
 
 
 def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
-                   timeout: timedelta) -> tuple[dict, Path | None]:
-    """Collective: the plan document, identical on every rank, and the cache directory whose plan.json
-    it is (None when it is pinned with --auto-parallel-plan-file)."""
-    workload = megatron_args.workload_from_args(args)
-    constraints = {**megatron_args.constraints_from_args(args, argv), **megatron_args.checkpoint_constraints(args)}
+                   timeout: timedelta, saved: Layout | None) -> tuple[dict, Entry | None]:
+    """Collective: the plan document, identical on every rank, and the cache entry whose plan.json it
+    is (None when it is pinned with --auto-parallel-plan-file)."""
     identities: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(identities, _identity())
-    key = allocation_fingerprint(identities, workload, constraints)
-    cache = Path(opts.auto_parallel_cache_dir) / key
-    if opts.auto_parallel_plan_file is not None:
-        source = "pinned"
-    elif (cache / PLAN).exists():
-        source = "plan"
-    elif (cache / CLUSTER).exists() and (cache / PROFILE).exists():
-        source = "probe"
-    else:
-        source = None
-    source = _broadcast(source if rank == 0 else None, rank)
-    if source == "pinned":
-        path = Path(opts.auto_parallel_plan_file)
-        doc = _on_rank0_then_broadcast(lambda: json.loads(path.read_text()), rank)
-        log(f"using the plan in {path} (allocation {key}); probe and profile skipped", rank)
-        return doc, None
-    if source == "plan":
-        return _on_rank0_then_broadcast(lambda: replan.cached_plan(
-            workload, constraints, opts.auto_parallel_replan_if_slower, cache, key, phases), rank), cache
-    if source == "probe":
-        return _on_rank0_then_broadcast(lambda: replan.plan_from_cache(
-            workload, constraints, cache, key, phases), rank), cache
-    from megatron_pipette.probe import run_probe
-
-    if rank == 0:
-        cache.mkdir(parents=True, exist_ok=True)
+    request = megatron_args.job_request(args, argv, world, gpus_per_node([i["host"] for i in identities]), saved)
+    if (note := megatron_args.overridden_by_checkpoint(request)) is not None:
+        log(f"WARNING: {note}", rank)
+    entry = Entry(opts.auto_parallel_cache_dir, cache_key(identities, request.workload, request.typed),
+                  shared=opts.auto_parallel_shared_cache)
+    switches = replan.Switches(plan_file=opts.auto_parallel_plan_file, replan=opts.auto_parallel_replan,
+                               reprobe=opts.auto_parallel_reprobe, replan_if_slower=opts.auto_parallel_replan_if_slower)
     budget = opts.auto_parallel_budget_s
+    with contextlib.ExitStack() as held:   # rank 0 holds the entry's lock until the plan is made
+        found: list[replan.Start] = []
+
+        def look_up() -> tuple[dict | None, bool, bool, bool]:
+            entry.open()
+            waited = held.enter_context(entry.locked(LOCK_SHARE * budget))
+            if waited >= 1:
+                log(f"waited {waited:.0f} s for another job to release {entry.path}", 0)
+            start = replan.look_up(entry, request, switches, phases)
+            found.append(start)
+            return start.doc, start.pinned, start.doc is None and start.cluster is None, \
+                start.doc is None and start.profile is None
+
+        doc, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank)
+        if doc is not None:
+            return doc, None if pinned else entry
+        return _measure_and_plan(request, entry, found[0] if found else None, probe, profile, rank, phases,
+                                 budget, timeout), entry
+
+
+def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | None, probe: bool, profile: bool,
+                      rank: int, phases: Phases, budget: float, timeout: timedelta) -> dict:
+    """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
+    workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
-    cluster_doc = phases.run("probe", lambda: run_probe(
-        budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
-        small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
-        out=cache / CLUSTER, timeout_s=timeout.total_seconds()))   # the document: rank 0 only
+    cluster_doc = None
+    if probe:
+        from megatron_pipette.probe import run_probe
+
+        cluster_doc = phases.run("probe", lambda: run_probe(
+            budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
+            small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
+            timeout_s=timeout.total_seconds()))   # the document: rank 0 only
+    else:
+        phases.skip("probe", "cached")
+
+    def plan() -> dict:
+        return _profile_and_plan(request, start, cluster_doc, entry, phases, on_gpu, budget)
+
+    if not profile:
+        phases.skip("profile", "cached")
+        return _on_rank0_then_broadcast(plan, rank)
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
     # neutral one (a collective) and tear it down before Megatron builds the real one.
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        return _on_rank0_then_broadcast(lambda: _profile_and_plan(
-            workload, cluster_doc, constraints, cache, phases, on_gpu, budget), rank), cache
+        return _on_rank0_then_broadcast(plan, rank)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -149,49 +164,62 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
     return result
 
 
-def _profile_and_plan(workload, cluster_doc: dict, constraints, cache: Path, phases: Phases, on_gpu: bool,
-                      budget: float) -> dict:
-    from megatron_pipette.profile import profile_layers
+def _profile_and_plan(request: JobRequest, start: replan.Start, cluster_doc: dict | None, entry: Entry, phases: Phases,
+                      on_gpu: bool, budget: float) -> dict:
+    """Rank 0: the cluster (probed now, or cached), the layer profile (profiled now, or cached), the plan."""
+    workload, constraints = request.workload, request.constraints
+    new = {}
+    cluster = start.cluster
+    if cluster_doc is not None:
+        cluster, new[CLUSTER] = cluster_from_json(cluster_doc, where="probe"), cluster_doc
+        log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s",
+            0)
+    profile = start.profile
+    if profile is None:
+        from megatron_pipette.profile import profile_layers
 
-    cluster = cluster_from_json(cluster_doc, where="probe")
-    log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s", 0)
-    tp_sizes = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node % t == 0
-                and workload.num_attention_heads % t == 0 and workload.query_groups % t == 0]
-    if "tensor_model_parallel_size" in constraints:
-        tp_sizes = [constraints["tensor_model_parallel_size"]]
-    per_replica = workload.global_batch_size
-    mbs = [m for m in PROFILE_MICRO_BATCHES if per_replica % m == 0]
-    # Each context-parallel size the search may try gets its shard timed (after everything else, so
-    # a budget cut drops these first); megatron_args pins CP 1 where Transformer Engine is missing.
-    cp_sizes = ([constraints["context_parallel_size"]] if "context_parallel_size" in constraints
-                else context_parallel_options(workload, cluster.world_size))
-    profile_doc = phases.run("profile", lambda: profile_layers(
-        workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
-        budget_s=budget * PROFILE_SHARE, rank=0, cp_sizes=cp_sizes))
-    write_json(cache / PROFILE, profile_doc, "--auto-parallel-cache-dir")
-    profile = profile_from_json(profile_doc, where="layer profile")
-    return replan.plan_and_write(workload, CostModel(cluster, profile=profile), constraints, cache, phases)
+        tp_sizes = [t for t in (1, 2, 4, 8) if cluster.gpus_per_node % t == 0
+                    and workload.num_attention_heads % t == 0 and workload.query_groups % t == 0]
+        if "tensor_model_parallel_size" in constraints:
+            tp_sizes = [constraints["tensor_model_parallel_size"]]
+        mbs = [m for m in PROFILE_MICRO_BATCHES if workload.global_batch_size % m == 0]
+        # Each context-parallel size the search may try gets its shard timed (after everything else, so
+        # a budget cut drops these first); megatron_args pins CP 1 where Transformer Engine is missing.
+        cp_sizes = ([constraints["context_parallel_size"]] if "context_parallel_size" in constraints
+                    else context_parallel_options(workload, cluster.world_size))
+        profile_doc = phases.run("profile", lambda: profile_layers(
+            workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
+            budget_s=budget * PROFILE_SHARE, rank=0, cp_sizes=cp_sizes))
+        profile, new[PROFILE] = profile_from_json(profile_doc, where="layer profile"), profile_doc
+    return replan.plan_measured(request, entry, phases, cluster, profile, new)
 
 
 def _agree(store: dist.Store, prefix: str, rank: int, world: int, status: str, timeout: timedelta) -> list[str]:
-    """Every rank's status, exchanged through the store (which outlives a broken process group)."""
+    """Every rank's status, exchanged through the store (which outlives a broken process group). A rank
+    that has not posted within `timeout` (hung or dead) is "missing". The first rank to decide writes the
+    verdict (compare_set) and every rank, a late one included, takes it: all act on the same statuses."""
     store.set(f"{prefix}{rank}", status)
     keys = [f"{prefix}{r}" for r in range(world)]
-    store.wait(keys, timeout)
-    return [store.get(k).decode() for k in keys]
+    with contextlib.suppress(dist.DistStoreError):   # a rank did not post in time: it is missing
+        store.wait(keys, timeout)
+    seen = [store.get(k).decode() if store.check([k]) else
+            f"missing:no answer within {timeout.total_seconds():.0f} s (hung or dead)" for k in keys]
+    return json.loads(store.compare_set(f"{prefix}verdict", "", json.dumps(seen)))
 
 
 def failure_verdict(statuses: list[str]) -> tuple[str, bool]:
-    """From the ranks' statuses ("ok:<plan digest>", "failed:<why>", "stop:<why>") when they do not
-    all hold one plan: the reason naming each failed rank, and whether to stop even without
-    --auto-parallel-strict (some rank's failure is a flag the user's own line cannot run with)."""
+    """From the ranks' statuses ("ok:<plan digest>", "failed:<why>", "stop:<why>", "missing:<why>") when
+    they do not all hold one plan: the reason naming each failed rank, and whether to stop even without
+    --auto-parallel-strict (some rank's failure is a flag the user's own line cannot run with, or a rank
+    is missing, without which no training group can form)."""
     failures: dict[str, list[int]] = {}
+    missing = any(s.startswith("missing:") for s in statuses)
     for r, s in enumerate(statuses):
-        if not s.startswith("ok:"):
+        if s.startswith("missing:") if missing else not s.startswith("ok:"):   # a missing rank is why others failed
             failures.setdefault(s.split(":", 1)[1], []).append(r)
     reason = "; ".join(f"rank {','.join(map(str, ranks))}: {why}" for why, ranks in failures.items()) \
         or "ranks hold different plans"
-    return reason, any(s.startswith("stop:") for s in statuses)
+    return reason, missing or any(s.startswith("stop:") for s in statuses)
 
 
 def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
@@ -209,12 +237,18 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     # pre-launch phase outlasts the whole budget by more than half.
     probe_timeout = timedelta(seconds=min(user_timeout.total_seconds(),
                                           max(MIN_WAIT_S, 1.5 * opts.auto_parallel_budget_s)))
-    store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    try:
+        store, rank, world = init_from_torchrun_env(backend, probe_timeout, prefix=f"pipette/{attempt}/probe/")
+    except dist.DistError as e:    # a rank did not join in time (hung or dead): nothing can start without it
+        raise SystemExit(f"auto-parallel failed: not every rank joined within {probe_timeout.total_seconds():.0f} s "
+                         f"(hung or dead): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if supplied:
         log("CPU rehearsal: " + ", ".join(supplied), rank)
     fallback = megatron_args.layout_from_args(args, world)
+    saved = None
     try:
-        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout)
+        saved = megatron_args.saved_layout(args)
+        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved)
         layout, placement = chosen_from_json(doc, where="plan")
         if placement.logical_to_physical.size != world:
             raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
@@ -247,8 +281,11 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     if layout is not None:
         megatron_args.apply_layout(args, layout)
         _log_groups(layout, placement, args.rank)
-        if args.rank == 0 and getattr(args, "save", None):
-            write_json(Path(args.save) / megatron_args.CHECKPOINT_PLAN, doc, "--save")
+        if args.rank == 0 and getattr(args, "save", None) and not opts.auto_parallel_dry_run:
+            try:
+                megatron_args.save_checkpoint_plan(args, doc)
+            except PipetteError as e:
+                log(f"WARNING: {e}; a restart will not know the layout its checkpoints were saved under", 0)
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = doc["candidates"][0]
         log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
@@ -259,9 +296,12 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
                 plan=doc, record=record, concludes=rank == 0,
                 on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
+    if saved is not None:
+        now = (layout or fallback).describe()
+        log(f"resuming the checkpoint in {args.load}, saved under {saved.describe()}, under "
+            + ("the same layout" if now == saved.describe() else f"{now} (Megatron reshards it)"), args.rank)
     megatron_args.make_resumable_across_layouts(args)
-    log("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items())
-        + f"; total {phases.elapsed():.1f} s", args.rank)
+    log("phases: " + phases.line(), args.rank)
     if opts.auto_parallel_dry_run:
         _close_quietly()
         sys.exit(0)

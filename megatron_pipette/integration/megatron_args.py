@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
+from megatron_pipette.files import write_atomic
+from megatron_pipette.integration.plan_check import JobRequest
+from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.workload import Workload, megatron_flag
@@ -173,21 +176,60 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
 
 CHECKPOINT_PLAN = "pipette_plan.json"
 """Written beside Megatron's checkpoints: the layout they were saved under."""
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron's marker of a checkpoint in a --load directory."""
 
 
-def checkpoint_constraints(args: Any) -> dict[str, Any]:
-    """What a checkpoint to resume from fixes: Megatron cannot load a distributed-optimizer
-    checkpoint into a plain optimizer or the reverse, so that choice is kept; TP, PP and DP
-    reshard freely with torch_dist checkpoints."""
+def job_request(args: Any, argv: Sequence[str], world_size: int, gpus_per_node: int,
+                saved: Layout | None) -> JobRequest:
+    """What this job asks of a plan (plan_check): the model, the size, the flags typed, and what the
+    checkpoint to resume from (saved under `saved`: saved_layout) fixes."""
+    typed = constraints_from_args(args, argv)
+    return JobRequest(workload=workload_from_args(args), world_size=world_size, gpus_per_node=gpus_per_node,
+                      typed=typed, checkpoint=checkpoint_constraints(saved),
+                      eval_global_batch_size=getattr(args, "eval_global_batch_size", None),
+                      eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None))
+
+
+def saved_layout(args: Any) -> Layout | None:
+    """The layout the checkpoint this job resumes from was saved under (its pipette_plan.json), or None:
+    no --load, no checkpoint there, or one saved without --auto-parallel."""
     load = getattr(args, "load", None)
-    path = Path(load) / CHECKPOINT_PLAN if load else None
-    if path is None or not path.exists():
-        return {}
+    if not load or not (Path(load) / CHECKPOINT_TRACKER).exists() or not (Path(load) / CHECKPOINT_PLAN).exists():
+        return None
+    where = f"--load {load}: {CHECKPOINT_PLAN}"
     try:
-        saved = json.loads(path.read_text())["candidates"][0]["layout"]
-        return {"use_distributed_optimizer": bool(saved["use_distributed_optimizer"])}
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise PipetteError(f"--load {load}: cannot read {CHECKPOINT_PLAN} ({e!r})") from None
+        doc = json.loads((Path(load) / CHECKPOINT_PLAN).read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise PipetteError(f"{where}: cannot read ({e})") from None
+    return chosen_from_json(doc, where)[0]
+
+
+def checkpoint_constraints(saved: Layout | None) -> dict[str, Any]:
+    """What a checkpoint to resume from fixes: Megatron cannot load a distributed-optimizer
+    checkpoint into a plain optimizer or the reverse, so that choice is kept; TP, PP and DP reshard
+    freely with torch_dist checkpoints."""
+    if saved is None:
+        return {}
+    return {"use_distributed_optimizer": saved.use_distributed_optimizer}
+
+
+def overridden_by_checkpoint(request: JobRequest) -> str | None:
+    """What the checkpoint overrides of the flags typed, said in one line; None when nothing."""
+    typed, kept = request.typed.get("use_distributed_optimizer"), request.checkpoint.get("use_distributed_optimizer")
+    if typed is None or kept is None or typed == kept:
+        return None
+    return ("--use-distributed-optimizer is ignored: the checkpoint in --load was saved without the distributed "
+            "optimizer, which Megatron cannot convert; resuming without it")
+
+
+def save_checkpoint_plan(args: Any, doc: dict) -> None:
+    """The plan beside the checkpoints --save writes (PipetteError naming --save when it cannot be)."""
+    try:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipetteError(f"--save {args.save}: cannot create: {e.strerror or e}") from None
+    write_atomic(Path(args.save) / CHECKPOINT_PLAN, (json.dumps(doc, indent=1) + "\n").encode(), "--save")
 
 
 def transformer_engine_in_use(args: Any) -> bool:

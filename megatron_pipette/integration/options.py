@@ -44,10 +44,19 @@ def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--auto-parallel-cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                        help="where probes and plans are kept, keyed by allocation and model "
                             "(default $PIPETTE_CACHE_DIR or ~/.cache/megatron-pipette)")
+    group.add_argument("--auto-parallel-shared-cache", action="store_true",
+                       help="the cache directory is a team's: accept one owned by another user or writable by "
+                            "its group (never one writable by everyone), and write it group-readable and -writable")
     group.add_argument("--auto-parallel-plan-file", type=Path, default=None,
-                       help="use the best candidate of this plan JSON instead of planning")
+                       help="use the best candidate of this plan JSON instead of planning, if it can run this job "
+                            "(else plan again, with a warning)")
+    group.add_argument("--auto-parallel-replan", action="store_true",
+                       help="plan again from the cached probe and layer profile instead of reusing the cached plan")
+    group.add_argument("--auto-parallel-reprobe", action="store_true",
+                       help="probe and profile again instead of reusing the cached measurements (drops their "
+                            "calibration), then plan")
     group.add_argument("--auto-parallel-dry-run", action="store_true",
-                       help="print the plan and exit without training")
+                       help="print the plan (checked against this job like any other) and exit without training")
     group.add_argument("--auto-parallel-strict", action="store_true",
                        help="stop with an error if probing or planning fails, instead of training with "
                             "the flags as given")

@@ -1,44 +1,116 @@
-"""Planning on rank 0 from what the cache holds for an allocation, without probing again.
+"""Rank 0's part of a start: what the cache (or a pinned plan) offers this job, and planning from it.
 
-A start finds, in the allocation's cache directory (integration.common):
+`look_up` decides, in this order:
 
-* a plan, and no calibration fitted since it was made: the plan is used as it is;
-* a plan and a calibration its self-check fitted: the cached probe and layer profile are planned
-  again with the calibrated model and the log says what changed. The cached layout stays (with its
-  calibrated prediction, which its next self-check holds it to) unless
-  --auto-parallel-replan-if-slower PCT lets a layout the calibrated model finds more than PCT%
-  faster replace it: switching layouts reshards the checkpoint, so it is asked for;
-* a probe and a layer profile but no plan (planning failed, or the plan was deleted to plan
-  again): planned from them, with the calibration if there is one.
+* a plan pinned with --auto-parallel-plan-file is used if it can run this job (plan_check);
+* else the entry's plan (unless --auto-parallel-replan or --auto-parallel-reprobe), if it can run
+  this job. With no calibration fitted since it was made it is used as it is; with one, the cached
+  probe and layer profile are planned again with the calibrated model and the log says what changed.
+  The cached layout stays (with its calibrated prediction, which its next self-check holds it to)
+  unless --auto-parallel-replan-if-slower PCT lets a layout the calibrated model finds more than
+  PCT% faster replace it: switching layouts reshards the checkpoint, so it is asked for;
+* else a plan from the cached probe and layer profile (unless --auto-parallel-reprobe), with the
+  calibration if there is one;
+* else what is missing must be measured (the hook probes and profiles: collectives), and
+  `plan_measured` plans from it.
+
+A plan that cannot run this job is a warning, and the job plans again.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_pipette.calibration.fit import Factors, calibrated, factors_from_json
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, Phases, log, write_json
+from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Document, Entry
+from megatron_pipette.integration.common import Phases, log
+from megatron_pipette.integration.plan_check import JobRequest, plan_problems
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
 from megatron_pipette.report.plan_document import chosen_from_json, plan_json
 from megatron_pipette.report.plans import plan_report
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import profile_from_json
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.units import GiB
 
 TOP_K = 5
+PINNED_FLAG = "--auto-parallel-plan-file"
 
 
-def plan_and_write(workload: Workload, model: CostModel, constraints: dict[str, Any], cache: Path, phases: Phases,
+@dataclass(frozen=True, kw_only=True)
+class Switches:
+    """The flags that choose what a start may reuse."""
+
+    plan_file: Path | None = None
+    """--auto-parallel-plan-file."""
+    replan: bool = False
+    """--auto-parallel-replan: plan again from the cached probe and layer profile."""
+    reprobe: bool = False
+    """--auto-parallel-reprobe: measure again (which drops the calibration of the old measurements)."""
+    replan_if_slower: float | None = None
+    """--auto-parallel-replan-if-slower."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the look-up found: a plan to use, or what there is to plan from once the rest is measured."""
+
+    doc: dict | None = None
+    pinned: bool = False
+    cluster: Cluster | None = None
+    profile: LayerProfile | None = None
+
+
+def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phases) -> Start:
+    """Rank 0: the plan this start uses, or what it must measure first (module docstring)."""
+    if switches.plan_file is not None:
+        doc = _read_pinned(switches.plan_file)
+        problems = plan_problems(doc, request, str(switches.plan_file))
+        if not problems:
+            log(f"using the plan in {switches.plan_file} (allocation {entry.key}); probe and profile skipped", 0)
+            for name in ("probe", "profile", "plan"):
+                phases.skip(name, f"skipped ({PINNED_FLAG})")
+            return Start(doc, pinned=True)
+        _mismatch(str(switches.plan_file), problems)
+    doc = None
+    if switches.replan or switches.reprobe:
+        log(f"planning again ({'--auto-parallel-reprobe' if switches.reprobe else '--auto-parallel-replan'})", 0)
+    else:
+        doc = entry.read(PLAN)
+    if doc is not None:
+        problems = plan_problems(doc, request, str(entry.file(PLAN)))
+        if not problems:
+            return Start(cached_plan(doc, request, switches.replan_if_slower, entry, phases))
+        _mismatch(str(entry.file(PLAN)), problems)
+    if switches.reprobe:
+        return Start()
+    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
+    if cluster is None or profile is None:
+        return Start(cluster=cluster, profile=profile)
+    return Start(plan_from_cache(request, entry, cluster, profile, phases))
+
+
+def _read_pinned(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"not a JSON document ({type(e).__name__})"
+        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: {why}") from None
+
+
+def _mismatch(where: str, problems: list[str]) -> None:
+    log(f"WARNING: the plan in {where} cannot run this job ({'; '.join(problems)}): planning again", 0)
+
+
+def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
                    calibration: dict | None = None) -> dict:
     """Plan, print the report, and cache the document (which names the calibration it used)."""
-    result = phases.run("plan", lambda: plan(workload, model, constraints=constraints, top_k=TOP_K))
+    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
     if not result.candidates:
         cluster = model.cluster
         rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
@@ -49,30 +121,32 @@ def plan_and_write(workload: Workload, model: CostModel, constraints: dict[str, 
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
                            f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
-    return _write_plan(result, cache, phases, calibration)
+    return _write_plan(result, entry, phases, calibration)
 
 
-def _write_plan(result: Plan, cache: Path, phases: Phases, calibration: dict | None) -> dict:
+def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: dict | None) -> dict:
     print(plan_report(result), flush=True)
     doc = {**plan_json(result), "phases_s": phases.seconds}
     if calibration is not None:
         doc["calibration"] = {"id": calibration["id"], "factors": calibration["factors"]}
-    write_json(cache / PLAN, doc, "--auto-parallel-cache-dir")
+    entry.write(PLAN, doc)      # a plan that cannot be cached is still used
     return doc
 
 
-def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PipetteError(f"--auto-parallel-cache-dir: cannot read {path} ({e})") from None
+def plan_measured(request: JobRequest, entry: Entry, phases: Phases, cluster: Cluster, profile: LayerProfile,
+                  new: dict[Document, dict]) -> dict:
+    """Plan after measuring: `new` maps each document measured by this start (CLUSTER, PROFILE) to its
+    JSON, cached here. A calibration is relative to what it was fitted on, so it goes."""
+    for doc, value in new.items():
+        entry.write(doc, value)
+    if new:
+        entry.remove(CALIBRATION)
+    return plan_and_write(request, CostModel(cluster, profile=profile), entry, phases)
 
 
-def _calibrated_model(cache: Path, calibration: dict | None) -> CostModel:
+def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: dict | None) -> CostModel:
     """The cached probe and profile, with the cached calibration's factors when there is one."""
-    cluster = cluster_from_json(_read(cache / CLUSTER), str(cache / CLUSTER))
-    profile = profile_from_json(_read(cache / PROFILE), str(cache / PROFILE))
-    factors = Factors() if calibration is None else factors_from_json(calibration, str(cache / CALIBRATION))
+    factors = Factors() if calibration is None else factors_from_json(calibration, CALIBRATION.name)
     if calibration is not None:
         fitted = calibration["fitted_on"]
         log(f"calibrated model: {factors.describe()} (fitted on a self-check that measured {fitted['measured_s']:.3g} "
@@ -80,32 +154,39 @@ def _calibrated_model(cache: Path, calibration: dict | None) -> CostModel:
     return calibrated(cluster, profile, factors)
 
 
-def plan_from_cache(workload: Workload, constraints: dict[str, Any], cache: Path, key: str, phases: Phases) -> dict:
-    """A plan from the cached probe and layer profile (rank 0)."""
-    log(f"planning from the probe and layer profile cached in {cache} (allocation {key}); probe and profile "
-        "skipped", 0)
-    calibration = _read(cache / CALIBRATION) if (cache / CALIBRATION).exists() else None
-    return plan_and_write(workload, _calibrated_model(cache, calibration), constraints, cache, phases, calibration)
+def plan_from_cache(request: JobRequest, entry: Entry, cluster: Cluster, profile: LayerProfile,
+                    phases: Phases) -> dict:
+    """A plan from the cached probe and layer profile, calibrated if a calibration is cached."""
+    log(f"planning from the probe and layer profile cached in {entry.path} (allocation {entry.key}); probe and "
+        "profile skipped", 0)
+    phases.skip("probe", "cached")
+    phases.skip("profile", "cached")
+    calibration = entry.read(CALIBRATION)
+    return plan_and_write(request, _calibrated_model(cluster, profile, calibration), entry, phases, calibration)
 
 
-def cached_plan(workload: Workload, constraints: dict[str, Any], replan_if_slower: float | None, cache: Path,
-                key: str, phases: Phases) -> dict:
-    """The cached plan, planned again if a calibration was fitted since (rank 0)."""
-    doc = _read(cache / PLAN)
-    calibration = _read(cache / CALIBRATION) if (cache / CALIBRATION).exists() else None
-    if calibration is None or calibration.get("id") == doc.get("calibration", {}).get("id"):
-        log(f"using the plan in {cache / PLAN} (allocation {key}); probe and profile skipped", 0)
+def cached_plan(doc: dict, request: JobRequest, replan_if_slower: float | None, entry: Entry, phases: Phases) -> dict:
+    """The cached plan (checked), planned again if a calibration was fitted since."""
+    path = entry.file(PLAN)
+    for name in ("probe", "profile"):
+        phases.skip(name, "cached")
+    calibration = entry.read(CALIBRATION)
+    if calibration is None or calibration["id"] == doc.get("calibration", {}).get("id"):
+        log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
+        phases.skip("plan", "cached")
         return doc
-    if not (cache / CLUSTER).exists() or not (cache / PROFILE).exists():
-        log(f"using the plan in {cache / PLAN} (allocation {key}) uncalibrated: the probe or layer profile it was "
+    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
+    if cluster is None or profile is None:
+        log(f"using the plan in {path} (allocation {entry.key}) uncalibrated: the probe or layer profile it was "
             "made from is not cached", 0)
+        phases.skip("plan", "cached")
         return doc
-    log(f"a self-check calibrated the model since {cache / PLAN} was made: planning again from the probe and "
-        f"layer profile cached there (allocation {key})", 0)
-    model = _calibrated_model(cache, calibration)
-    result = phases.run("plan", lambda: plan(workload, model, constraints=constraints, top_k=TOP_K))
-    layout, placement = chosen_from_json(doc, str(cache / PLAN))
-    job = resolve_job(workload, layout)
+    log(f"a self-check calibrated the model since {path} was made: planning again from the probe and "
+        f"layer profile cached there (allocation {entry.key})", 0)
+    model = _calibrated_model(cluster, profile, calibration)
+    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
+    layout, placement = chosen_from_json(doc, str(path))
+    job = resolve_job(request.workload, layout)
     time, memory = evaluate(model, job, placement)
     kept = Candidate(layout=layout, placement=placement, time=time, memory=memory,
                      default_order_time_s=model.time(job).iteration_time_s)
@@ -113,7 +194,7 @@ def cached_plan(workload: Workload, constraints: dict[str, Any], replan_if_slowe
         f"{doc['candidates'][0]['iteration_time_s']:.3g} s before", 0)
     chosen = _choose(kept, result.best, replan_if_slower)
     others = [c for c in result.candidates if (c.layout, c.placement) != (chosen.layout, chosen.placement)]
-    return _write_plan(replace(result, candidates=(chosen, *others)[:TOP_K]), cache, phases, calibration)
+    return _write_plan(replace(result, candidates=(chosen, *others)[:TOP_K]), entry, phases, calibration)
 
 
 def _choose(kept: Candidate, best: Candidate | None, replan_if_slower: float | None) -> Candidate:

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,15 +43,17 @@ from megatron_pipette.calibration.check import (
     sample_from_json,
 )
 from megatron_pipette.calibration.fit import calibration_json, fit
-from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, candidate_digest, log, write_json
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
+from megatron_pipette.integration.common import candidate_digest, log
 from megatron_pipette.profile.measure import LiveSavedBytes, live_tensor_bytes, storage_keys
 from megatron_pipette.report.plan_document import chosen_from_json
-from megatron_pipette.spec.cluster_file import cluster_from_json
-from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.workload import Workload
 
 REPORT_WAIT_S = 30.0
 """Longest rank 0 waits for the others' records: they post theirs at the end of the same step."""
+RECORD_LOCK_S = 5.0
+"""Longest rank 0 waits, inside a training step, for another job to release the cache entry."""
 SKIPPED = 1
 """Steps before the timed ones: the first compiles, allocates optimizer state and fills caches."""
 MODEL_ARG, FORWARD_BACKWARD_ARG = 2, 6
@@ -73,8 +74,8 @@ class CheckSetup:
     """Steps to time after the first."""
     plan: dict
     """The plan document in use (its candidates[0] is the chosen layout)."""
-    record: Path | None
-    """The cache directory whose plan.json is that plan (None: pinned with --auto-parallel-plan-file)."""
+    record: Entry | None
+    """The cache entry whose plan.json is that plan (None: pinned with --auto-parallel-plan-file)."""
     concludes: bool
     """Whether this process reads the records and writes the cache: torchrun's rank 0, which planned
     and wrote that cache (re-ranking may have made another process rank 0, on another node)."""
@@ -309,26 +310,30 @@ def _conclude(setup: CheckSetup, world: int) -> None:
     if setup.record is None:
         log("self-check not recorded: the plan is pinned by --auto-parallel-plan-file", 0)
         return
-    path = setup.record / PLAN
-    doc = json.loads(path.read_text())
-    if candidate_digest(doc["candidates"][0]) != candidate_digest(candidate):
-        log(f"self-check not recorded: {path} holds another plan now", 0)
-        return
-    write_json(path, {**doc, "self_check": result.as_json()}, "--auto-parallel-cache-dir")
-    log(f"self-check written to {path}", 0)
-    _calibrate(setup, doc, result)
+    entry = setup.record
+    try:
+        with entry.locked(RECORD_LOCK_S):
+            _record(entry, candidate, result)
+    except PipetteError as e:   # another job holds the entry
+        log(f"self-check not recorded: {e}", 0)
 
 
-def _calibrate(setup: CheckSetup, doc: dict, result: CheckResult) -> None:
-    """Fit the model's factors to the check and store them for the next start."""
-    cluster_path, profile_path = setup.record / CLUSTER, setup.record / PROFILE
-    if not cluster_path.exists() or not profile_path.exists():
-        log(f"not calibrated: {setup.record} has no probe and layer profile of this allocation", 0)
+def _record(entry: Entry, candidate: dict, result: CheckResult) -> None:
+    """Write the check into the cached plan, fit the model's factors to it and store them for the
+    next start (under the entry's lock)."""
+    doc = entry.read(PLAN)
+    if doc is None or candidate_digest(doc["candidates"][0]) != candidate_digest(candidate):
+        log(f"self-check not recorded: {entry.file(PLAN)} holds another plan now, or none", 0)
         return
-    layout, placement = chosen_from_json(doc, where=str(setup.record / PLAN))
-    fitted = fit(Workload(**doc["model"]), cluster_from_json(json.loads(cluster_path.read_text()), str(cluster_path)),
-                 profile_from_json(json.loads(profile_path.read_text()), str(profile_path)), layout, placement, result)
-    path = setup.record / CALIBRATION
-    write_json(path, calibration_json(fitted, layout, placement, result), "--auto-parallel-cache-dir")
-    log(fitted.line(), 0)
-    log(f"calibration stored in {path}: the next start on this allocation plans with it", 0)
+    if not entry.write(PLAN, {**doc, "self_check": result.as_json()}):
+        return
+    log(f"self-check written to {entry.file(PLAN)}", 0)
+    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
+    if cluster is None or profile is None:
+        log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
+        return
+    layout, placement = chosen_from_json(doc, where=str(entry.file(PLAN)))
+    fitted = fit(Workload(**doc["model"]), cluster, profile, layout, placement, result)
+    if entry.write(CALIBRATION, calibration_json(fitted, layout, placement, result)):
+        log(fitted.line(), 0)
+        log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)

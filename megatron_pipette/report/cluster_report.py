@@ -9,11 +9,12 @@ in, text out); `write_heatmap` only writes the PNG. `pipette show` calls both.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
 
-from megatron_pipette.files import atomic_path
+from megatron_pipette.files import write_atomic
 from megatron_pipette.plan.placement import node_link_weakness
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.units import GiB
@@ -142,5 +143,6 @@ def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "clus
         ax.set_ylabel(f"from {unit}")
         ax.set_title(title)
     fig.suptitle(f"{cluster.name}: {cluster.num_nodes} node(s) x {cluster.gpus_per_node}")
-    with atomic_path(path, "--heatmap") as tmp:
-        fig.savefig(tmp, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, png.getvalue(), "--heatmap")

@@ -63,15 +63,21 @@ def plan_json(result: Plan) -> dict[str, Any]:
 
 
 def chosen_from_json(doc: Any, where: str) -> tuple[Layout, Placement]:
-    """The best candidate's layout and placement from a plan document (to pin a plan)."""
+    """The best candidate's layout and placement from a plan document (to pin a plan), after checking
+    every part of the document its users read: the model, the best candidate's time and memory."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
         raise PipetteError(f"{where}: not a megatron-pipette plan (schema {SCHEMA} version {VERSION})")
-    if not doc.get("candidates"):
+    if not isinstance(doc.get("candidates"), list) or not doc["candidates"]:
         raise PipetteError(f"{where}: the plan has no candidate")
+    if not isinstance(doc.get("model"), dict):
+        raise PipetteError(f"{where}: the plan has no model")
     best = doc["candidates"][0]
     try:
         layout = Layout(**best["layout"])
         placement = Placement(tuple(best["placement"]["node_order"]), int(best["placement"]["gpus_per_node"]))
-    except (KeyError, TypeError) as e:
-        raise PipetteError(f"{where}: malformed candidate ({e!r})") from None
+        figures = [best["iteration_time_s"], best["memory"]["peak_bytes"], best["memory"]["capacity_bytes"]]
+    except (KeyError, TypeError, ValueError, PipetteError) as e:
+        raise PipetteError(f"{where}: malformed candidate ({e})") from None
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in figures):
+        raise PipetteError(f"{where}: malformed candidate (iteration_time_s and memory must be numbers)")
     return layout, placement

@@ -6,6 +6,8 @@ members of this process's Megatron groups given as their original torchrun ranks
 With PIPETTE_TEST_FAIL_PROBE_RANK=r, rank r's probe raises before its first message.
 With PIPETTE_TEST_CRASH_FIRST_ATTEMPT=1, rank 0 crashes after reporting in torchrun's first
 attempt, so that torchrun restarts the whole worker group (an elastic restart).
+With PIPETTE_TEST_STOP_RANK=r, rank r stops itself (SIGSTOP: hung, not dead) while rank 0 profiles,
+and every process prints when it exits.
 With PIPETTE_TEST_MIN_WAIT_S=s, the hook's pre-launch waits time out after s seconds at least
 (instead of MIN_WAIT_S), so a test that waits out a failed rank waits less.
 """
@@ -40,6 +42,31 @@ if os.environ.get("PIPETTE_TEST_FAIL_PROBE_RANK") == str(physical):
         raise RuntimeError(f"injected probe failure on rank {physical}")
 
     runner.run_probe = broken_probe
+
+if os.environ.get("PIPETTE_TEST_STOP_RANK") == str(physical):
+    import signal
+    import subprocess
+    import time
+
+    from megatron.core import parallel_state as state
+
+    set_up = state.initialize_model_parallel
+
+    def stop_after_setup(*args, **kwargs):
+        """The hook sets up a neutral model-parallel state for rank 0's profile: stop there. Continued
+        after 40 s, past the others' bound, so that torchrun's SIGTERM ends it without its 30 s wait."""
+        set_up(*args, **kwargs)
+        print(f"STOPPED {physical} {time.time()}", flush=True)
+        subprocess.Popen(["sh", "-c", f"sleep 40; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    state.initialize_model_parallel = stop_after_setup
+
+if "PIPETTE_TEST_STOP_RANK" in os.environ:
+    import atexit
+    import time
+
+    atexit.register(lambda: print(f"EXITED {physical} {time.time()}", flush=True))
 
 args = parse_and_validate_args()
 parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

@@ -114,6 +114,36 @@ def test_a_dry_run_reuses_the_cached_plan(run_torchrun, restarted_job) -> None:
 
 
 @pytest.mark.torchrun
+def test_a_restart_reuses_its_plan_and_a_plan_for_another_job_is_not_applied(run_torchrun, tmp_path: Path) -> None:
+    """The same command restarted from its checkpoint finds the plan it saved under (the checkpoint is no
+    part of the cache key: it once re-probed and switched layout), says which layout the checkpoint
+    was saved under and which it resumes under, and says that probe, profile and plan were cached. A
+    plan pinned for another global batch (Megatron's validate_args once killed every rank on it) is
+    one warning, and the job goes on with a plan that runs."""
+    ckpt, cache = tmp_path / "ckpt", tmp_path / "cache"
+    line = [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(cache), "--save", str(ckpt), "--load", str(ckpt),
+            "--save-interval", "1000"]
+    first = run_torchrun(WORKER, line, nproc=2, timeout=240)
+    assert "> auto-parallel: probed 2 devices" in first
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")   # as Megatron's first save leaves it
+    doc = json.loads(cached_plan(cache).read_text())
+    other = json.loads(json.dumps(doc))
+    other["model"]["global_batch_size"], other["candidates"][0]["layout"]["micro_batch_size"] = 48, 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    again = run_torchrun(WORKER, [*line, "--auto-parallel-plan-file", str(tmp_path / "other.json")], nproc=2,
+                         timeout=240)
+    said = "\n".join(re.findall(r"> auto-parallel: .*", again))
+    assert said.count("WARNING") == 1 and re.search(
+        r"WARNING: the plan in \S+other.json cannot run this job \(--global-batch-size 48 in the plan, 16 here; "
+        r"--micro-batch-size is 3 in the plan, 1 fixed here\): planning again", said), said
+    assert f"using the plan in {cached_plan(cache)}" in again and "probed" not in again
+    layout = chosen_from_json(doc, "plan")[0].describe()
+    assert f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {layout}, under the same layout" in again
+    assert "> auto-parallel: phases: probe, profile and plan cached; total" in again, said
+    check_groups(again, doc)
+
+
+@pytest.mark.torchrun
 def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     """A plan that puts logical node 0 on physical node 1 renumbers every process accordingly."""
     from megatron_pipette.cost.model import CostModel
@@ -122,8 +152,11 @@ def test_pinned_plan_swapping_nodes_reranks_processes(tmp_path: Path) -> None:
     from megatron_pipette.spec.hardware import preset_cluster
     from megatron_pipette.spec.workload import workload_from_preset
 
-    result = plan(workload_from_preset("tiny-gpt"), CostModel(preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2)),
-                  constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    # The model of TINY's flags (a plan for another model is not applied), with its typed micro-batch size.
+    model = workload_from_preset("tiny-gpt", max_position_embeddings=64, attention_backend="local")
+    result = plan(model, CostModel(preset_cluster("dgx-a100", num_nodes=2, gpus_per_node=2)),
+                  constraints={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                               "micro_batch_size": 1})
     doc = plan_json(result)
     doc["candidates"][0]["placement"]["node_order"] = [1, 0]
     pinned = tmp_path / "plan.json"
@@ -151,6 +184,30 @@ def test_probe_failure_falls_back_to_the_users_flags(run_torchrun, tmp_path: Pat
     got = groups_of(out)
     assert sorted(got) == [0, 1, 2, 3]
     assert all(r["layout"] == [2, 1, 2] and r["rank"] == p for p, r in got.items())
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_rank_that_hangs_while_rank_0_profiles_stops_every_other_within_the_bound(run_torchrun, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Rank 1 stops (SIGSTOP: hung, its sockets open, so no peer hears of it from the network) while rank 0
+    profiles. Every other rank ends the pre-launch phase within the documented bound after the stop, the
+    budget plus 3 x max(MIN_WAIT_S, 1.5 x budget) (rank 0's remaining work, one wait in a collective, the
+    final agreement): 36 s with the floor lowered to 10 s and a 6 s budget. Each stops with one line
+    naming rank 1 (no training group can form without it); no raw DistStoreError."""
+    monkeypatch.setenv("PIPETTE_TEST_STOP_RANK", "1")
+    monkeypatch.setenv("PIPETTE_TEST_MIN_WAIT_S", "10")
+    out = run_torchrun(WORKER, [*TINY, "--auto-parallel", "--auto-parallel-cache-dir", str(tmp_path),
+                                "--auto-parallel-budget-s", "6"], nproc=3, timeout=240, expect_failure=True)
+    stopped = float(re.search(r"STOPPED 1 ([0-9.]+)", out).group(1))
+    exited = {int(r): float(t) for r, t in re.findall(r"EXITED (\d+) ([0-9.]+)", out)}
+    print(f"rank 1 stopped; ranks 0 and 2 ended {exited[0] - stopped:.1f} s and {exited[2] - stopped:.1f} s later "
+          "(bound 36 s)")
+    assert max(exited[0], exited[2]) - stopped <= 36, (exited, stopped)
+    lines = re.findall(r"auto-parallel failed: .*", out)
+    assert len(lines) == 2 and all(line == "auto-parallel failed: rank 1: no answer within 20 s (hung or dead)"
+                                   for line in lines), lines
+    assert "DistStoreError" not in out and "GROUPS" not in out
 
 
 @pytest.mark.torchrun
@@ -211,6 +268,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert CHOSEN.search(first).group(1).endswith("dp1")  # tp2 pp2 on 4
     replanned = CHOSEN.search(second).group(1)
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
+    assert re.search(rf"> auto-parallel: resuming the checkpoint in {tmp_path / 'ckpt'}, saved under "
+                     rf"{CHOSEN.search(first).group(1)} [^,]*, under {replanned} .*\(Megatron reshards it\)", second)
     chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
     assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines
     assert "--recompute-granularity full" in chosen_lines[0], chosen_lines

@@ -1,13 +1,14 @@
 """Translation between Megatron's parsed args and the planner's descriptions (no torch)."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
+from helpers.plans import plan_doc
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import megatron_args as ma
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import workload_from_preset
 
 
 def megatron_namespace(**kw):
@@ -71,7 +72,8 @@ def test_typed_tensor_parallelism_under_moe_without_te_or_apex_stops_the_job(mon
 
 def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     """The ranks' statuses: a planning failure falls back (the reason names each rank); an
-    UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too."""
+    UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too, and so
+    does a missing rank (hung or dead), which is then the reason given."""
     from megatron_pipette.integration.hook import failure_verdict
 
     assert failure_verdict(["ok:a", "failed:probe timed out", "failed:probe timed out"]) == \
@@ -79,6 +81,8 @@ def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     assert failure_verdict(["stop:--sequence-parallel needs x", "stop:--sequence-parallel needs x"]) == \
         ("rank 0,1: --sequence-parallel needs x", True)
     assert failure_verdict(["ok:a", "ok:b"]) == ("ranks hold different plans", False)
+    assert failure_verdict(["failed:budget exceeded", "missing:no answer", "ok:a"]) == ("rank 1: no answer", True)
+
 
 def test_context_parallelism_is_ruled_out_without_te(monkeypatch):
     """Only Transformer Engine's attention splits the sequence: without it CP stays 1, and a typed
@@ -163,13 +167,28 @@ def test_the_fallback_layout_has_megatrons_data_parallel_size():
 
 
 def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
-    args = megatron_namespace(load=str(tmp_path))
-    assert ma.checkpoint_constraints(args) == {}
-    plan = {"candidates": [{"layout": {"use_distributed_optimizer": True}}]}
-    (tmp_path / ma.CHECKPOINT_PLAN).write_text(json.dumps(plan))
-    assert ma.checkpoint_constraints(args) == {"use_distributed_optimizer": True}
+    """The layout a checkpoint was saved under is read only where Megatron will resume one; it fixes the
+    distributed optimizer, and a typed --use-distributed-optimizer it overrides is said to be."""
+    args = megatron_namespace(load=str(tmp_path), save=str(tmp_path))
+    saved = Layout(data_parallel_size=4, use_distributed_optimizer=False)
+    ma.save_checkpoint_plan(args, plan_doc(workload_from_preset("tiny-gpt"), saved))
+    assert ma.saved_layout(args) is None     # no checkpoint yet (Megatron's tracker file)
+    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
+    assert ma.saved_layout(args) == saved and ma.checkpoint_constraints(saved) == {"use_distributed_optimizer": False}
+    argv = ["--use-distributed-optimizer", "--auto-parallel"]
+    request = ma.job_request(megatron_namespace(use_distributed_optimizer=True), argv, 4, 4, saved)
+    assert request.constraints["use_distributed_optimizer"] is False
+    assert ma.overridden_by_checkpoint(request).startswith("--use-distributed-optimizer is ignored: the checkpoint")
+    assert ma.overridden_by_checkpoint(ma.job_request(megatron_namespace(), [], 4, 4, saved)) is None
     ma.make_resumable_across_layouts(args)
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
+
+
+def test_an_unreadable_checkpoint_plan_names_load(tmp_path):
+    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
+    (tmp_path / ma.CHECKPOINT_PLAN).write_bytes(b"\x00\xff")
+    with pytest.raises(PipetteError, match=r"^--load .*pipette_plan.json: cannot read"):
+        ma.saved_layout(megatron_namespace(load=str(tmp_path)))
 
 
 @pytest.mark.parametrize("layers, pp, lpv, embedding, loss",
@@ -263,3 +282,13 @@ def test_without_transformer_engine_the_attention_keeps_its_scores(monkeypatch):
     assert ma.workload_from_args(megatron_namespace(attention_backend="auto")).attention_backend == "local"
     monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     assert ma.workload_from_args(megatron_namespace(attention_backend="flash")).attention_backend == "flash"
+
+
+def test_the_cache_key_identity_names_the_gpus_given(monkeypatch):
+    """Without a visible GPU UUID (here: no GPU), the GPUs a job was given are CUDA_VISIBLE_DEVICES'."""
+    from megatron_pipette.integration.hook import _identity
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    two = _identity()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert two["gpu"] == "2,3" and _identity()["gpu"] == "0,1" and two["host"] == _identity()["host"]

@@ -11,7 +11,9 @@ from helpers.clusters import cpu_like
 from megatron_pipette.calibration.check import compare
 from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, fit
 from megatron_pipette.integration import replan
-from megatron_pipette.integration.common import CALIBRATION, CLUSTER, PLAN, PROFILE, Phases
+from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
+from megatron_pipette.integration.common import Phases
+from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.job import resolve_job
@@ -22,29 +24,39 @@ from megatron_pipette.spec.workload import workload_from_preset
 TINY = workload_from_preset("tiny-gpt")
 TRUTH = Factors(compute_rate=0.5, link_bandwidth={"intra_node": 0.01})
 CONSTRAINTS = {"sequence_parallel": False}
+REQUEST = JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=CONSTRAINTS)
 PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
                "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
                            "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2, 4)]}
 
 
 @pytest.fixture
-def cache(tmp_path: Path) -> Path:
-    """A cache directory holding a probe (links 100x faster than the truth's) and a layer profile."""
-    (tmp_path / CLUSTER).write_text(json.dumps(cluster_to_json(cpu_like(), "fp32")))
-    (tmp_path / PROFILE).write_text(json.dumps(PROFILE_DOC))
-    return tmp_path
+def cache(tmp_path: Path) -> Entry:
+    """A cache entry holding a probe (links 100x faster than the truth's) and a layer profile."""
+    entry = Entry(tmp_path, "k")
+    entry.open()
+    entry.write(CLUSTER, cluster_to_json(cpu_like(), "fp32"))
+    entry.write(PROFILE, PROFILE_DOC)
+    return entry
 
 
-def self_check(cache: Path) -> dict:
+def start(cache: Entry, request: JobRequest = REQUEST, **switches) -> dict:
+    """What a start of the job plans with (rank 0's look-up), when nothing needs measuring."""
+    found = replan.look_up(cache, request, replan.Switches(**switches), Phases())
+    assert found.doc is not None
+    return found.doc
+
+
+def self_check(cache: Entry) -> dict:
     """What the self-check of the cached plan stores: the truth's times, fitted."""
-    doc = json.loads((cache / PLAN).read_text())
+    doc = cache.read(PLAN)
     layout, placement = chosen_from_json(doc, "plan")
     cluster, profile = cpu_like(), profile_from_json(PROFILE_DOC)
     samples = samples_where(calibrated(cluster, profile, TRUTH), resolve_job(TINY, layout), placement)
     check = compare(doc["candidates"][0], samples, (2, 6))
     fitted = fit(TINY, cluster, profile, layout, placement, check)
     calibration = calibration_json(fitted, layout, placement, check)
-    (cache / CALIBRATION).write_text(json.dumps(calibration))
+    cache.write(CALIBRATION, calibration)
     return calibration
 
 
@@ -52,20 +64,20 @@ def describe(doc: dict) -> str:
     return chosen_from_json(doc, "plan")[0].describe()
 
 
-def test_a_cached_probe_is_planned_from_without_probing(cache: Path, capsys) -> None:
-    doc = replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+def test_a_cached_probe_is_planned_from_without_probing(cache: Entry, capsys) -> None:
+    doc = start(cache)
     assert "planning from the probe and layer profile cached in" in capsys.readouterr().out
-    assert json.loads((cache / PLAN).read_text()) == doc and "calibration" not in doc
+    assert cache.read(PLAN) == json.loads(json.dumps(doc)) and "calibration" not in doc
     assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
 
 
-def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Path, capsys) -> None:
+def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Entry, capsys) -> None:
     """The truth's links are 100x slower: the calibrated model predicts the cached layout at the
     measured time and finds a pipeline layout faster, but keeps the cached one by default."""
-    replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+    start(cache)
     calibration = self_check(cache)
     capsys.readouterr()
-    doc = replan.cached_plan(TINY, CONSTRAINTS, None, cache, "k", Phases())
+    doc = start(cache)
     out = capsys.readouterr().out
     assert "calibrated model: compute x0.5, memory-bound work x1, intra-node links x0.01 of the modelled rates" in out
     assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
@@ -73,15 +85,15 @@ def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Path,
     assert "the calibrated model's best is tp1 pp4 dp1" in out
     assert "keeping the cached layout; --auto-parallel-replan-if-slower PCT switches" in out
     assert doc["calibration"]["id"] == calibration["id"]
-    again = replan.cached_plan(TINY, CONSTRAINTS, None, cache, "k", Phases())
-    assert again == doc and "using the plan in" in capsys.readouterr().out
+    again = start(cache)
+    assert again == json.loads(json.dumps(doc)) and "using the plan in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("pct, switched", [(5.0, True), (95.0, False)])
-def test_replan_if_slower_switches_past_its_threshold(cache: Path, capsys, pct: float, switched: bool) -> None:
-    replan.plan_from_cache(TINY, CONSTRAINTS, cache, "k", Phases())
+def test_replan_if_slower_switches_past_its_threshold(cache: Entry, capsys, pct: float, switched: bool) -> None:
+    start(cache)
     self_check(cache)
-    doc = replan.cached_plan(TINY, CONSTRAINTS, pct, cache, "k", Phases())
+    doc = start(cache, replan_if_slower=pct)
     out = capsys.readouterr().out
     best = calibrated(cpu_like(), profile_from_json(PROFILE_DOC), TRUTH)
     if switched:
@@ -94,11 +106,12 @@ def test_replan_if_slower_switches_past_its_threshold(cache: Path, capsys, pct: 
         assert f"keeping the cached layout: not more than {pct:g}% faster" in out
 
 
-def test_nothing_valid_and_nothing_fitting_are_told_apart(cache: Path) -> None:
+def test_nothing_valid_and_nothing_fitting_are_told_apart(cache: Entry) -> None:
     """When the flags as given leave no valid layout, the message says so and why, not that
     nothing fits (no layout was out of memory)."""
     from megatron_pipette.errors import PipetteError
 
     with pytest.raises(PipetteError, match=r"^no layout of this model is valid on 4 devices with the flags as "
                                            r"given \(none enumerated\)"):
-        replan.plan_from_cache(TINY, {**CONSTRAINTS, "tensor_model_parallel_size": 3}, cache, "k", Phases())
+        start(cache, JobRequest(workload=TINY, world_size=4, gpus_per_node=4,
+                                typed={**CONSTRAINTS, "tensor_model_parallel_size": 3}))

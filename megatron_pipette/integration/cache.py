@@ -1,0 +1,212 @@
+"""The cache directory (--auto-parallel-cache-dir) and its one owner.
+
+One directory (an entry) per allocation fingerprint (`cache_key`: the hosts, the GPUs' identities,
+the model, the layout flags typed) holds the probe's cluster file, the layer profile, the plan in use
+and, once a self-check measured that plan, the calibration fitted to it. Only the process that plans
+(torchrun's rank 0) touches it, and only through `Entry`:
+
+* a read decodes the file with its document's one reader; an absent file is None, and so is one that
+  cannot be read or decoded (truncated, binary, another schema or version), which is moved aside
+  (`NAME.corrupt-<time>`) with one warning: the job measures or plans again what it needs, and no
+  other file is thrown away;
+* a write is atomic (files.write_atomic); one that fails (a read-only cache, a full disk) is one
+  warning, and the job goes on with what it computed;
+* a lock per entry (fcntl.flock), held from the look-up to the plan and while a self-check records,
+  so that concurrent jobs do not interleave their writes;
+* safety: directories are created 0700 and files 0600 (0770 and 0660 in a team's cache), and a cache
+  directory or entry owned by another user or writable by others is refused, since its plans would be
+  applied; --auto-parallel-shared-cache allows other owners and the group (never everyone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_pipette import __version__
+from megatron_pipette.calibration.fit import factors_from_json
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import write_atomic
+from megatron_pipette.integration.common import log
+from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.workload import Workload
+
+FLAG = "--auto-parallel-cache-dir"
+SHARED_FLAG = "--auto-parallel-shared-cache"
+LOCK = ".lock"
+LOCK_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Document[T]:
+    """A file of an entry and its reader (the codec's: raises PipetteError on a bad document)."""
+
+    name: str
+    without: str
+    """What the job does when the file is unusable."""
+    decode: Callable[[Any, str], T]
+
+
+def _plan(doc: Any, where: str) -> dict:
+    chosen_from_json(doc, where)
+    return doc
+
+
+def _calibration(doc: Any, where: str) -> dict:
+    factors_from_json(doc, where)
+    return doc
+
+
+PLAN = Document("plan.json", "planning again", _plan)
+CLUSTER = Document("cluster.json", "probing again", cluster_from_json)
+PROFILE = Document("layer_profile.json", "profiling again", profile_from_json)
+CALIBRATION = Document("calibration.json", "planning uncalibrated", _calibration)
+
+
+def cache_key(identities: list[dict], workload: Workload, typed: Mapping[str, Any]) -> str:
+    """The entry of an allocation: each rank's identity (host, device, GPU) in rank order, the model
+    and the layout flags typed. Not what a checkpoint fixes: a restart must find the plan it saved."""
+    key = {"pipette": __version__, "devices": identities, "model": asdict(workload),
+           "constraints": sorted((k, repr(v)) for k, v in typed.items())}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Entry:
+    """One allocation's directory in the cache, and everything done to its files."""
+
+    def __init__(self, root: str | os.PathLike, key: str, *, shared: bool = False) -> None:
+        self.root, self.key, self.shared = Path(root), key, shared
+        self.path = self.root / key
+        self.dir_mode, self.file_mode = (0o770, 0o660) if shared else (0o700, 0o600)
+        self._warned = False
+        self._missing = False
+        """Set when the entry could not be created: nothing to read."""
+
+    def file(self, doc: Document) -> Path:
+        return self.path / doc.name
+
+    def open(self) -> None:
+        """Create (or check) the cache directory and this entry. An unsafe one is refused (PipetteError,
+        one line); one that cannot be created is one warning: the job goes on without the cache."""
+        for directory in (self.root, self.path):
+            try:
+                directory.mkdir(mode=self.dir_mode, parents=directory == self.root)
+                os.chmod(directory, self.dir_mode)     # mkdir's mode is cut by the umask
+            except FileExistsError:
+                pass
+            except OSError as e:
+                self._cannot_write(f"{FLAG} {directory}: cannot create: {e.strerror or e}")
+                self._missing = True
+                return
+            self._refuse_unsafe(directory)
+
+    def _refuse_unsafe(self, directory: Path) -> None:
+        st = os.stat(directory)
+        where = f"{FLAG} {self.root}: {directory}"
+        if not stat.S_ISDIR(st.st_mode):
+            raise PipetteError(f"{where} is not a directory")
+        if st.st_mode & stat.S_IWOTH:
+            raise PipetteError(f"{where} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}): anyone could "
+                               "plant the plans this job applies; use a directory of your own")
+        if self.shared:
+            return
+        if st.st_uid != os.geteuid():
+            raise PipetteError(f"{where} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): use a "
+                               f"directory of your own, or {SHARED_FLAG} for a team's cache")
+        if st.st_mode & stat.S_IWGRP:
+            raise PipetteError(f"{where} is writable by its group (mode {stat.S_IMODE(st.st_mode):o}): use a "
+                               f"directory of your own, or {SHARED_FLAG} for a team's cache")
+
+    @contextlib.contextmanager
+    def locked(self, timeout_s: float) -> Iterator[float]:
+        """Hold the entry's lock; yields the seconds waited for it. Waiting past `timeout_s` is a
+        PipetteError. An entry without a lock file (read-only, not created) is used unlocked: nothing
+        is written to it either."""
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+        except OSError:
+            fd = None
+        if fd is None:
+            yield 0.0
+            return
+        try:
+            start = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - start > timeout_s:
+                        raise PipetteError(f"{FLAG} {self.root}: another job has held {self.path / LOCK} for "
+                                           f"{timeout_s:.0f} s") from None
+                    time.sleep(LOCK_POLL_S)
+                except OSError:     # no locks on this file system (ENOLCK): go on unlocked
+                    break
+            yield time.monotonic() - start
+        finally:
+            os.close(fd)    # releases the lock
+
+    def read[T](self, doc: Document[T]) -> T | None:
+        """The decoded file, or None: absent, or unusable (then moved aside, with one warning)."""
+        path = self.file(doc)
+        if self._missing:
+            return None
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:    # a directory, a file this user cannot read
+            self._set_aside(doc, f"{path}: cannot read: {e.strerror or e}")
+            return None
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
+            self._set_aside(doc, f"{path}: not a JSON document ({type(e).__name__}: {str(e)[:80]})")
+            return None
+        try:
+            return doc.decode(value, str(path))
+        except PipetteError as e:
+            self._set_aside(doc, str(e))
+        except Exception as e:  # noqa: BLE001 (a reader tripping on a malformed field: still only this file)
+            self._set_aside(doc, f"{path}: malformed ({type(e).__name__}: {str(e)[:80]})")
+        return None
+
+    def _set_aside(self, doc: Document, reason: str) -> None:
+        path = self.file(doc)
+        aside = path.with_name(f"{doc.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            os.replace(path, aside)
+        except OSError as e:
+            log(f"WARNING: {reason}; it cannot be moved aside ({e.strerror or e}): {doc.without}", 0)
+            return
+        log(f"WARNING: {reason}; moved aside to {aside.name}: {doc.without}", 0)
+
+    def write(self, doc: Document, value: Mapping[str, Any]) -> bool:
+        """Store `value` as `doc`, at once; False when it cannot be (warned about once per entry)."""
+        try:
+            write_atomic(self.file(doc), (json.dumps(value, indent=1) + "\n").encode(), FLAG, self.file_mode)
+        except PipetteError as e:
+            self._cannot_write(str(e))
+            return False
+        return True
+
+    def _cannot_write(self, reason: str) -> None:
+        if not self._warned:
+            log(f"WARNING: {reason}; this job goes on without caching what it measures and plans", 0)
+        self._warned = True
+
+    def remove(self, doc: Document) -> None:
+        """Drop `doc` (a calibration once the probe or profile it was fitted to is measured again)."""
+        with contextlib.suppress(OSError):
+            self.file(doc).unlink(missing_ok=True)

@@ -1,0 +1,96 @@
+"""Whether a plan document can run this job, before any rank applies it.
+
+A plan comes from the cache, from --auto-parallel-plan-file, or was just made; a cached or pinned
+one may be for another model, another allocation or other flags (a plan pinned for another
+global batch once made every rank die in Megatron's validate_args). Checked here against what the
+job asks: the model fields, the world size and the processes per node the placement permutes, the
+layout rules Megatron applies (spec.job.resolve_job, and its evaluation batch rule), the flags typed
+beside --auto-parallel and what the checkpoint to resume from fixes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.workload import Workload, megatron_flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRequest:
+    """What this job asks of a plan."""
+
+    workload: Workload
+    world_size: int
+    gpus_per_node: int
+    """Processes per node: the placement permutes whole nodes of this size."""
+    typed: Mapping[str, Any] = field(default_factory=dict)
+    """Layout fields fixed by flags typed beside --auto-parallel, or by what this installation can run
+    (megatron_args.constraints_from_args): part of the cache key."""
+    checkpoint: Mapping[str, Any] = field(default_factory=dict)
+    """Layout fields the checkpoint to resume from fixes (megatron_args.checkpoint_constraints): not
+    part of the cache key, so a restart from a checkpoint finds the plan it was saved under."""
+    eval_global_batch_size: int | None = None
+    """--eval-global-batch-size (None: Megatron's default, --global-batch-size)."""
+    eval_micro_batch_size: int | None = None
+    """--eval-micro-batch-size (None: Megatron's default, the plan's --micro-batch-size)."""
+
+    @property
+    def constraints(self) -> dict[str, Any]:
+        """Everything the search must keep."""
+        return {**self.typed, **self.checkpoint}
+
+
+def _model_fields(workload: Workload) -> dict[str, Any]:
+    """The workload as a plan document holds it (JSON turns tuples into lists); its name is a label."""
+    fields = json.loads(json.dumps(asdict(workload)))
+    fields.pop("name")
+    return fields
+
+
+def _same(planned: Any, wanted: Any) -> bool:
+    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
+    return norm(planned) == norm(wanted)
+
+
+def plan_problems(doc: Any, request: JobRequest, where: str) -> list[str]:
+    """Why the plan document cannot run this job, one reason each ([] when it can)."""
+    try:
+        layout, placement = chosen_from_json(doc, where)
+    except PipetteError as e:
+        return [str(e)]
+    problems = []
+    model, wanted = doc["model"], _model_fields(request.workload)
+    differ = [k for k in sorted(set(model) | set(wanted)) if k != "name" and model.get(k) != wanted.get(k)]
+    for k in differ[:4]:
+        name = "precision" if k == "precision" else megatron_flag(k)
+        problems.append(f"{name} {model.get(k, 'unset')} in the plan, {wanted.get(k, 'unset')} here")
+    if len(differ) > 4:
+        problems.append(f"{len(differ) - 4} more model field(s) differ")
+    nodes, gpn = len(placement.node_order), placement.gpus_per_node
+    if nodes * gpn != request.world_size or gpn != request.gpus_per_node:
+        problems.append(f"the plan is for {nodes} node(s) of {gpn} processes, this job has "
+                        f"{request.world_size // request.gpus_per_node} of {request.gpus_per_node}")
+    elif sorted(placement.node_order) != list(range(nodes)):
+        problems.append(f"the plan's node order {list(placement.node_order)} is not an order of its {nodes} nodes")
+    for name, value in sorted(request.constraints.items()):
+        if not _same(getattr(layout, name), value):
+            problems.append(f"{megatron_flag(name)} is {getattr(layout, name)} in the plan, {value} fixed here"
+                            + (" by the checkpoint" if name in request.checkpoint else ""))
+    if problems:    # the rules below are for this job's model and size
+        return problems
+    try:
+        resolve_job(request.workload, layout, request.world_size)
+    except (Infeasible, PipetteError) as e:
+        return [f"Megatron would reject its layout: {e}"]
+    eval_batch = request.eval_global_batch_size or request.workload.global_batch_size
+    eval_micro = request.eval_micro_batch_size or layout.micro_batch_size
+    if eval_batch % (eval_micro * layout.dp):
+        problems.append(f"Megatron would reject its layout: --eval-global-batch-size {eval_batch} is not divisible "
+                        f"by --eval-micro-batch-size {eval_micro} x data-parallel size {layout.dp}")
+    return problems

@@ -1,0 +1,351 @@
+"""The cache directory's owner (integration.cache), torch-free: a bad file affects only itself, writes
+are atomic and private, an unsafe directory is refused, concurrent jobs take turns, and a start plans
+with whatever of the cache is still good."""
+
+import errno
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.clusters import cpu_like
+from helpers.plans import plan_doc
+from megatron_pipette import files
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.integration import replan
+from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry, cache_key
+from megatron_pipette.integration.common import Phases
+from megatron_pipette.integration.plan_check import JobRequest
+from megatron_pipette.spec.cluster_file import cluster_to_json
+from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import workload_from_preset
+
+TINY = workload_from_preset("tiny-gpt")
+REQUEST = JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed={"sequence_parallel": False})
+PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
+               "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
+                           "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2, 4)]}
+CALIBRATION_DOC = {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
+                   "factors": {"compute_rate": 0.5, "memory_rate": 1.0, "link_bandwidth": {"intra_node": 0.5},
+                               "memory_overhead_bytes": 0},
+                   "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1}}
+DOCS = {"plan": (PLAN, {**plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=4)),
+                        "calibration": {"id": "c0ffee"}}),    # made with that calibration
+        "cluster": (CLUSTER, cluster_to_json(cpu_like(), "fp32")),
+        "profile": (PROFILE, PROFILE_DOC),
+        "calibration": (CALIBRATION, CALIBRATION_DOC)}
+
+
+def bad_contents(good: dict) -> dict[str, bytes]:
+    """Each way a cache file goes bad."""
+    text = json.dumps(good).encode()
+    return {"truncated": text[:len(text) // 2], "binary": bytes(range(256)) * 4,
+            "wrong schema": json.dumps({**good, "schema": "someone-else/plan"}).encode(),
+            "old version": json.dumps({**good, "version": 0}).encode(), "empty": b"",
+            "not an object": b"[1, 2, 3]", "nested too deep": b"[" * 100000,
+            "a field of the wrong type": json.dumps({**good, **{k: None for k in good if k not in
+                                                               ("schema", "version")}}).encode()}
+
+
+@pytest.fixture
+def entry(tmp_path: Path) -> Entry:
+    e = Entry(tmp_path / "cache", "k")
+    e.open()
+    return e
+
+
+def fill(entry: Entry, *kinds: str) -> None:
+    for kind in kinds:
+        doc, value = DOCS[kind]
+        assert entry.write(doc, value)
+
+
+def set_aside(entry: Entry, doc) -> list[Path]:
+    return sorted(entry.path.glob(f"{doc.name}.corrupt-*"))
+
+
+@pytest.mark.parametrize("kind", DOCS)
+@pytest.mark.parametrize("failure", bad_contents({"schema": "x", "version": 1}))
+def test_a_bad_file_is_moved_aside_once_with_one_warning(entry: Entry, kind: str, failure: str, capsys) -> None:
+    doc, good = DOCS[kind]
+    entry.file(doc).write_bytes(bad_contents(good)[failure])
+    assert entry.read(doc) is None
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and f"moved aside to {doc.name}.corrupt-" in out, out
+    assert doc.without in out and "\n" not in out.strip()
+    assert not entry.file(doc).exists() and len(set_aside(entry, doc)) == 1
+    assert entry.read(doc) is None and capsys.readouterr().out == ""    # gone: nothing more to say
+    assert entry.write(doc, good) and entry.read(doc) is not None
+
+
+def test_a_reader_tripping_on_a_malformed_field_sets_only_that_file_aside(entry: Entry, capsys) -> None:
+    """Whatever a document's reader raises on a malformed field (here a profile whose device is null),
+    the file is set aside like any other bad file."""
+    entry.file(PROFILE).write_text(json.dumps({**PROFILE_DOC, "device": None}))
+    assert entry.read(PROFILE) is None and len(set_aside(entry, PROFILE)) == 1
+    assert capsys.readouterr().out.count("WARNING") == 1
+
+
+@pytest.mark.parametrize("kind", DOCS)
+def test_a_directory_in_place_of_a_file_is_moved_aside(entry: Entry, kind: str, capsys) -> None:
+    doc, _ = DOCS[kind]
+    entry.file(doc).mkdir()
+    assert entry.read(doc) is None and len(set_aside(entry, doc)) == 1
+    assert "cannot read" in capsys.readouterr().out
+
+
+def failing_write(error: int):
+    def write(fd: int, data: bytes) -> None:
+        os.write(fd, data[:len(data) // 2])
+        raise OSError(error, os.strerror(error))
+    return write
+
+
+@pytest.mark.parametrize("kind", DOCS)
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS], ids=["full", "read-only"])
+def test_a_write_that_fails_warns_once_and_leaves_the_old_file(entry: Entry, kind: str, error: int, monkeypatch,
+                                                               capsys) -> None:
+    """A full disk or a read-only cache: the old file stays whole, no temporary file is left, and
+    one warning says the job goes on uncached (as root, chmod cannot make a directory read-only)."""
+    doc, good = DOCS[kind]
+    fill(entry, kind)
+    before = entry.file(doc).read_bytes()
+    monkeypatch.setattr(files, "_write_all", failing_write(error))
+    assert not entry.write(doc, {**good, "changed": True})
+    assert not entry.write(doc, {**good, "changed": True})
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and os.strerror(error) in out and "--auto-parallel-cache-dir" in out, out
+    assert entry.file(doc).read_bytes() == before
+    assert sorted(p.name for p in entry.path.iterdir()) == [doc.name]
+
+
+def test_a_cache_that_cannot_be_created_is_a_warning_and_an_empty_cache(tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    e = Entry(tmp_path / "file" / "cache", "k")
+    e.open()
+    assert e.read(PLAN) is None and not e.write(*DOCS["plan"])
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and "--auto-parallel-cache-dir" in out and "cannot create" in out
+
+
+def test_files_and_directories_are_private_and_written_through_fresh_names(tmp_path: Path, monkeypatch) -> None:
+    """0700 directories and 0600 files whatever the umask; a planted temporary name or link is never
+    written through (tempfile.mkstemp); a team's cache is group-writable."""
+    monkeypatch.setattr(os, "umask", os.umask)
+    old = os.umask(0)
+    try:
+        e = Entry(tmp_path / "a" / "cache", "k")
+        e.open()
+        victim = tmp_path / "victim"
+        victim.write_text("untouched")
+        for pid in range(os.getpid() - 5, os.getpid() + 5):   # the names the old writer would have used
+            (e.path / f".plan.json.tmp{pid}").symlink_to(victim)
+        fill(e, "plan")
+        shared = Entry(tmp_path / "team", "k", shared=True)
+        shared.open()
+        assert shared.write(*DOCS["plan"])
+    finally:
+        os.umask(old)
+    assert victim.read_text() == "untouched"
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (e.root, e.path, e.file(PLAN))] == [0o700, 0o700, 0o600]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (shared.root, shared.path, shared.file(PLAN))] == \
+        [0o770, 0o770, 0o660]
+
+
+def another_users(directory: Path, monkeypatch) -> None:
+    """Make `directory` another user's (as root), or this process another user (otherwise)."""
+    if os.geteuid() == 0:
+        os.chown(directory, 65534, -1)
+    else:
+        uid = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+
+
+@pytest.mark.parametrize("setup, refused", [
+    (another_users, "belongs to uid"),
+    (lambda d, _: os.chmod(d, 0o770), "is writable by its group (mode 770)"),
+    (lambda d, _: os.chmod(d, 0o777), "is writable by every user (mode 777)"),
+])
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_an_unsafe_cache_is_refused_in_one_line(tmp_path: Path, setup, refused: str, where: str,
+                                                monkeypatch) -> None:
+    """A cache another user owns or can write would have this job apply their plans. A team's cache
+    (--auto-parallel-shared-cache) may be another's or the group's, never everyone's."""
+    e = Entry(tmp_path / "cache", "k")
+    e.open()
+    setup(e.root if where == "root" else e.path, monkeypatch)
+    with pytest.raises(PipetteError) as error:
+        Entry(tmp_path / "cache", "k").open()
+    message = str(error.value)
+    assert message.startswith("--auto-parallel-cache-dir ") and refused in message and "\n" not in message
+    if "every user" in refused:
+        with pytest.raises(PipetteError, match="writable by every user"):
+            Entry(tmp_path / "cache", "k", shared=True).open()
+    else:
+        assert "--auto-parallel-shared-cache" in message
+        Entry(tmp_path / "cache", "k", shared=True).open()
+
+
+def test_a_second_job_waits_for_the_first_and_gives_up_past_its_bound(entry: Entry) -> None:
+    """fcntl.flock per entry: while another holder (another open file, as another job's would be) has
+    it, this one waits, and waiting past the bound is one error naming the entry."""
+    held, release = threading.Event(), threading.Event()
+
+    def first_job() -> None:
+        with Entry(entry.root, entry.key).locked(1.0):
+            held.set()
+            release.wait(10)
+
+    first = threading.Thread(target=first_job)
+    first.start()
+    assert held.wait(10)
+    start = time.monotonic()
+    with pytest.raises(PipetteError, match=r"^--auto-parallel-cache-dir .*: another job has held .*\.lock for 0 s"), \
+            entry.locked(0.3):
+        pass
+    assert 0.3 <= time.monotonic() - start < 3
+    threading.Timer(0.5, release.set).start()
+    with entry.locked(10.0) as waited:
+        assert 0.3 < waited < 5
+    first.join()
+
+
+def test_the_key_tells_gpus_apart_and_nothing_else_changes_it() -> None:
+    """Two jobs on disjoint GPUs of one node get two entries; the same job again gets the same one."""
+    ranks = [{"host": "n0", "device": "NVIDIA H100", "gpu": f"GPU-{i}"} for i in range(4)]
+    other = [{"host": "n0", "device": "NVIDIA H100", "gpu": f"GPU-{i}"} for i in range(4, 8)]
+    key = cache_key(ranks, TINY, {"sequence_parallel": False})
+    assert key == cache_key([dict(r) for r in ranks], TINY, {"sequence_parallel": False})
+    assert key != cache_key(other, TINY, {"sequence_parallel": False})
+    assert key != cache_key(ranks, TINY, {"sequence_parallel": False, "tensor_model_parallel_size": 2})
+
+
+def start(entry: Entry, request: JobRequest = REQUEST, **switches) -> replan.Start:
+    return replan.look_up(entry, request, replan.Switches(**switches), Phases())
+
+
+@pytest.mark.parametrize("kind", DOCS)
+def test_a_start_redoes_only_what_a_bad_file_held(entry: Entry, kind: str, capsys) -> None:
+    """With every file cached and one bad: a bad plan is planned again from the cached probe; a bad
+    probe, profile or calibration leaves the plan in use (and a bad calibration, calibrated since the
+    plan, means the plan as it is). Without a plan, a bad probe or profile is measured again alone,
+    and a bad calibration plans uncalibrated."""
+    fill(entry, *DOCS)
+    doc, _ = DOCS[kind]
+    entry.file(doc).write_bytes(b"\x00garbage")
+    found = start(entry)
+    out = capsys.readouterr().out
+    assert found.doc is not None
+    if kind == "plan":
+        assert "planning from the probe and layer profile cached in" in out and entry.read(PLAN) is not None
+    else:
+        assert f"using the plan in {entry.file(PLAN)}" in out
+    assert out.count("WARNING") == (kind != "cluster" and kind != "profile")   # those are not read: not needed
+    for k in ("cluster", "profile", "calibration"):
+        entry.file(DOCS[k][0]).unlink(missing_ok=True)
+    fill(entry, "cluster", "profile", "calibration")
+    entry.file(PLAN).unlink()
+    entry.file(doc).write_bytes(b"\x00garbage")
+    found = start(entry)
+    out = capsys.readouterr().out
+    if kind in ("cluster", "profile"):
+        assert found.doc is None and (found.cluster is None) == (kind == "cluster")
+        assert (found.profile is None) == (kind == "profile")
+    else:
+        assert found.doc is not None and entry.read(PLAN) is not None
+        assert ("calibrated model:" in out) == (kind != "calibration")
+        assert ("calibration" in found.doc) == (kind != "calibration")
+
+
+def test_a_plan_that_cannot_be_saved_is_still_used(entry: Entry, monkeypatch, capsys) -> None:
+    fill(entry, "cluster", "profile")
+    monkeypatch.setattr(files, "_write_all", failing_write(errno.ENOSPC))
+    found = start(entry)
+    assert found.doc is not None and not entry.file(PLAN).exists()
+    assert "WARNING: --auto-parallel-cache-dir" in capsys.readouterr().out
+
+
+def test_a_cached_plan_for_another_job_warns_and_plans_again(entry: Entry, capsys) -> None:
+    """A plan in the entry that this job's flags cannot run (here: another global batch, as a pinned or
+    hand-copied plan would be) is a warning naming the difference, and the job plans again."""
+    fill(entry, "cluster", "profile")
+    other = workload_from_preset("tiny-gpt", global_batch_size=48)
+    entry.write(PLAN, plan_doc(other, Layout(data_parallel_size=4, micro_batch_size=3)))
+    found = start(entry)
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1
+    assert "cannot run this job (--global-batch-size 48 in the plan, 16 here): planning again" in out
+    assert found.doc is not None and found.doc["model"]["global_batch_size"] == 16
+
+
+def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: Entry, tmp_path: Path,
+                                                                       capsys) -> None:
+    fill(entry, "cluster", "profile")
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps(plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=2))))
+    found = start(entry, plan_file=pinned)
+    assert found.pinned and found.doc == json.loads(pinned.read_text())
+    assert "WARNING" not in capsys.readouterr().out
+    pinned.write_text(json.dumps(plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=3))))
+    found = start(entry, plan_file=pinned)
+    out = capsys.readouterr().out
+    assert not found.pinned and found.doc["candidates"][0]["layout"]["micro_batch_size"] != 3
+    assert f"WARNING: the plan in {pinned} cannot run this job (Megatron would reject its layout: " \
+           "--global-batch-size 16 is not divisible by" in out
+    assert out.count("WARNING") == 1 and "planning again" in out
+    pinned.write_bytes(b"\xff")
+    with pytest.raises(PipetteError, match=r"^--auto-parallel-plan-file .*: cannot read: not a JSON document"):
+        start(entry, plan_file=pinned)
+
+
+def test_replan_and_reprobe_switches(entry: Entry, capsys) -> None:
+    fill(entry, "cluster", "profile", "calibration")
+    entry.write(PLAN, plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=2)))
+    found = start(entry, replan=True)
+    out = capsys.readouterr().out
+    assert "planning again (--auto-parallel-replan)" in out and "planning from the probe" in out
+    assert found.doc["candidates"][0]["layout"]["micro_batch_size"] == 4
+    found = start(entry, reprobe=True)
+    assert found == replan.Start() and "planning again (--auto-parallel-reprobe)" in capsys.readouterr().out
+
+
+def test_measurements_replace_the_calibration_fitted_to_the_old_ones(entry: Entry) -> None:
+    fill(entry, "cluster", "profile", "calibration")
+    from megatron_pipette.spec.layer_profile import profile_from_json
+
+    replan.plan_measured(REQUEST, entry, Phases(), cpu_like(), profile_from_json(PROFILE_DOC),
+                         {PROFILE: PROFILE_DOC})
+    assert entry.read(CALIBRATION) is None and entry.read(PLAN) is not None
+
+
+def test_a_restart_from_a_checkpoint_reuses_the_plan_it_saved_under(entry: Entry, capsys) -> None:
+    """The checkpoint's choice of optimizer is not in the key: a restart finds the plan it was saved under
+    and uses it; a plan the checkpoint cannot load is planned again with its choice."""
+    fill(entry, "cluster", "profile")
+    first = start(entry).doc
+    saved = first["candidates"][0]["layout"]["use_distributed_optimizer"]
+    capsys.readouterr()
+    again = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
+                                    checkpoint={"use_distributed_optimizer": saved})).doc
+    assert again == first and "using the plan in" in capsys.readouterr().out
+    other = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
+                                    checkpoint={"use_distributed_optimizer": not saved})).doc
+    out = capsys.readouterr().out
+    assert f"--use-distributed-optimizer is {saved} in the plan, {not saved} fixed here by the checkpoint" in out
+    assert other["candidates"][0]["layout"]["use_distributed_optimizer"] is (not saved)
+
+
+def test_phase_lines_say_what_a_start_did() -> None:
+    phases = Phases()
+    for name in ("probe", "profile", "plan"):
+        phases.skip(name, "cached")
+    assert phases.line().startswith("probe, profile and plan cached; total ")
+    phases = Phases()
+    phases.skip("probe", "cached")
+    phases.run("profile", lambda: None)
+    assert phases.line().startswith("probe cached, profile 0.0 s; total")

@@ -1,0 +1,61 @@
+"""A plan is checked against the job before any rank applies it (integration.plan_check, torch-free)."""
+
+import dataclasses
+
+import pytest
+
+from helpers.plans import plan_doc
+from megatron_pipette.integration.plan_check import JobRequest, plan_problems
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import workload_from_preset
+
+TINY = workload_from_preset("tiny-gpt")
+DP4 = Layout(data_parallel_size=4, micro_batch_size=2)
+
+
+def request(**kw) -> JobRequest:
+    return JobRequest(**{"workload": TINY, "world_size": 4, "gpus_per_node": 4, **kw})
+
+
+def test_a_plan_for_this_job_passes() -> None:
+    assert plan_problems(plan_doc(TINY, DP4), request(), "p.json") == []
+    pinned = plan_doc(dataclasses.replace(TINY, name="from pipette plan"), DP4)
+    assert plan_problems(pinned, request(), "p.json") == []     # the model's name is a label
+
+
+@pytest.mark.parametrize("doc, req, problem", [
+    (plan_doc(workload_from_preset("tiny-gpt", global_batch_size=48), Layout(data_parallel_size=4,
+                                                                              micro_batch_size=3)),
+     request(), "--global-batch-size 48 in the plan, 16 here"),
+    (plan_doc(workload_from_preset("tiny-gpt", precision="fp16"), DP4), request(),
+     f"precision fp16 in the plan, {TINY.precision} here"),
+    (plan_doc(TINY, Layout(data_parallel_size=8), node_order=(0, 1)), request(),
+     "the plan is for 2 node(s) of 4 processes, this job has 1 of 4"),
+    (plan_doc(TINY, Layout(data_parallel_size=8), node_order=(0, 1)), request(world_size=8, gpus_per_node=2),
+     "the plan is for 2 node(s) of 4 processes, this job has 4 of 2"),
+    (plan_doc(TINY, Layout(data_parallel_size=8), node_order=(1, 1)), request(world_size=8),
+     "the plan's node order [1, 1] is not an order of its 2 nodes"),
+    (plan_doc(TINY, DP4), request(typed={"tensor_model_parallel_size": 2}),
+     "--tensor-model-parallel-size is 1 in the plan, 2 fixed here"),
+    (plan_doc(TINY, DP4), request(checkpoint={"use_distributed_optimizer": True}),
+     "--use-distributed-optimizer is False in the plan, True fixed here by the checkpoint"),
+    (plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=3)), request(),
+     "Megatron would reject its layout: --global-batch-size 16 is not divisible by --micro-batch-size 3 x "
+     "data-parallel size 4"),
+    (plan_doc(TINY, Layout(tensor_model_parallel_size=8, data_parallel_size=1), gpus_per_node=8),
+     request(world_size=8, gpus_per_node=8),
+     "Megatron would reject its layout: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    (plan_doc(TINY, DP4), request(eval_global_batch_size=12),
+     "--eval-global-batch-size 12 is not divisible by --eval-micro-batch-size 2 x data-parallel size 4"),
+    (plan_doc(TINY, DP4), request(eval_micro_batch_size=8),
+     "--eval-global-batch-size 16 is not divisible by --eval-micro-batch-size 8 x data-parallel size 4"),
+    ({**plan_doc(TINY, DP4), "version": 0}, request(), "p.json: not a megatron-pipette plan"),
+    ({**plan_doc(TINY, DP4), "model": None}, request(), "p.json: the plan has no model"),
+    ({**plan_doc(TINY, DP4), "candidates": [{"layout": {"tensor_model_parallel_size": "x"}}]}, request(),
+     "p.json: malformed candidate"),
+], ids=["global batch", "precision", "world size", "processes per node", "node order", "typed flag",
+        "checkpoint", "batch rule", "heads rule", "eval batch", "eval micro-batch", "old version", "no model",
+        "malformed"])
+def test_a_plan_that_cannot_run_this_job_says_why(doc, req, problem: str) -> None:
+    problems = plan_problems(doc, req, "p.json")
+    assert any(p.startswith(problem) or problem in p for p in problems), problems
