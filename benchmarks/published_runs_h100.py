@@ -36,13 +36,12 @@ from megatron_pipette.cli.args import (
     check_megatron_flags,
     cluster_from_args,
     layout_constraints,
-    overheads_from_environment,
     split_megatron_flags,
     workload_from_args,
 )
 from megatron_pipette.cli.main import build_parser
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
-from megatron_pipette.cost.memory import RuntimeOverheads
+from megatron_pipette.cost.memory import RuntimeOverheads, environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.planner import evaluate, plan
@@ -139,7 +138,7 @@ def build(argv: list[str], env: dict[str, str] | None = None) -> Priced:
     check_megatron_flags(megatron)
     workload = workload_from_args(ns, DEFAULT_MODEL)
     return Priced(workload=workload, cluster=cluster_from_args(ns, workload.precision, env or {}),
-                  fields=layout_constraints(ns), overheads=overheads_from_environment(env or {}))
+                  fields=layout_constraints(ns), overheads=environment_overheads(env or {}))
 
 
 def with_execution(cluster: Cluster, sustained: float | None) -> Cluster:

@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
-from megatron_pipette.cost.memory import RuntimeOverheads, runtime_overheads
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.cluster_file import cluster_from_json
-from megatron_pipette.spec.hardware import Cluster, cluster_presets, preset_cluster
+from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
     LayerProfile,
     check_profile_device,
@@ -197,25 +196,15 @@ def read_json(path: str, what: str) -> object:
         raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def nvls_disabled(env: Mapping[str, str] | None = None) -> bool:
-    """NCCL_NVLS_ENABLE=0 in the job's environment (NVIDIA's Megatron-Bridge recipes set it): NCCL
-    allocates no NVLink SHARP buffers."""
-    return (os.environ if env is None else env).get("NCCL_NVLS_ENABLE", "").strip() == "0"
-
-
-def overheads_from_environment(env: Mapping[str, str] | None = None) -> RuntimeOverheads:
-    """The memory overheads under the job's PYTORCH_CUDA_ALLOC_CONF (expandable segments or not)."""
-    conf = (os.environ if env is None else env).get("PYTORCH_CUDA_ALLOC_CONF", "")
-    return runtime_overheads("expandable_segments:true" in conf.replace(" ", "").lower())
-
-
 def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, str] | None = None) -> Cluster:
-    """The --cluster preset or file; a preset's NVLS follows the environment (nvls_disabled)."""
+    """The --cluster preset or file; a preset's NVLS follows the job's environment `env` (default:
+    this process's; nvls_disabled)."""
     source = ns.cluster
     if source in cluster_presets():
         cluster = preset_cluster(source, num_nodes=ns.num_nodes, gpus_per_node=ns.gpus_per_node, gpu=ns.gpu,
                                  precision=precision)
-        return dataclasses.replace(cluster, nvls=False) if nvls_disabled(env) else cluster
+        off = nvls_disabled(os.environ if env is None else env)
+        return dataclasses.replace(cluster, nvls=False) if off else cluster
     if not Path(source).exists():
         raise PipetteError(f"--cluster {source!r} is neither a preset ({', '.join(cluster_presets())}) nor a file")
     overrides = [megatron_flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]

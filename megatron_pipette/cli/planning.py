@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megatron_pipette.cli.args import (
@@ -13,11 +14,11 @@ from megatron_pipette.cli.args import (
     add_workload_flags,
     cluster_from_args,
     layout_constraints,
-    overheads_from_environment,
     profile_from_args,
     read_json,
     workload_from_args,
 )
+from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
@@ -62,7 +63,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
-    model = CostModel(cluster, profile=profile, overheads=overheads_from_environment())
+    model = CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
     result = plan(workload, model, constraints=constraints, top_k=ns.top,
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
     if ns.json:
@@ -97,7 +98,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
-    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=overheads_from_environment()), job)
+    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ)), job)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
@@ -126,7 +127,8 @@ def estimate_plan(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
-    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=overheads_from_environment()), job, placement)
+    model = CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
+    time, memory = evaluate(model, job, placement)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
                           "placement": {"node_order": list(placement.node_order)}}, indent=1))

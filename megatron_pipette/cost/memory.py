@@ -12,6 +12,7 @@ attention and any precision; docs/memory-model.md derives every term.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -66,18 +67,13 @@ lost is rounding to its 2 MiB pages and blocks pinned between live tensors. Assu
 (bound: a few percent); the default allocator's 0.15 is the one measured (docs/memory-model.md)."""
 
 
-def runtime_overheads(expandable_segments: bool) -> RuntimeOverheads:
-    """The overheads under the CUDA caching allocator's configuration."""
-    if not expandable_segments:
+def environment_overheads(env: Mapping[str, str]) -> RuntimeOverheads:
+    """The overheads under the job's environment: PYTORCH_CUDA_ALLOC_CONF with expandable_segments:True
+    loses less to fragmentation (EXPANDABLE_SEGMENTS_FRAGMENTATION)."""
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if "expandable_segments:true" not in conf:
         return DEFAULT_OVERHEADS
     return dataclasses.replace(DEFAULT_OVERHEADS, fragmentation=EXPANDABLE_SEGMENTS_FRAGMENTATION)
-"""Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
-lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
-NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
-and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator; NVLS allocates
-2 x NCCL_BUFFSIZE per NVLS channel and local rank (nvls.cc: nvlsPerRankSize x nHeads), reported at
-about 1.6 GB for a communicator of 8 GPUs, hence 200 MB a local rank;
-PyTorch's caching allocator without expandable segments typically reserves 5-15% more than it uses."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,11 +20,13 @@ A plan that cannot run this job is a warning, and the job plans again.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_pipette.calibration.fit import Factors, calibrated, factors_from_json
+from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Document, Entry
@@ -141,7 +143,8 @@ def plan_measured(request: JobRequest, entry: Entry, phases: Phases, cluster: Cl
         entry.write(doc, value)
     if new:
         entry.remove(CALIBRATION)
-    return plan_and_write(request, CostModel(cluster, profile=profile), entry, phases)
+    return plan_and_write(request, CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ)),
+                          entry, phases)
 
 
 def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: dict | None) -> CostModel:
@@ -151,7 +154,7 @@ def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: dict
         fitted = calibration["fitted_on"]
         log(f"calibrated model: {factors.describe()} (fitted on a self-check that measured {fitted['measured_s']:.3g} "
             f"s/iteration against {fitted['predicted_s']:.3g} s predicted)", 0)
-    return calibrated(cluster, profile, factors)
+    return calibrated(cluster, profile, factors, overheads=environment_overheads(os.environ))
 
 
 def plan_from_cache(request: JobRequest, entry: Entry, cluster: Cluster, profile: LayerProfile,

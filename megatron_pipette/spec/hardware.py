@@ -15,7 +15,7 @@ Presets build it from node figures; the in-job probe measures it
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from importlib import resources
@@ -270,6 +270,12 @@ def make_cluster(*, name: str, num_nodes: int, gpus_per_node: int, gpu: GPU | No
 def cluster_presets() -> dict[str, dict]:
     data = json.loads(resources.files("megatron_pipette.data").joinpath("clusters.json").read_text())
     return {c["name"]: c for c in data["clusters"]}
+
+
+def nvls_disabled(env: Mapping[str, str]) -> bool:
+    """NCCL_NVLS_ENABLE=0 in the job's environment (NVIDIA's Megatron-Bridge recipes set it): NCCL
+    allocates no NVLink SHARP buffers (Cluster.nvls)."""
+    return env.get("NCCL_NVLS_ENABLE", "").strip() == "0"
 
 
 def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: int | None = None,

@@ -117,3 +117,14 @@ def test_sustained_rate_and_overlap_slow_an_h100_step():
     assert CostModel(ideal).time(job).iteration_time_s < real
     assert CostModel(cluster, execution=Execution()).time(job).iteration_time_s < real
     assert np.isfinite(real)
+
+
+def test_the_job_environment_sets_fragmentation_and_nvls():
+    """NVIDIA's recipes launch with expandable allocator segments and NVLS off: less lost to
+    fragmentation, no NVLS buffers."""
+    from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, EXPANDABLE_SEGMENTS_FRAGMENTATION, environment_overheads
+    from megatron_pipette.spec.hardware import nvls_disabled
+    assert environment_overheads({}) == DEFAULT_OVERHEADS
+    expandable = environment_overheads({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable.fragmentation == EXPANDABLE_SEGMENTS_FRAGMENTATION < DEFAULT_OVERHEADS.fragmentation
+    assert nvls_disabled({"NCCL_NVLS_ENABLE": "0"}) and not nvls_disabled({})
