@@ -28,6 +28,10 @@ from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB, MiB
 
+TIGHT_HEADROOM = 0.02
+"""A layout that fits by less than this fraction of the capacity fits within the memory model's own
+error (docs/validation.md: counted activations 1.00-1.11x the prediction on CPU; the GPU's
+allocator and NCCL are assumed): the plan says so instead of recommending it silently."""
 UNFUSED_ATTENTION = ("unfused", "local")
 """--attention-backend values that materialise the s*s attention scores."""
 FP8_WEIGHT_COPY_BYTES = 2
@@ -131,6 +135,16 @@ class MemoryEstimate:
     @property
     def fits(self) -> bool:
         return all(s.total_bytes <= self.capacity_bytes for s in self.stages)
+
+    @property
+    def headroom(self) -> float:
+        """Capacity left on the fullest stage, as a fraction of the capacity."""
+        return 1 - self.peak_bytes / self.capacity_bytes
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but by less than TIGHT_HEADROOM: within the memory model's own error."""
+        return self.fits and self.headroom < TIGHT_HEADROOM
 
 
 def state_bytes_per_parameter(workload: Workload) -> tuple[int, int, int, int]:

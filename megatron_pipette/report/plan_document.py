@@ -25,6 +25,7 @@ def memory_json(memory: MemoryEstimate) -> dict[str, Any]:
         "capacity_bytes": memory.capacity_bytes,
         "peak_bytes": memory.peak_bytes,
         "fits": memory.fits,
+        "tight": memory.tight,
         "stages": [{**dataclasses.asdict(s), "peak_bytes": s.total_bytes} for s in memory.stages],
     }
 

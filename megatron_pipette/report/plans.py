@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_pipette.cost.memory import MemoryEstimate, misfit_reason
+from megatron_pipette.cost.memory import TIGHT_HEADROOM, MemoryEstimate, misfit_reason
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
@@ -54,8 +54,18 @@ def stage_memory(memory: MemoryEstimate) -> str:
     return table(rows, header) + f"\ncapacity {_gib(memory.capacity_bytes)} GiB per GPU"
 
 
+def tight_memory(memory: MemoryEstimate) -> list[str]:
+    """The warning a layout that fits by less than TIGHT_HEADROOM carries."""
+    if not memory.tight:
+        return []
+    return [f"Memory: it fits by {100 * memory.headroom:.1f}% ({_gib(memory.peak_bytes)} of "
+            f"{_gib(memory.capacity_bytes)} GiB), less than the memory model's {100 * TIGHT_HEADROOM:.0f}% margin "
+            f"of error: it may not fit; a smaller micro-batch or more recomputation leaves room."]
+
+
 def winner(c: Candidate) -> str:
-    lines = ["", "Best layout, as Megatron flags:", "  " + " \\\n  ".join(c.layout.megatron_args())]
+    lines = ["", "Best layout, as Megatron flags:", "  " + " \\\n  ".join(c.layout.megatron_args()),
+             *tight_memory(c.memory)]
     if c.placement.is_default:
         lines.append("Rank placement: Megatron's default order is already the best found.")
     else:
@@ -93,6 +103,7 @@ def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate
              f"peak {_gib(memory.peak_bytes)} GiB of {_gib(memory.capacity_bytes)} GiB ({verdict})"]
     if misfit:
         lines.append(f"  {misfit}")
+    lines += [f"  {line}" for line in tight_memory(memory)]
     return "\n".join([*lines, "", breakdown(time), "", stage_memory(memory)])
 
 

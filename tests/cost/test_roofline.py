@@ -128,3 +128,19 @@ def test_the_job_environment_sets_fragmentation_and_nvls():
     expandable = environment_overheads({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert expandable.fragmentation == EXPANDABLE_SEGMENTS_FRAGMENTATION < DEFAULT_OVERHEADS.fragmentation
     assert nvls_disabled({"NCCL_NVLS_ENABLE": "0"}) and not nvls_disabled({})
+
+
+def test_a_layout_within_the_memory_models_error_is_said_to_be_tight():
+    """Fits by under 2%: the estimate says tight and the report warns instead of recommending it
+    silently; by more, neither."""
+    from megatron_pipette.cost.memory import MemoryEstimate, StageMemory
+    from megatron_pipette.report.plans import tight_memory
+
+    def estimate(total: int) -> MemoryEstimate:
+        stage = StageMemory(stage=0, parameters=1, weight_bytes=total, gradient_bytes=0, optimizer_bytes=0,
+                            activation_bytes=0, transient_bytes=0, overhead_bytes=0)
+        return MemoryEstimate(stages=(stage,), capacity_bytes=1000)
+
+    assert estimate(990).tight and "fits by 1.0%" in tight_memory(estimate(990))[0]
+    assert not estimate(970).tight and tight_memory(estimate(970)) == []
+    assert not estimate(1001).tight                    # does not fit at all: a misfit, not tight
