@@ -1,6 +1,9 @@
 """Predict NVIDIA's published H100 runs at their own layouts and settings; print every row.
 
-    python benchmarks/published_runs_h100.py [--out benchmarks/results/published_h100-DATE] [--no-search]
+    python benchmarks/published_runs_h100.py [--out benchmarks/results/published_runs_h100-DATE] [--no-search]
+
+--out writes results.json (every row's prediction, breakdown and search) and table.md (the table
+docs/validation.md shows).
 
 Why: the planner is only worth trusting if it agrees with what NVIDIA runs today. The rows
 (benchmarks/published_runs_h100.json, a copy of the team's development set: NeMo 24.07,
@@ -202,6 +205,23 @@ def summary(rows: list[dict], key: str) -> dict:
             "moe_median_search_gain": float(np.median(gains)) if gains else None}
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as docs/validation.md shows them."""
+    lines = ["| run | measured s | error, layout and overlaps only | predicted s, with the recipe | error | "
+             "peak GiB (fits) | free search's predicted gain |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, s = r["recipe"], r["search"]
+        if "error" not in p:
+            lines.append(f"| {r['id']} | {r['measured_s']:.3f} | | {p['error_message']} | | | |")
+            continue
+        fits = "tight" if p["fits"] and p["headroom"] < 0.02 else "yes" if p["fits"] else "NO"
+        gain = f"{s['search_gain']:+.1%}" if "search_gain" in s else "-"
+        plain = f"{r['plain']['error']:+.1%}" if "error" in r["plain"] else "-"
+        lines.append(f"| {r['id']} | {r['measured_s']:.3f} | {plain} | {p['predicted_s']:.3f} | {p['error']:+.1%} | "
+                     f"{p['peak_gib']:.1f} ({fits}) | {gain} |")
+    return "\n".join(lines) + "\n"
+
+
 def is_moe(row: dict) -> bool:
     return "--num-experts" in row["model_flags"] or "deepseek-v3-like" in row["model_flags"]
 
@@ -244,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "table.md").write_text(markdown_table(rows))
     return 0
 
 

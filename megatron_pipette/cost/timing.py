@@ -180,6 +180,14 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     attn_in = tokens * attention_input_width(workload) * workload.bytes_per_element
     ar_in, ag_in = (ar, ag) if attn_in == act else (ring.all_reduce_s(attn_in).T[:, :, None],
                                                     ring.all_gather_s(attn_in).T[:, :, None])
+    # Under FP8 Transformer Engine all-gathers the column-parallel linears' inputs (QKV or MLA's up
+    # projections, fc1) already quantised: 1 byte an element (layernorm_linear.py, linear.py:
+    # gather_along_first_dim with the input quantizer), in the forward and in the backward's re-gather.
+    if workload.fp8 is not None:
+        ag_fc1 = ring.all_gather_s(tokens * workload.hidden_size).T[:, :, None]
+        ag_qkv = ring.all_gather_s(attn_in / workload.bytes_per_element).T[:, :, None]
+    else:
+        ag_fc1, ag_qkv = ag, ag_in
     rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
     # The column-parallel linears (QKV or MLA's up projections, fc1, the output layer) run their backward collectives
     # asynchronously (LinearWithGradAccumulationAndAsyncCommunication.backward): the input-gradient
@@ -205,10 +213,14 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
             layer_grad_ag = pipelined(ag, row_dgrad)
             mlp_grad_ag = pipelined(ag, row_dgrad[1:])
         else:
-            forward_ag, mlp_ag, layer_grad_ag, mlp_grad_ag = ag_in + 3 * ag, 2 * ag, 2 * ag, ag
+            # before QKV and fc1 the input all-gathers, after the projection and fc2 the reduce-scatters
+            forward_ag, mlp_ag = ag_qkv + ag_fc1 + 2 * ag, ag_fc1 + ag
+            layer_grad_ag, mlp_grad_ag = 2 * ag, ag
         layer_fwd = forward_ag
-        fc1_bwd = hidden(ag, dgrad[1:2]) + hidden(ag, wgrad[1:2])
-        layer_bwd = (layer_grad_ag + hidden(ag_in, dgrad[:1]) + hidden(ag_in, wgrad[:1])
+        # The input's re-gather behind the data-gradient GEMM, the input gradient's reduce-scatter
+        # behind the weight-gradient GEMM.
+        fc1_bwd = hidden(ag_fc1, dgrad[1:2]) + hidden(ag, wgrad[1:2])
+        layer_bwd = (layer_grad_ag + hidden(ag_qkv, dgrad[:1]) + hidden(ag_in, wgrad[:1])
                      + fc1_bwd)
         mlp_fwd, mlp_bwd = mlp_ag, mlp_grad_ag + fc1_bwd
         output_bwd = hidden(ag, dgrad[2:]) + hidden(ag, wgrad[2:])

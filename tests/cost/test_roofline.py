@@ -144,3 +144,21 @@ def test_a_layout_within_the_memory_models_error_is_said_to_be_tight():
     assert estimate(990).tight and "fits by 1.0%" in tight_memory(estimate(990))[0]
     assert not estimate(970).tight and tight_memory(estimate(970)) == []
     assert not estimate(1001).tight                    # does not fit at all: a misfit, not tight
+
+
+def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
+    """Under FP8 the all-gathers before QKV and fc1 (and their re-gathers in the backward) move the
+    quantised input: with links this slow the TP time falls by most of those collectives' half."""
+    import dataclasses
+
+    from megatron_pipette.cost.execution import Execution
+    from megatron_pipette.spec.hardware import uniform_level
+    cluster = preset_cluster("dgx-h100", num_nodes=1)
+    slow = dataclasses.replace(cluster, intra_node=(uniform_level(8, 1e9, 0.0),))
+    layout = Layout(tensor_model_parallel_size=8, sequence_parallel=True)
+    model = CostModel(slow, execution=Execution())
+    bf16 = model.time(resolve_job(workload_from_preset("llama3-8b", global_batch_size=8), layout)).breakdown.tp_comm_s
+    fp8 = model.time(resolve_job(workload_from_preset("llama3-8b", global_batch_size=8, fp8="hybrid"),
+                                 layout)).breakdown.tp_comm_s
+    # forward: 2 of 4 collectives halve; backward: 2 re-gathers of 4 exposed-or-hidden ones
+    assert 0.6 * bf16 < fp8 < 0.85 * bf16
