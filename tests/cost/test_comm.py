@@ -93,7 +93,7 @@ def test_a_ring_leaves_a_node_on_as_many_rails_as_it_has_ranks_there():
 
 @pytest.mark.parametrize("preset, per_node", [("dgx-a100", 190e9), ("dgx-h100", 380e9)])
 def test_a_data_parallel_ring_over_whole_nodes_reaches_nccls_measured_bus_bandwidth(preset, per_node):
-    """shared/reference/hardware.md: NCCL's all-reduce across DGX nodes with 8 NICs, about 190 GB/s
+    """docs/hardware-sources.md: NCCL's all-reduce across DGX nodes with 8 NICs, about 190 GB/s
     bus bandwidth per node on A100 and 380 on H100 (the presets' per-rail figures are those / 8);
     a ring priced on one rail gave an eighth of it."""
     c = preset_cluster(preset, num_nodes=8)
