@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.spec.expressions import MAX_TEXT, shown
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
@@ -24,6 +25,9 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_
 gated-delta-net attention, which it refuses)."""
 LAYOUT_LETTERS = "EtLm"
 """Layer letters of --pipeline-model-parallel-layout (megatron-core's char2layer_type)."""
+MAX_LAYOUT_LENGTH = 1 << 16
+"""Letters a --pipeline-model-parallel-layout may unroll to: far more than any model's layers and
+stages, few enough that a repeat count like t*99999999999 ends in an error, not a full memory."""
 DEFAULT_RECOMPUTE_MODULES = frozenset({"core_attn"})
 """What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -306,8 +310,14 @@ def parse_pipeline_layout(text: str) -> list[str]:
     """The virtual stages of a --pipeline-model-parallel-layout string, in order, one string of
     layer letters each: megatron-core's PipelineParallelLayerLayout.parse_str_to_list (commas are
     cosmetic; "(...)*n" and "x*n" repeat)."""
+    if len(text) > MAX_TEXT:
+        raise PipetteError(f"--pipeline-model-parallel-layout: {len(text)} characters, more than {MAX_TEXT}")
     unrolled = text.replace(",", "")
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        repeats = [(len(m.group(1)), m.group(2)) for m in re.finditer(pattern, unrolled)]
+        if sum(width * int(n) if len(n) <= 9 else MAX_LAYOUT_LENGTH + 1 for width, n in repeats) > MAX_LAYOUT_LENGTH:
+            raise PipetteError(f"--pipeline-model-parallel-layout {shown(text)}: its repeats spell more than "
+                               f"{MAX_LAYOUT_LENGTH} letters")
         unrolled = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), unrolled)
     stages = unrolled.split("|")
     odd = sorted({c for stage in stages for c in stage} - set(LAYOUT_LETTERS))

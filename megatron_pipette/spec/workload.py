@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.expressions import MAX_INTEGER, list_expression, shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -37,8 +37,6 @@ OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 per-block scales and kernels of their own)."""
 FLAGS = {"fp8": "--fp8-format"}
 """Argument names whose Megatron flag is not the name with dashes."""
-MOE_LAYER_FREQ = re.compile(r"^[\d\s\[\]\(\)+*,]+$")
-"""Megatron's list form of --moe-layer-freq is a Python expression of 0/1 lists: "([0]+[1]*23)"."""
 
 
 def megatron_flag(field: str) -> str:
@@ -348,18 +346,15 @@ class Workload:
         if self.num_experts is None:
             return (False,) * self.num_layers
         freq = self.moe_layer_freq
+        if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
+            freq = int(freq)
         if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
             return tuple(i % freq == 0 for i in range(self.num_layers))
-        text = str(freq).strip()
-        if text.isdigit() and int(text) > 0:
-            return tuple(i % int(text) == 0 for i in range(self.num_layers))
-        try:
-            pattern = eval(text, {"__builtins__": {}}) if MOE_LAYER_FREQ.match(text) else None  # noqa: S307
-        except (SyntaxError, TypeError, ValueError):
-            pattern = None
+        pattern = (list_expression(freq, max_length=self.num_layers, flag="--moe-layer-freq")
+                   if isinstance(freq, str) and "[" in freq else None)
         if not (isinstance(pattern, list) and len(pattern) == self.num_layers and set(pattern) <= {0, 1}):
             raise PipetteError(f"--moe-layer-freq must be a positive integer or a list of {self.num_layers} "
-                               f"0/1 entries such as \"([0]+[1]*{self.num_layers - 1})\", got {freq!r}")
+                               f"0/1 entries such as \"([0]+[1]*{self.num_layers - 1})\", got {shown(freq)}")
         return tuple(bool(x) for x in pattern)
 
     def attention_linears(self) -> dict[str, tuple[int, int, str]]:
