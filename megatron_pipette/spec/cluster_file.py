@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any
 
 import numpy as np
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.hardware import Cluster, LinkLevel, gpu_catalog
+from megatron_pipette.spec.hardware import Cluster, LinkLevel, check_cluster_shape, gpu_catalog
 
 SCHEMA = "megatron-pipette/cluster"
 VERSION = 2
@@ -40,6 +41,24 @@ READABLE_VERSIONS = (1, 2)
 DENSE_LIST_LIMIT = 256
 """Matrices with more endpoints than this are written base64-encoded, not as nested lists."""
 LEVEL_KEYS = ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps", "exchange_latency_s")
+MIN_BANDWIDTH_BPS = 1e3
+"""The slowest link or memory a file may give, bytes/s: a probe that measured less has failed
+(a bandwidth of 0 or 1e-300 made every time infinite and ranked NaN plans first)."""
+MAX_LATENCY_S = 10.0
+"""The longest start-up time of a message a file may give: longer is a failed link, not a slow one."""
+MIN_FLOPS = 1e6
+"""The slowest GEMM rate a file may give, FLOP/s (per device)."""
+
+
+def _in_range(value: Any, low: float, high: float = math.inf, *, above: bool = False) -> bool:
+    """A finite number (not a bool) in [low, high], or (low, high] with `above`."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and (number > low if above else number >= low) and number <= high
 
 
 def encode_matrix(m: np.ndarray) -> list | dict:
@@ -70,12 +89,16 @@ def _decode_matrix(value: Any, key: str, n: int, where: str) -> np.ndarray:
             raise PipetteError(f"{where}: '{key}' must be a {n}x{n} matrix")
         try:
             m = np.array([[np.nan if v is None else v for v in row] for row in value], dtype=float)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise PipetteError(f"{where}: '{key}' has a non-numeric entry") from None
-    off = ~np.eye(n, dtype=bool)
-    if not np.all(np.isfinite(m[off])) or np.any(m[off] < 0):
-        raise PipetteError(f"{where}: '{key}' has a missing, negative or non-finite off-diagonal entry")
-    np.fill_diagonal(m, 0.0 if key.endswith("latency_s") else np.inf)
+    off = m[~np.eye(n, dtype=bool)]
+    latency = key.endswith("latency_s")
+    low, high = (0.0, MAX_LATENCY_S) if latency else (MIN_BANDWIDTH_BPS, np.inf)
+    if not (np.all(np.isfinite(off)) and np.all(off >= low) and np.all(off <= high)):
+        bound = f"above {MAX_LATENCY_S:g} s" if latency else f"below {MIN_BANDWIDTH_BPS:g} B/s"
+        raise PipetteError(f"{where}: '{key}' has an off-diagonal entry that is missing, negative, non-finite "
+                           f"or {bound}")
+    np.fill_diagonal(m, 0.0 if latency else np.inf)
     return m
 
 
@@ -93,21 +116,18 @@ def _level_json(level: LinkLevel) -> dict:
     return {key: encode_matrix(getattr(level, key)) for key in LEVEL_KEYS if getattr(level, key) is not None}
 
 
+DEVICE_MINIMA = {"memory_bytes": 1.0, "memory_bandwidth_Bps": MIN_BANDWIDTH_BPS, "gemm_flops": MIN_FLOPS}
+"""The least each per-device figure may be."""
+
+
 def _positive_vector(devices: dict, key: str, n: int, where: str, required: bool = True) -> np.ndarray | None:
     values = devices.get(key)
     if values is None and not required:
         return None
-    if (not isinstance(values, list) or len(values) != n
-            or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 for v in values)):
-        raise PipetteError(f"{where}: devices.{key} must list a positive number for each of the {n} devices")
+    if not isinstance(values, list) or len(values) != n or not all(_in_range(v, DEVICE_MINIMA[key]) for v in values):
+        raise PipetteError(f"{where}: devices.{key} must list a finite number of at least {DEVICE_MINIMA[key]:g} "
+                           f"for each of the {n} devices")
     return np.array(values, dtype=float)
-
-
-def _int(data: dict, key: str, where: str) -> int:
-    value = data.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise PipetteError(f"{where}: '{key}' must be a positive integer, got {value!r}")
-    return value
 
 
 def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
@@ -119,7 +139,8 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
                            f"(this pipette reads versions {', '.join(map(str, READABLE_VERSIONS))})")
     if data["version"] == 1:
         return _from_version_1(data, where)
-    num_nodes, gpn = _int(data, "num_nodes", where), _int(data, "gpus_per_node", where)
+    num_nodes, gpn = data.get("num_nodes"), data.get("gpus_per_node")
+    check_cluster_shape(num_nodes, gpn, (f"{where}: 'num_nodes'", f"{where}: 'gpus_per_node'"))
     n = num_nodes * gpn
     nodes = data.get("nodes")
     if not isinstance(nodes, list) or len(nodes) != num_nodes or not all(isinstance(x, dict) for x in nodes):
@@ -147,10 +168,9 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
     levels = tuple(_level(level, gpn, f"{where}: intra_node[{k}]") for k, level in enumerate(intra))
     factor = inter.get("cross_rail_bandwidth_factor", 1.0) if isinstance(inter, dict) else 1.0
     extra = inter.get("cross_rail_latency_s", 0.0) if isinstance(inter, dict) else 0.0
-    if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or not isinstance(extra, (int, float)) \
-            or extra < 0:
+    if not _in_range(factor, 0.0, 1.0, above=True) or not _in_range(extra, 0.0, MAX_LATENCY_S):
         raise PipetteError(f"{where}: inter_node cross_rail_bandwidth_factor must be in (0, 1] and "
-                           f"cross_rail_latency_s >= 0")
+                           f"cross_rail_latency_s in [0, {MAX_LATENCY_S:g}]")
     return Cluster(name=str(data.get("name", "probed")), num_nodes=num_nodes, gpus_per_node=gpn,
                    memory_bytes=int(memory.min()),
                    memory_bandwidth_Bps=float(mem_bw.min()) if mem_bw is not None else gpu.memory_bandwidth_Bps,
@@ -192,28 +212,31 @@ def _from_version_1(data: dict, where: str) -> Cluster:
     this package wrote); per-GPU detail between nodes beyond that is averaged away.
     """
     devices = data.get("devices")
-    if not isinstance(devices, list) or not devices:
-        raise PipetteError(f"{where}: 'devices' must be a non-empty list")
-    devices = sorted(devices, key=lambda d: d.get("rank", -1))
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, dict) for d in devices):
+        raise PipetteError(f"{where}: 'devices' must be a non-empty list of objects")
     n = len(devices)
-    if [d.get("rank") for d in devices] != list(range(n)):
+    ranks = [d.get("rank") for d in devices]
+    if not all(isinstance(r, int) for r in ranks) or sorted(ranks) != list(range(n)):
         raise PipetteError(f"{where}: device ranks must be 0..{n - 1}, each once")
+    devices = sorted(devices, key=lambda d: d["rank"])
     gpn = data.get("gpus_per_node")
-    if not isinstance(gpn, int) or gpn <= 0 or n % gpn:
+    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn <= 0 or n % gpn:
         raise PipetteError(f"{where}: gpus_per_node {gpn!r} must be a positive divisor of {n} devices")
     num_nodes = n // gpn
+    check_cluster_shape(num_nodes, gpn, (f"{where}: the node count", f"{where}: 'gpus_per_node'"))
     hosts = []
     for node in range(num_nodes):
-        names = {d.get("host") for d in devices[node * gpn:(node + 1) * gpn]}
+        names = {str(d.get("host")) for d in devices[node * gpn:(node + 1) * gpn]}
         if len(names) != 1:
             raise PipetteError(f"{where}: ranks {node * gpn}..{(node + 1) * gpn - 1} should share one host "
                                f"(torchrun places consecutive ranks on a node), found {sorted(map(str, names))}")
         hosts.append(str(names.pop()))
     for d in devices:
         for key in ("memory_bytes", "gemm_flops"):
-            if not isinstance(d.get(key), (int, float)) or d[key] <= 0:
-                raise PipetteError(f"{where}: device {d['rank']} needs a positive '{key}'")
-    names = {d.get("gpu") for d in devices}
+            if not _in_range(d.get(key), DEVICE_MINIMA[key]):
+                raise PipetteError(f"{where}: device {d['rank']} needs a finite '{key}' of at least "
+                                   f"{DEVICE_MINIMA[key]:g}")
+    names = {str(d.get("gpu")) for d in devices}
     full = {key: _decode_matrix(data[key], key, n, where) for key in LEVEL_KEYS if data.get(key) is not None}
     if "bandwidth_Bps" not in full or "latency_s" not in full:
         raise PipetteError(f"{where}: 'bandwidth_Bps' and 'latency_s' are required")
@@ -246,7 +269,7 @@ def _from_version_1(data: dict, where: str) -> Cluster:
 
     mem_bw = [d.get("memory_bandwidth_Bps") for d in devices]
     gpu = gpu_catalog().get(str(names.pop()).lower()) if len(names) == 1 else None
-    if all(isinstance(b, (int, float)) and b > 0 for b in mem_bw):
+    if all(_in_range(b, MIN_BANDWIDTH_BPS) for b in mem_bw):
         memory_bandwidth = float(min(mem_bw))
     elif gpu is not None:
         memory_bandwidth = gpu.memory_bandwidth_Bps

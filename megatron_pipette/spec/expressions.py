@@ -41,6 +41,8 @@ def list_expression(text: str, *, max_length: int, flag: str) -> list[int]:
 
 def shown(value: object, limit: int = 60) -> str:
     """A value for a one-line message: text as typed, cut to `limit` characters."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:     # repr() refuses 4,300 digits and more
+        return f"an integer of {value.bit_length()} bits"
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

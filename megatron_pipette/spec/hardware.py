@@ -29,9 +29,22 @@ DEFAULT_GEMM_EFFICIENCY = 0.75
 attains, for a GPU whose catalog entry has no measured figure (large_gemm_efficiency). Assumed,
 not measured: H100 and H200 measure 0.79-0.80 in bf16; the shapes of a transformer layer then run
 at a fraction of that rate (cost.gemm.gemm_curve)."""
-MAX_DENSE_NODES = 16384
-"""Nodes up to which a non-uniform node x node level is held as dense matrices (2 GiB each at
-the limit); uniform presets hold broadcast views and have no limit."""
+MAX_NODES = 16384
+"""Nodes a cluster may have: a non-uniform node x node level is held as dense matrices (2 GiB each
+at the limit); uniform presets hold broadcast views, but their per-device arrays grow with nodes."""
+MAX_GPUS_PER_NODE = 1024
+"""GPUs of one node (or NVLink domain described as one): above the largest built (NVL576)."""
+
+
+def check_cluster_shape(num_nodes: object, gpus_per_node: object, names: tuple[str, str]) -> None:
+    """Raise PipetteError naming the flag (or file field) unless the node count and node size are
+    positive integers up to MAX_NODES and MAX_GPUS_PER_NODE: every per-device array the
+    planner builds is sized by them."""
+    for name, value, limit in zip(names, (num_nodes, gpus_per_node), (MAX_NODES, MAX_GPUS_PER_NODE)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise PipetteError(f"{name} must be a positive integer, got {value!r}")
+        if value > limit:
+            raise PipetteError(f"{name} must be at most {limit}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,10 +198,7 @@ class Cluster:
     """Host name per node, when known."""
 
     def __post_init__(self) -> None:
-        if self.num_nodes <= 0:
-            raise PipetteError(f"--num-nodes must be a positive integer, got {self.num_nodes}")
-        if self.gpus_per_node <= 0:
-            raise PipetteError(f"--gpus-per-node must be a positive integer, got {self.gpus_per_node}")
+        check_cluster_shape(self.num_nodes, self.gpus_per_node, ("--num-nodes", "--gpus-per-node"))
         assert self.gemm_flops.shape == (self.world_size,)
         assert all(level.size == self.gpus_per_node for level in self.intra_node) and self.intra_node
         assert self.node_class.shape == (self.num_nodes,) and self.node_class.max() < len(self.intra_node)
@@ -287,18 +297,11 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     p = presets[name]
     num_nodes = p["num_nodes"] if num_nodes is None else num_nodes
     gpus_per_node = p["gpus_per_node"] if gpus_per_node is None else gpus_per_node
-    if num_nodes <= 0:
-        raise PipetteError(f"--num-nodes must be a positive integer, got {num_nodes}")
-    if gpus_per_node <= 0:
-        raise PipetteError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
+    check_cluster_shape(num_nodes, gpus_per_node, ("--num-nodes", "--gpus-per-node"))
     device = lookup_gpu(gpu or p["gpu"])
     per_domain = p.get("nodes_per_domain", 1)
     inter, domains = uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]), None
     if per_domain > 1 and num_nodes > 1:
-        if num_nodes > MAX_DENSE_NODES:
-            raise PipetteError(f"--num-nodes {num_nodes}: a {name} cluster's node x node links are not uniform "
-                               f"(NVLink domains of {per_domain} nodes), and this planner holds them densely for "
-                               f"at most {MAX_DENSE_NODES} nodes")
         domains = np.arange(num_nodes) // per_domain
         same = domains[:, None] == domains[None, :]
         inter = LinkLevel(bandwidth_Bps=np.where(same, p["domain_bandwidth_Bps"], p["inter_node_bandwidth_Bps"]),

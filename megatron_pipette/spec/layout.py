@@ -16,7 +16,7 @@ from functools import cached_property
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.expressions import MAX_TEXT, shown
-from megatron_pipette.spec.workload import Workload, megatron_flag
+from megatron_pipette.spec.workload import MAX_SIZE, Workload, check_count, megatron_flag
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = (None, "uniform", "block")
@@ -206,14 +206,14 @@ def check_user_layout(layout: Layout) -> None:
     """Reject values no layout could have (PipetteError: the user's input is wrong)."""
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "micro_batch_size", "expert_model_parallel_size", "context_parallel_size"):
+        check_count(name, getattr(layout, name))
+    for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers", "expert_tensor_parallel_size"):
+        if getattr(layout, name) is not None:
+            check_count(name, getattr(layout, name))
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         value = getattr(layout, name)
-        if not isinstance(value, int) or value <= 0:
-            raise PipetteError(f"{megatron_flag(name)} must be a positive integer, got {value!r}")
-    for name in ("num_layers_per_virtual_pipeline_stage", "recompute_num_layers", "expert_tensor_parallel_size",
-                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        value = getattr(layout, name)
-        if value is not None and (not isinstance(value, int) or value < (0 if "decoder" in name else 1)):
-            raise PipetteError(f"{megatron_flag(name)} must be a positive integer, got {value!r}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SIZE):
+            raise PipetteError(f"{megatron_flag(name)} must be an integer in 0..{MAX_SIZE}, got {shown(value)}")
     if layout.recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise PipetteError(f"--recompute-granularity must be selective or full, got {layout.recompute_granularity!r}")
     if layout.recompute_method not in RECOMPUTE_METHODS:

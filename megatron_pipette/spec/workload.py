@@ -39,6 +39,27 @@ FLAGS = {"fp8": "--fp8-format"}
 """Argument names whose Megatron flag is not the name with dashes."""
 
 
+MAX_SIZE = 1 << 20
+"""The largest value of a width or count flag (hidden and FFN sizes, heads, experts, latent ranks):
+dozens of times the largest published model's; bounded so that no input leaves numpy's integers
+or keeps the search busy for ever."""
+MAX_SIZES = {"num_layers": 1024, "global_batch_size": 1 << 16, "seq_length": 1 << 24,
+             "max_position_embeddings": 1 << 24, "vocab_size": 1 << 24}
+"""Flags bounded otherwise: layers (the deepest transformers trained, DeepNet's, have 1,000) and
+the global batch (LAMB's 64K) drive the search's and the schedule model's work; sequences and
+vocabularies of 16M tokens are beyond any model's."""
+
+
+def check_count(field: str, value: object) -> None:
+    """Raise PipetteError naming the flag unless `value` is an integer in 1..its bound (MAX_SIZES, else
+    MAX_SIZE)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {shown(value)}")
+    limit = MAX_SIZES.get(field, MAX_SIZE)
+    if value > limit:
+        raise PipetteError(f"{megatron_flag(field)} must be at most {limit}, got {shown(value)}")
+
+
 def megatron_flag(field: str) -> str:
     """The Megatron-LM flag of an argument name: hidden_size -> --hidden-size."""
     return FLAGS.get(field, "--" + field.replace("_", "-"))
@@ -164,14 +185,14 @@ class Workload:
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                       "global_batch_size", "vocab_size", "make_vocab_size_divisible_by"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
+            check_count(field, getattr(self, field))
         for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "q_lora_rank",
                       "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
+            if getattr(self, field) is not None:
+                check_count(field, getattr(self, field))
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            raise PipetteError(f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
+                               f"{self.seq_length} (Megatron requires max_position_embeddings >= seq_length)")
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
                                ("normalization", NORMALIZATIONS),
                                ("position_embedding_type", POSITION_EMBEDDINGS)):
@@ -179,7 +200,8 @@ class Workload:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
         for field in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, field) < 1.0:
+            value = getattr(self, field)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value < 1.0):
                 raise PipetteError(f"{megatron_flag(field)} must be in [0, 1), got {getattr(self, field)!r}")
         if self.kv_channels is None and not self.multi_latent_attention and self.hidden_size % self.num_attention_heads:
             raise PipetteError(f"--hidden-size {self.hidden_size} is not divisible by "
@@ -224,17 +246,18 @@ class Workload:
 
     def _check_moe(self) -> None:
         for field in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise PipetteError(f"{megatron_flag(field)} must be a positive integer, got {value!r}")
+            if getattr(self, field) is not None:
+                check_count(field, getattr(self, field))
         if self.moe_router_topk > self.num_experts:
             raise PipetteError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
         if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
             raise PipetteError(f"--moe-token-dispatcher-type must be one of {', '.join(MOE_DISPATCHERS)}, "
                                f"got {self.moe_token_dispatcher_type!r}")
         factor = self.moe_expert_capacity_factor
-        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
-            raise PipetteError(f"--moe-expert-capacity-factor must be positive, got {factor!r}")
+        if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
+                                       and 0 < factor <= MAX_SIZE):
+            raise PipetteError(f"--moe-expert-capacity-factor must be a positive number up to {MAX_SIZE}, "
+                               f"got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         if self.moe_flex_dispatcher_backend not in FLEX_BACKENDS:

@@ -141,7 +141,8 @@ def test_bad_cluster_files_are_clear_errors_version_1():
     (lambda d: d.pop("schema"), "not a megatron-pipette cluster file"),
     (lambda d: d.update(num_nodes=3), "'nodes' must list 3 nodes"),
     (lambda d: d.update(gpus_per_node=0), "'gpus_per_node' must be a positive integer"),
-    (lambda d: d["devices"]["gemm_flops"].pop(), "devices.gemm_flops must list a positive number for each of the 16"),
+    (lambda d: d["devices"]["gemm_flops"].pop(),
+     "devices.gemm_flops must list a finite number of at least 1e\\+06 for each of the 16"),
     (lambda d: d["devices"]["memory_bytes"].__setitem__(3, 0), "devices.memory_bytes"),
     (lambda d: d["intra_node"][0]["bandwidth_Bps"][0].__setitem__(1, None), "bandwidth_Bps"),
     (lambda d: d["inter_node"]["latency_s"].pop(), "inter_node: 'latency_s' must be a 2x2 matrix"),
@@ -165,5 +166,52 @@ def test_blackwell_entries_and_the_nvl72_domain():
     assert (c.gpus_per_node, c.gpus_per_domain) == (4, 72)
     lat, bw = c.link(np.array([0, 0]), np.array([71 * 1, 72]))     # same domain, next domain
     assert bw.tolist() == [740e9, 47.5e9]
-    with pytest.raises(PipetteError, match="--num-nodes 16386: .*at most 16384 nodes"):
+    with pytest.raises(PipetteError, match="--num-nodes must be at most 16384, got 16386"):
         preset_cluster("gb200-nvl72", num_nodes=16386)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["inter_node"]["bandwidth_Bps"][1].__setitem__(0, 0.0), "'bandwidth_Bps' has an off-diagonal entry"),
+    (lambda d: d["inter_node"]["bandwidth_Bps"][1].__setitem__(0, 1e-300), "below 1000 B/s"),
+    (lambda d: d["intra_node"][0]["bandwidth_Bps"][0].__setitem__(1, float("inf")), "non-finite"),
+    (lambda d: d["intra_node"][0]["latency_s"][0].__setitem__(1, float("nan")), "'latency_s' has an off-diagonal"),
+    (lambda d: d["inter_node"]["latency_s"][0].__setitem__(1, 1e300), "above 10 s"),
+    (lambda d: d["inter_node"]["latency_s"][0].__setitem__(1, 10 ** 400), "non-numeric"),
+    (lambda d: d["inter_node"].update(cross_rail_latency_s=float("nan")), "cross_rail_latency_s in"),
+    (lambda d: d["devices"]["gemm_flops"].__setitem__(0, 1e-300), "devices.gemm_flops must list a finite number"),
+    (lambda d: d["devices"]["memory_bytes"].__setitem__(0, float("inf")), "devices.memory_bytes"),
+    (lambda d: d["devices"]["memory_bandwidth_Bps"].__setitem__(0, 10 ** 400), "devices.memory_bandwidth_Bps"),
+    (lambda d: d.update(num_nodes=10 ** 9), "'num_nodes' must be at most 16384"),
+    (lambda d: d.update(gpus_per_node=True), "'gpus_per_node' must be a positive integer"),
+])
+def test_link_and_device_figures_are_finite_and_physical(mutate, message):
+    """A bandwidth of 0 or 1e-300 (the schema allowed >= 0) made every time infinite and ranked NaN
+    plans first; an infinite memory was an OverflowError."""
+    doc = copy.deepcopy(cluster_to_json(preset_cluster("dgx-a100", num_nodes=2)))
+    mutate(doc)
+    with pytest.raises(PipetteError, match=message):
+        cluster_from_json(doc, where="--cluster f.json")
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["devices"][3].update(rank="3"), "device ranks must be 0..31"),
+    (lambda d: d["devices"].__setitem__(0, 7), "'devices' must be a non-empty list of objects"),
+    (lambda d: d["devices"][0].update(host=["node0"]), "should share one host"),
+    (lambda d: d["devices"][5].update(gemm_flops=float("inf")), "device 5 needs a finite 'gemm_flops'"),
+    (lambda d: d["bandwidth_Bps"][0].__setitem__(1, 1e-300), "below 1000 B/s"),
+])
+def test_version_1_files_are_checked_alike(mutate, message):
+    doc = json.loads((GOLDEN / "slow_node_cluster.json").read_text())
+    mutate(doc)
+    with pytest.raises(PipetteError, match=message):
+        cluster_from_json(doc, where="--cluster f.json")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_nodes=10 ** 9), "--num-nodes must be at most 16384, got 1000000000"),
+    (dict(gpus_per_node=1025), "--gpus-per-node must be at most 1024"),
+    (dict(num_nodes=0), "--num-nodes must be a positive integer"),
+])
+def test_preset_clusters_are_bounded_before_arrays_are_built(overrides, message):
+    with pytest.raises(PipetteError, match=message):
+        preset_cluster("dgx-h100", **overrides)

@@ -97,3 +97,15 @@ def test_embedding_and_loss_counted_in_the_pipeline_split():
         chunk_sizes(w, L(pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=5, **both))
     flags = L(pipeline_model_parallel_size=8, **both).megatron_args()
     assert "--account-for-embedding-in-pipeline-split" in flags and "--account-for-loss-in-pipeline-split" in flags
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tensor_model_parallel_size=1 << 21), "--tensor-model-parallel-size must be at most 1048576"),
+    (dict(micro_batch_size=10 ** 30), "--micro-batch-size must be at most"),
+    (dict(recompute_num_layers=0), "--recompute-num-layers must be a positive integer"),
+    (dict(decoder_first_pipeline_num_layers=-1), "--decoder-first-pipeline-num-layers must be an integer in 0.."),
+    (dict(pipeline_model_parallel_size=2.0), "--pipeline-model-parallel-size must be a positive integer"),
+])
+def test_layout_sizes_are_bounded(kw, message):
+    with pytest.raises(PipetteError, match=message):
+        validate_layout(W, L(**kw))

@@ -84,3 +84,33 @@ def test_derived_values_cached_on_a_workload_keep_it_picklable_and_equal():
     assert copy == w == fresh and hash(copy) == hash(fresh)
     assert copy.attention_linears() == fresh.attention_linears()
     assert w.attention_linears() is not w.attention_linears()     # a fresh dict: callers cannot alter the cache
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_layers=1025), "--num-layers must be at most 1024, got 1025"),
+    (dict(num_layers=10 ** 20), "--num-layers must be at most 1024"),
+    (dict(global_batch_size=1 << 17), "--global-batch-size must be at most 65536"),
+    (dict(hidden_size=1 << 30, num_attention_heads=1), "--hidden-size must be at most 1048576"),
+    (dict(seq_length=10 ** 30), "--seq-length must be at most 16777216"),
+    (dict(vocab_size=10 ** 9), "--vocab-size must be at most 16777216"),
+    (dict(ffn_hidden_size=10 ** 9), "--ffn-hidden-size must be at most"),
+    (dict(kv_channels=2 ** 21), "--kv-channels must be at most"),
+    (dict(num_experts=2 ** 21), "--num-experts must be at most"),
+    (dict(num_layers=True), "--num-layers must be a positive integer, got True"),
+    (dict(num_layers=10 ** 5000), "--num-layers must be at most 1024, got an integer of 16610 bits"),
+    (dict(attention_dropout="0.1"), "--attention-dropout must be in"),
+    (dict(hidden_dropout=float("nan")), "--hidden-dropout must be in"),
+    (dict(num_experts=4, swiglu=True, add_bias_linear=False, moe_expert_capacity_factor=float("inf")),
+     "--moe-expert-capacity-factor must be a positive number"),
+    (dict(num_experts=4, swiglu=True, add_bias_linear=False, moe_expert_capacity_factor=float("nan")),
+     "--moe-expert-capacity-factor must be a positive number"),
+])
+def test_sizes_are_bounded_before_numpy_sees_them(kw, message):
+    with pytest.raises(PipetteError, match=f"^{message}"):
+        gpt(**kw)
+
+
+def test_max_position_embeddings_below_seq_length_is_refused_as_megatron_does():
+    with pytest.raises(PipetteError, match="--max-position-embeddings 1024 is below --seq-length 2048"):
+        gpt(max_position_embeddings=1024)
+    assert gpt(max_position_embeddings=4096).max_positions == 4096
