@@ -68,6 +68,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
     if ns.json:
         print(json.dumps(plan_json(result), indent=1))
+    if not result.considered:
+        print(f"pipette plan: {plans.no_valid_layout(result)}", file=sys.stderr)
+        return EXIT_NOTHING_FITS
     if not result.candidates:
         print(f"pipette: nothing fits: none of the {result.considered} valid layouts of {workload.name} fits "
               f"in {cluster.memory_bytes / GiB:.1f} GiB per GPU on {cluster.world_size} GPUs.", file=sys.stderr)

@@ -15,7 +15,6 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,7 +23,7 @@ from megatron_pipette.cost.memory import MemoryEstimate
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement, default_placement, optimize_placement
-from megatron_pipette.plan.search import RECOMPUTE_FLAGS, enumerate_layouts
+from megatron_pipette.plan.search import RECOMPUTE_FLAGS, Rejections, enumerate_layouts
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -61,6 +60,8 @@ class Plan:
     """Layouts dropped because a stage does not fit."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Layouts Megatron would reject, counted by reason (numbers generalised)."""
+    rejection_examples: dict[str, str] = field(default_factory=dict)
+    """The first rejection of each reason in `rejected`, as it read."""
     closest_misfit: tuple[Layout, MemoryEstimate] | None = None
     """When nothing fits: the layout that came closest, to explain what would."""
 
@@ -74,7 +75,7 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     """Search every valid layout for the model's cluster and return the best ones, placed."""
     cluster = model.cluster
     considered = oom = 0
-    rejected: Counter = Counter()
+    rejected = Rejections()
     closest: tuple[float, Layout, MemoryEstimate] | None = None
     heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
     keep = max(top_k, placement_top)
@@ -117,7 +118,8 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
               if i < placement_top and not c.time.exact_schedule else c
               for i, (job, c) in enumerate(candidates[:top_k])]
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
-                candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected),
+                candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected.counts),
+                rejection_examples=dict(rejected.examples),
                 closest_misfit=None if closest is None else (closest[1], closest[2]))
 
 
@@ -151,9 +153,9 @@ def evaluate(model: CostModel, job: Job, placement: Placement | None = None) -> 
 
 
 def misfit_advice(workload: Workload, cluster: Cluster, result: Plan) -> list[str]:
-    """What would make something fit, for the 'nothing fits' message."""
-    if result.closest_misfit is None:
-        return ["no layout is valid for this model and GPU count; check the divisibility messages above"]
+    """What would make something fit, for the 'nothing fits' message (of a search in which some
+    layout was valid: report.plans.no_valid_layout speaks for the others)."""
+    assert result.closest_misfit is not None, "no valid layout: nothing to advise on memory"
     layout, memory = result.closest_misfit
     worst = memory.worst_stage
     advice = [f"closest: {layout.describe()} needs {worst.total_bytes / GiB:.1f} GiB on pipeline stage "

@@ -19,14 +19,14 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 from itertools import product
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, megatron_flag
 
 LAYOUT_FIELDS = {f.name for f in fields(Layout)}
 MAX_MICRO_BATCH_SIZE = 32
@@ -101,32 +101,62 @@ def rejection_kind(reason: Infeasible) -> str:
     return re.sub(r"\d+", "N", str(reason))
 
 
+@dataclass
+class Rejections:
+    """The layouts Megatron would reject, counted by rejection_kind, with the first of each kind as
+    it read (numbers and all) for a message that names the rule."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, reason: Infeasible) -> None:
+        kind = rejection_kind(reason)
+        self.counts[kind] += 1
+        self.examples.setdefault(kind, str(reason))
+
+
 def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                       constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
-                      gpus_per_domain: int | None = None, rejected: Counter | None = None) -> Iterator[Job]:
+                      gpus_per_domain: int | None = None, rejected: Rejections | None = None) -> Iterator[Job]:
     """Yield the job of every valid layout that honours the constraints; count each layout Megatron
-    would reject in `rejected`, by rejection_kind."""
+    would reject in `rejected` (a typed size that does not divide the GPUs among them)."""
     constraints = dict(constraints or {})
     _check_constraints(constraints)
     domain = gpus_per_domain or gpus_per_node
+    rejected = rejected if rejected is not None else Rejections()
 
     def choices(name: str, options):
         return [constraints[name]] if name in constraints else list(options)
 
+    def divides(sizes: dict[str, int]) -> bool:
+        """Whether the grid's sizes so far divide the GPUs; a typed one that does not is a rejection."""
+        product = math.prod(sizes.values())
+        if world_size % product and any(name in constraints for name in sizes):
+            rejected.add(Infeasible(f"{' x '.join(f'{megatron_flag(k)} {v}' for k, v in sizes.items())} "
+                                    f"does not divide the {world_size} GPUs"))
+        return world_size % product == 0
+
     for tp in choices("tensor_model_parallel_size", divisors(world_size)):
-        if world_size % tp or (not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
-                               and not fits_fast_domain(tp, gpus_per_node, domain)):
+        if not divides({"tensor_model_parallel_size": tp}) or (
+                not allow_tp_across_nodes and "tensor_model_parallel_size" not in constraints
+                and not fits_fast_domain(tp, gpus_per_node, domain)):
             continue
         for cp in choices("context_parallel_size", context_parallel_options(workload, world_size // tp)):
-            if world_size % (tp * cp):
+            if not divides({"tensor_model_parallel_size": tp, "context_parallel_size": cp}):
                 continue
             for pp in choices("pipeline_model_parallel_size", divisors(world_size // (tp * cp))):
-                if world_size % (tp * cp * pp):
+                if not divides({"tensor_model_parallel_size": tp, "context_parallel_size": cp,
+                                "pipeline_model_parallel_size": pp}):
                     continue
                 dp = world_size // (tp * cp * pp)
                 if "data_parallel_size" in constraints and constraints["data_parallel_size"] != dp:
                     continue
-                for ep, etp in _expert_options(workload, tp, pp, world_size, choices):
+                if workload.global_batch_size % dp:
+                    rejected.add(Infeasible(f"--global-batch-size {workload.global_batch_size} is not divisible by "
+                                            f"the data-parallel size {dp} ({world_size} GPUs / TP {tp} x CP {cp} x "
+                                            f"PP {pp})"))
+                    continue
+                for ep, etp in _expert_options(workload, tp, pp, world_size, choices, constraints):
                     sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
                              "expert_tensor_parallel_size": etp}
                     yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes)
@@ -139,19 +169,20 @@ def context_parallel_options(workload: Workload, ranks: int) -> list[int]:
     return [cp for cp in divisors(ranks) if cp == 1 or (s % (2 * cp) == 0 and s // cp >= CP_MIN_TOKENS)]
 
 
-def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choices) -> list[tuple[int, int | None]]:
+def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choices,
+                    constraints: Mapping[str, Any]) -> list[tuple[int, int | None]]:
     """(EP, ETP) pairs: every EP dividing the experts whose expert grid fills the world, with the expert
-    tensor-parallel size Megatron defaults to (TP) and, under TP, 1 (whole experts per rank)."""
+    tensor-parallel size Megatron defaults to (TP) and, under TP, 1 (whole experts per rank); typed
+    ones whatever they divide, for the layout's rules to name what they break."""
+    typed = "expert_model_parallel_size" in constraints or "expert_tensor_parallel_size" in constraints
     if workload.num_experts is None:
-        return [(1, None)]
+        return [(choices("expert_model_parallel_size", [1])[0], choices("expert_tensor_parallel_size", [None])[0])]
     etps = choices("expert_tensor_parallel_size", [None, 1] if tp > 1 else [None])
     return [(ep, etp) for ep in choices("expert_model_parallel_size", divisors(workload.num_experts))
-            for etp in etps if world_size % (ep * pp * (tp if etp is None else etp)) == 0]
+            for etp in etps if typed or world_size % (ep * pp * (tp if etp is None else etp)) == 0]
 
 
 def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes) -> Iterator[Job]:
-    if workload.global_batch_size % dp:
-        return
     per_replica = workload.global_batch_size // dp
     splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
@@ -197,8 +228,7 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
             yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv,
                                                 overlap_param_gather_with_optimizer_step=step))
         except Infeasible as e:
-            if rejected is not None:
-                rejected[rejection_kind(e)] += 1
+            rejected.add(e)
 
 
 def _virtual_options(workload: Workload, layout: Layout, constraints) -> list[int | None]:

@@ -90,6 +90,20 @@ def rejections(result: Plan, limit: int = 5) -> list[str]:
     return lines
 
 
+def no_valid_layout(result: Plan) -> str:
+    """One line for a search in which Megatron would reject every layout: the most common rule
+    broken, as the first layout that broke it read."""
+    common = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    head = f"no layout of {result.workload.name} on {result.world_size} GPUs is valid"
+    if not common:
+        return f"{head} within the layout flags given"
+    kind, count = common[0]
+    others = sum(result.rejected.values()) - count
+    reasons = f"{len(common) - 1} other reason" + ("s" if len(common) > 2 else "")
+    rest = f" ({count} layouts; {others} more for {reasons})" if others else ""
+    return f"{head}: {result.rejection_examples.get(kind, kind)}{rest}"
+
+
 def plan_report(result: Plan) -> str:
     head = (f"Planned {result.workload.name} on {result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")

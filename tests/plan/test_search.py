@@ -151,3 +151,26 @@ def test_fields_the_search_does_not_vary_keep_the_users_value():
     plain = layouts_of(llama, 16, 8, {"context_parallel_size": 2})
     assert all(lay.cp_comm_type == "p2p" and lay.recompute_modules is None and not lay.tp_comm_overlap
                and lay.pipeline_model_parallel_layout is None for lay in plain)
+
+
+@pytest.mark.parametrize("constraints, world, gbs, reason", [
+    ({"tensor_model_parallel_size": 3}, 32, 64, "--tensor-model-parallel-size 3 does not divide the 32 GPUs"),
+    ({"tensor_model_parallel_size": 2, "context_parallel_size": 3}, 8, 64,
+     "--tensor-model-parallel-size 2 x --context-parallel-size 3 does not divide the 8 GPUs"),
+    ({"pipeline_model_parallel_size": 5}, 8, 64,
+     "--tensor-model-parallel-size 1 x --context-parallel-size 1 x --pipeline-model-parallel-size 5 does not"),
+    ({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}, 32, 24,
+     "--global-batch-size 24 is not divisible by the data-parallel size 32 (32 GPUs / TP 1 x CP 1 x PP 1)"),
+    ({"expert_model_parallel_size": 2}, 8, 64, "--expert-model-parallel-size and --expert-tensor-parallel-size need"),
+])
+def test_a_search_that_yields_nothing_says_which_rule_each_grid_broke(constraints, world, gbs, reason):
+    """A typed size that does not divide the GPUs, a batch no data-parallel size divides, expert flags on
+    a dense model: each is a rejection with its reason (once skipped without one, and
+    `pipette plan --tensor-model-parallel-size 3` said "check the divisibility messages above" above
+    nothing; a typed --expert-model-parallel-size on a dense model was silently dropped)."""
+    from megatron_pipette.plan.search import Rejections
+
+    w = workload_from_preset("gpt3-1.3b", global_batch_size=gbs)
+    rejected = Rejections()
+    assert layouts_of(w, world, 8, constraints, rejected=rejected) == []
+    assert any(example.startswith(reason) for example in rejected.examples.values()), rejected.examples
