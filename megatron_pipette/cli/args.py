@@ -188,12 +188,22 @@ def layout_constraints(ns: argparse.Namespace) -> dict:
 
 
 def read_json(path: str, what: str) -> object:
+    """The JSON document in the regular file `path`; anything else (a directory, a device, a binary,
+    a file nested too deep for the parser) is a PipetteError naming `what`."""
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise PipetteError(f"{what} {path}: no such file") from None
+        if not Path(path).is_file():
+            raise PipetteError(f"{what} {path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise PipetteError(f"{what} {path}: not a JSON file (not UTF-8 text)") from None
+    except (ValueError, RecursionError) as e:      # an integer of 4,300 digits, arrays nested thousands deep
+        raise PipetteError(f"{what} {path}: not valid JSON ({type(e).__name__})") from None
+    except MemoryError:
+        raise PipetteError(f"{what} {path}: too large to read") from None
+    except OSError as e:
+        raise PipetteError(f"{what} {path}: cannot read ({e.strerror or e})") from None
 
 
 def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, str] | None = None) -> Cluster:
@@ -205,7 +215,11 @@ def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, 
                                  precision=precision)
         off = nvls_disabled(os.environ if env is None else env)
         return dataclasses.replace(cluster, nvls=False) if off else cluster
-    if not Path(source).exists():
+    try:
+        exists = Path(source).exists()
+    except OSError:
+        exists = False
+    if not exists:
         raise PipetteError(f"--cluster {source!r} is neither a preset ({', '.join(cluster_presets())}) nor a file")
     overrides = [megatron_flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
     if overrides:

@@ -25,9 +25,26 @@ from megatron_pipette.errors import PipetteError
 EXIT_USAGE = 2
 
 
+def one_line(message: str) -> str:
+    """A message as one line of text: a value typed with a newline or a control character in it
+    must not break the one-line error."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with Megatron's rule that flags are never abbreviated (a pasted Megatron flag must
+    not be read as a prefix of a pipette one) and its errors on one line (no usage block)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipette", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = Parser(prog="pipette", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--version", action="version", version=f"megatron-pipette {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (planning.add_plan_parser, planning.add_estimate_parser, measuring.add_probe_parser,
@@ -48,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         check_megatron_flags(megatron)
         return ns.run(ns)
     except PipetteError as e:
-        print(f"pipette {ns.command}: error: {e}", file=sys.stderr)
+        print(f"pipette {ns.command}: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from megatron_pipette.cli.args import add_workload_flags, read_json, workload_from_args
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import write_cluster_file
-from megatron_pipette.probe.options import check_args, out_problem, parse_size
+from megatron_pipette.probe.options import check_args, check_seconds, out_problem, parse_size
+from megatron_pipette.profile.request import check_request
 from megatron_pipette.report import plans
 from megatron_pipette.units import MiB
 
@@ -25,6 +26,8 @@ DEFAULT_LARGE_CUDA = 64 * MiB
 DEFAULT_LARGE_CPU = 4 * MiB
 PROFILE_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 RECOMPUTE_CHOICES = {"none": None, "selective": "selective", "full": "full"}
+MAX_NOISE = 10.0
+"""The widest lognormal sigma of the probe twin's timing noise (e^10: timings off by 22,000x)."""
 
 
 def add_probe_parser(sub) -> None:
@@ -57,8 +60,7 @@ def cmd_probe(ns: argparse.Namespace) -> int:
         # Flags first: a typo should not cost a torch import and a rendezvous.
         check_args(ns.budget_s, ns.precision, ns.small_bytes, ns.large_bytes or ns.small_bytes + 1, ns.repeats)
         timeout_s = ns.timeout_s if ns.timeout_s is not None else 60.0 + ns.budget_s
-        if not timeout_s > 0:
-            raise PipetteError(f"--timeout-s must be positive, got {ns.timeout_s}")
+        check_seconds(timeout_s, "--timeout-s")
         if "RANK" not in os.environ and (problem := out_problem(ns.out)):
             raise PipetteError(problem)   # a world of one: this process is rank 0, the writer
         from megatron_pipette.probe.runner import run_standalone
@@ -110,18 +112,21 @@ def profile_workload(ns: argparse.Namespace):
 
 def cmd_profile(ns: argparse.Namespace) -> int:
     workload = profile_workload(ns)
+    recompute = tuple(RECOMPUTE_CHOICES[r] for r in ns.recompute)
+    sequence_parallel = (False,) if ns.no_sequence_parallel else (False, True)
+    # Flags first: a typo should not cost a torch and megatron-core import.
+    check_request(workload, ns.tp, ns.mbs, recompute, sequence_parallel, ns.budget_s, ns.warmup, ns.iters, ns.cp,
+                  ns.rank)
+    if problem := out_problem(ns.out):
+        raise PipetteError(problem)
     out = Path(ns.out)
-    if not out.parent.is_dir():
-        raise PipetteError(f"--out {out}: directory {out.parent} does not exist")
     # megatron-core warns at import about optional kernels (Apex, TE) it falls back from.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from megatron_pipette.profile import profile_layers
 
-    doc = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs,
-                         recompute=tuple(RECOMPUTE_CHOICES[r] for r in ns.recompute),
-                         sequence_parallel=(False,) if ns.no_sequence_parallel else (False, True),
-                         device=ns.device, budget_s=ns.budget_s, warmup=ns.warmup, iters=ns.iters, rank=ns.rank,
-                         cp_sizes=ns.cp)
+    doc = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
+                         sequence_parallel=sequence_parallel, device=ns.device, budget_s=ns.budget_s,
+                         warmup=ns.warmup, iters=ns.iters, rank=ns.rank, cp_sizes=ns.cp)
     try:
         out.write_text(json.dumps(doc, indent=1) + "\n")
     except OSError as e:
@@ -186,8 +191,10 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
     from megatron_pipette.spec.cluster_file import cluster_from_json
 
     check_args(ns.budget_s, "bf16", ns.small_bytes, ns.large_bytes, ns.repeats)
-    if not ns.noise >= 0:
-        raise PipetteError(f"--noise must be >= 0, got {ns.noise}")
+    if not 0 <= ns.noise <= MAX_NOISE:
+        raise PipetteError(f"--noise must be in [0, {MAX_NOISE}], got {ns.noise}")
+    if not 0 <= ns.seed < 2 ** 63:
+        raise PipetteError(f"--seed must be an integer from 0 to 2**63 - 1, got {ns.seed}")
     if problem := out_problem(ns.out):
         raise PipetteError(problem)
     truth = cluster_from_json(read_json(ns.truth, "--truth"), where=f"--truth {ns.truth}")
@@ -214,6 +221,8 @@ def cmd_show(ns: argparse.Namespace) -> int:
     from megatron_pipette.report.cluster_report import summarize, write_heatmap
     from megatron_pipette.spec.cluster_file import cluster_from_json
 
+    if ns.heatmap and (problem := out_problem(ns.heatmap, "--heatmap")):
+        raise PipetteError(problem)
     doc = read_json(ns.file, "show")
     cluster_from_json(doc, where=ns.file)  # the same validation `plan --cluster` applies
     print(summarize(doc))

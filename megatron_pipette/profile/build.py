@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -77,17 +76,6 @@ class Step:
     """Inputs every layer shares (mask, RoPE table): not this micro-batch's activations."""
     reset: Callable[[], None] = lambda: None
     """Drops the input's gradient between iterations."""
-
-
-def check_tensor_parallel_sizes(workload: Workload, tp_sizes: list[int] | tuple[int, ...]) -> None:
-    for tp in tp_sizes:
-        if not isinstance(tp, int) or tp <= 0:
-            raise PipetteError(f"--tp must be positive integers, got {tp!r}")
-        for flag, value in (("--num-attention-heads", workload.num_attention_heads),
-                            ("--num-query-groups", workload.query_groups),
-                            ("--ffn-hidden-size", workload.ffn)):
-            if value % tp:
-                raise PipetteError(f"--tp {tp}: {flag} {value} is not divisible by it")
 
 
 def layer_config(workload: Workload, tp: int, recompute: str | None, device: torch.device, te: bool) -> Any:

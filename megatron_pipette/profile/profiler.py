@@ -14,13 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_pipette.errors import PipetteError
 from megatron_pipette.measure.compute import gemm_precision, gemm_rate, prepare_gemm
 from megatron_pipette.profile import build, measure
+from megatron_pipette.profile.request import check_request
 from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
 from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_fields
-from megatron_pipette.spec.layout import RECOMPUTE_GRANULARITIES
 from megatron_pipette.spec.workload import Workload
 
 REFERENCE_GEMM_WINDOW_S = 0.3
@@ -47,8 +46,8 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
     as "setup_s"). `rank` is the device's rank in the cluster file (default: this
     process's torch.distributed rank).
     """
-    _check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters,
-                   cp_sizes)
+    check_request(workload, tp_sizes, micro_batch_sizes, recompute, sequence_parallel, budget_s, warmup, iters,
+                  cp_sizes, rank)
     dev = resolve_device(device)
     results: list[Measured] = []
     skipped: list[dict] = []
@@ -134,31 +133,6 @@ def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmu
                     wall_s=time.perf_counter() - t0,
                     run_s=(1 + warmup + iters) * (timing.forward_s + timing.backward_s),
                     extra=tuple(sorted(extra.items())))
-
-
-def _check_request(workload: Workload, tp_sizes: Sequence[int], micro_batch_sizes: Sequence[int],
-                   recompute: Sequence[str | None], sequence_parallel: Sequence[bool], budget_s: float,
-                   warmup: int, iters: int, cp_sizes: Sequence[int]) -> None:
-    if not tp_sizes:
-        raise PipetteError("--tp needs at least one tensor-parallel size")
-    build.check_tensor_parallel_sizes(workload, list(tp_sizes))
-    if not micro_batch_sizes or any(not isinstance(m, int) or m <= 0 for m in micro_batch_sizes):
-        raise PipetteError(f"--mbs must be positive integers, got {list(micro_batch_sizes)!r}")
-    bad = [r for r in recompute if r not in RECOMPUTE_GRANULARITIES]
-    if not recompute or bad:
-        raise PipetteError(f"--recompute must be among none, selective, full; got {list(recompute)!r}")
-    if not sequence_parallel or any(not isinstance(s, bool) for s in sequence_parallel):
-        raise PipetteError(f"sequence_parallel must be a non-empty list of booleans, got {sequence_parallel!r}")
-    if False not in sequence_parallel and all(t == 1 for t in tp_sizes):
-        raise PipetteError("--sequence-parallel needs a --tp size > 1")
-    bad_cp = [c for c in cp_sizes if not isinstance(c, int) or c <= 0 or (c > 1 and workload.seq_length % (2 * c))]
-    if bad_cp:
-        raise PipetteError(f"--cp sizes must divide --seq-length {workload.seq_length} into 2 x CP chunks, "
-                           f"got {bad_cp}")
-    if not budget_s > 0:
-        raise PipetteError(f"--budget-s must be positive, got {budget_s!r}")
-    if warmup < 0 or iters < 1:
-        raise PipetteError(f"--warmup must be >= 0 and --iters >= 1, got {warmup} and {iters}")
 
 
 def _megatron_version() -> str:

@@ -298,7 +298,7 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     num_nodes = p["num_nodes"] if num_nodes is None else num_nodes
     gpus_per_node = p["gpus_per_node"] if gpus_per_node is None else gpus_per_node
     check_cluster_shape(num_nodes, gpus_per_node, ("--num-nodes", "--gpus-per-node"))
-    device = lookup_gpu(gpu or p["gpu"])
+    device = lookup_gpu(p["gpu"] if gpu is None else gpu)
     per_domain = p.get("nodes_per_domain", 1)
     inter, domains = uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]), None
     if per_domain > 1 and num_nodes > 1:

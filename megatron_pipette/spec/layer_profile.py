@@ -30,6 +30,7 @@ entry with `"context_parallel_size": CP` (absent: 1) times one CP rank's seq_len
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import Cluster, gpu_catalog
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import MAX_SIZE, Workload
 
 SCHEMA = "megatron-pipette/layer-profile"
 VERSION = 1
@@ -137,11 +138,14 @@ def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
                 sequence_parallel=bool(row.get("sequence_parallel", False)),
                 recompute_granularity=row.get("recompute_granularity"), measured=bool(row.get("measured", True)),
                 context_parallel_size=int(row.get("context_parallel_size", 1))))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise PipetteError(f"{where}: {key}[{i}] is malformed ({e!r})") from None
-        if min(out[-1].forward_s, out[-1].backward_s) <= 0 or min(out[-1].micro_batch_size,
-                                                                    out[-1].context_parallel_size) <= 0:
-            raise PipetteError(f"{where}: {key}[{i}] needs positive times, micro-batch and context-parallel sizes")
+        entry = out[-1]
+        sizes = (entry.tensor_model_parallel_size, entry.micro_batch_size, entry.context_parallel_size)
+        if not (all(_finite(t, above=0) for t in (entry.forward_s, entry.backward_s)) and entry.activation_bytes >= 0
+                and all(0 < n <= MAX_SIZE for n in sizes)):
+            raise PipetteError(f"{where}: {key}[{i}] needs finite positive times, non-negative activation bytes, "
+                               f"and tensor-parallel, micro-batch and context-parallel sizes in 1..{MAX_SIZE}")
     return tuple(out)
 
 
@@ -154,14 +158,24 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
     layers = _entries(data, "layers", where)
     if not layers:
         raise PipetteError(f"{where}: 'layers' is empty")
-    device = data.get("device", {})
-    rate = device.get("gemm_flops")
-    if rate is not None and not (isinstance(rate, (int, float)) and rate > 0):
+    device, model = data.get("device", {}), data.get("model", {})
+    if not isinstance(device, dict) or not isinstance(model, dict):
+        raise PipetteError(f"{where}: 'device' and 'model' must be objects")
+    rate, rank = device.get("gemm_flops"), device.get("rank", 0)
+    if rate is not None and not _finite(rate, above=0):
         raise PipetteError(f"{where}: device.gemm_flops must be a positive number, got {rate!r}")
-    return LayerProfile(device_name=str(device.get("device_name", "unknown")), rank=int(device.get("rank", 0)),
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise PipetteError(f"{where}: device.rank must be a non-negative integer, got {rank!r}")
+    return LayerProfile(device_name=str(device.get("device_name", "unknown")), rank=rank,
                         gemm_flops=None if rate is None else float(rate),
                         layers=layers, embedding=_entries(data, "embedding", where),
-                        output_layer=_entries(data, "output_layer", where), model=dict(data.get("model", {})))
+                        output_layer=_entries(data, "output_layer", where), model=dict(model))
+
+
+def _finite(value: Any, above: float) -> bool:
+    """A finite number (not a bool) above `above`."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and value > above)
 
 
 def profile_model_fields(workload: Workload) -> dict:

@@ -194,8 +194,8 @@ class Workload:
             raise PipetteError(f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                                f"{self.seq_length} (Megatron requires max_position_embeddings >= seq_length)")
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
-                               ("normalization", NORMALIZATIONS),
-                               ("position_embedding_type", POSITION_EMBEDDINGS)):
+                               ("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDINGS),
+                               ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS)):
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
@@ -219,6 +219,8 @@ class Workload:
                                    f"by --num-query-groups {self.num_query_groups}")
         if self.num_experts is not None:
             self._check_moe()
+        else:
+            layer_pattern(self.moe_layer_freq, self.num_layers)   # Megatron parses it with or without experts
         if self.fp8 is not None:
             self._check_fp8()
         elif self.fp8_param_gather:
@@ -228,8 +230,6 @@ class Workload:
     def _check_fp8(self) -> None:
         if self.fp8 not in FP8_FORMATS:
             raise PipetteError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8!r}")
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise PipetteError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.precision not in ("bf16", "fp16"):
             raise PipetteError(f"--fp8-format {self.fp8} needs --bf16 or --fp16 (FP8 GEMMs keep 16-bit weights)")
 
@@ -250,9 +250,6 @@ class Workload:
                 check_count(field, getattr(self, field))
         if self.moe_router_topk > self.num_experts:
             raise PipetteError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
-        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
-            raise PipetteError(f"--moe-token-dispatcher-type must be one of {', '.join(MOE_DISPATCHERS)}, "
-                               f"got {self.moe_token_dispatcher_type!r}")
         factor = self.moe_expert_capacity_factor
         if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
                                        and 0 < factor <= MAX_SIZE):
@@ -368,17 +365,7 @@ class Workload:
     def _moe_layer_pattern(self) -> tuple[bool, ...]:
         if self.num_experts is None:
             return (False,) * self.num_layers
-        freq = self.moe_layer_freq
-        if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
-            freq = int(freq)
-        if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
-            return tuple(i % freq == 0 for i in range(self.num_layers))
-        pattern = (list_expression(freq, max_length=self.num_layers, flag="--moe-layer-freq")
-                   if isinstance(freq, str) and "[" in freq else None)
-        if not (isinstance(pattern, list) and len(pattern) == self.num_layers and set(pattern) <= {0, 1}):
-            raise PipetteError(f"--moe-layer-freq must be a positive integer or a list of {self.num_layers} "
-                               f"0/1 entries such as \"([0]+[1]*{self.num_layers - 1})\", got {shown(freq)}")
-        return tuple(bool(x) for x in pattern)
+        return layer_pattern(self.moe_layer_freq, self.num_layers)
 
     def attention_linears(self) -> dict[str, tuple[int, int, str]]:
         """(out, in, how Transformer Engine splits it over TP) of one layer's attention linears,
@@ -490,6 +477,21 @@ class Workload:
         per_token = self.num_layers * (2 * projections + 2 * attention) + 2 * mlp
         logits = 2 * h * self.padded_vocab_size(1)
         return 3.0 * tokens * (per_token + logits)
+
+
+def layer_pattern(freq: int | str, num_layers: int) -> tuple[bool, ...]:
+    """Which layers --moe-layer-freq makes MoE: every freq-th (layer 0 always), or Megatron's list form
+    (megatron/core/models/gpt/gpt_layer_specs.py get_moe_layer_pattern)."""
+    if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
+        freq = int(freq)
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        return tuple(i % freq == 0 for i in range(num_layers))
+    pattern = (list_expression(freq, max_length=num_layers, flag="--moe-layer-freq")
+               if isinstance(freq, str) and "[" in freq else None)
+    if not (isinstance(pattern, list) and len(pattern) == num_layers and set(pattern) <= {0, 1}):
+        raise PipetteError(f"--moe-layer-freq must be a positive integer or a list of {num_layers} "
+                           f"0/1 entries such as \"([0]+[1]*{num_layers - 1})\", got {shown(freq)}")
+    return tuple(bool(x) for x in pattern)
 
 
 def model_presets() -> dict[str, dict]:

@@ -28,9 +28,10 @@ planner uses; reports present; calibration fits the measured inputs to a self-ch
 model; measurements produce inputs; the hook and the CLI sit on top."""
 TORCH_FREE = {"errors", "units", "files", "spec", "cost", "plan", "report", "calibration"}
 TORCH_FREE_MODULES = {"probe.schedule", "probe.budget", "probe.transport", "probe.engine", "probe.fit",
-                      "probe.document", "probe.twin", "probe.options", "cli.main", "cli.args", "cli.planning",
-                      "cli.measuring", "integration.cache", "integration.plan_check", "integration.replan",
-                      "integration.common", "integration.megatron_args"}
+                      "probe.document", "probe.twin", "probe.options", "profile.shapes", "profile.request",
+                      "cli.main", "cli.args", "cli.planning", "cli.measuring", "integration.cache",
+                      "integration.plan_check", "integration.replan", "integration.common",
+                      "integration.megatron_args"}
 """Modules outside the torch-free layers whose top-level imports must stay free of torch too (the
 probe's logic runs in the twin; the CLI starts without torch and imports it only inside `probe`
 and `profile`; the hook's cache, plan check and planning from the cache are tested without torch)."""

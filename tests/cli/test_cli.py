@@ -186,7 +186,7 @@ def probe_sim_truth(tmp_path, mutate=None) -> str:
     (lambda d: d.update(num_nodes=5), [], "'nodes' must list 5 nodes"),
     (lambda d: d["devices"]["gemm_flops"].pop(), [], "devices.gemm_flops must list a finite number of at least"),
     (None, ["--world-size", "64"], "--world-size 64 --gpus-per-node 8 do not match"),
-    (None, ["--noise", "-1"], "--noise must be >= 0"),
+    (None, ["--noise", "-1"], "--noise must be in [0, 10.0]"),
 ])
 def test_probe_sim_bad_input_is_one_line_and_exit_2(tmp_path, capsys, mutate, extra, message):
     truth = probe_sim_truth(tmp_path, mutate)
@@ -202,3 +202,15 @@ def test_probe_sim_on_a_malformed_file(tmp_path, capsys):
     code, _, err = run(capsys, "probe-sim", "--truth", str(tmp_path / "truth.json"), "--world-size", "8",
                        "--gpus-per-node", "8", "--out", str(tmp_path / "o.json"))
     assert code == 2 and "--truth" in err and "not valid JSON" in err
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["plan", "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide the 32 GPUs"),
+    (["plan", *SMALL, "--num-layers-per-virtual-pipeline-stage", "7"],
+     "--num-layers-per-virtual-pipeline-stage 7 must divide the"),
+    (["plan", "--num-nodes", "16384"], "--global-batch-size 1024 is not divisible by the data-parallel size"),
+])
+def test_no_valid_layout_is_one_line_naming_the_rule(capsys, argv, rule):
+    code, out, err = run(capsys, *argv)
+    assert code == 3 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("pipette plan: no layout of ") and rule in err, err
