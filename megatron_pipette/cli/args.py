@@ -38,7 +38,8 @@ from megatron_pipette.spec.workload import Workload, megatron_flag, model_preset
 DEFAULT_MODEL = "gpt3-13b"
 DEFAULT_CLUSTER = "dgx-a100"
 REQUIRED_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
-NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear"}
+NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "bias_gelu_fusion": "--no-bias-gelu-fusion",
+                  "bias_swiglu_fusion": "--no-bias-swiglu-fusion"}
 LAYOUT_FLAG_FIELDS = [f for f in dataclasses.fields(Layout) if f.name != "data_parallel_size"]
 PER_LAYER_FLAGS = ("cp_comm_type",)
 """Megatron takes one value per layer (or one for all); the Layout holds the one value."""

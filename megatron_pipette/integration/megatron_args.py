@@ -70,6 +70,8 @@ def workload_from_args(args: Any) -> Workload:
         untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
+        bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", True)),
+        bias_swiglu_fusion=bool(getattr(args, "bias_swiglu_fusion", True)),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         attention_backend=_attention_backend(args), precision=precision,
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),

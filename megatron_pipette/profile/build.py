@@ -100,7 +100,7 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
         params_dtype=DTYPES[workload.precision], pipeline_dtype=DTYPES[workload.precision],
         tensor_model_parallel_size=1, sequence_parallel=False,
         use_cpu_initialization=device.type == "cpu",
-        bias_activation_fusion=workload.swiglu or workload.add_bias_linear,  # Megatron-LM's rule
+        bias_activation_fusion=workload.bias_activation_fusion,
         bias_dropout_fusion=True, masked_softmax_fusion=fused_softmax(device),
         attention_softmax_in_fp32=False,
         apply_rope_fusion=cuda and te and workload.position_embedding_type == "rope",

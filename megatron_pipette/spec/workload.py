@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 
-from megatron_pipette.errors import PipetteError
+from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.spec.expressions import MAX_INTEGER, list_expression, shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -118,6 +118,11 @@ class Workload:
     """--normalization: LayerNorm (weight+bias) or RMSNorm (weight)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (Megatron default); --disable-bias-linear turns them off."""
+    bias_gelu_fusion: bool = True
+    """Megatron adds a GELU's bias inside its kernel; --no-bias-gelu-fusion turns that off. A kernel
+    choice priced alike, but one routed experts cannot always run (see _check_expert_activation)."""
+    bias_swiglu_fusion: bool = True
+    """The same for SwiGLU; --no-bias-swiglu-fusion turns it off."""
     attention_dropout: float = 0.1
     """--attention-dropout: >0 keeps a dropout mask per attention score."""
     hidden_dropout: float = 0.1
@@ -278,9 +283,39 @@ class Workload:
         if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
             raise PipetteError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
                                "(megatron-core's shared experts have no biases)")
+        self._check_expert_activation()
         self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
 
+    def _check_expert_activation(self) -> None:
+        """Routed experts scale each token's activation by its router probability, and megatron-core
+        0.19 runs that for some activations and biases only (transformer/mlp.py with a per-token
+        scale, moe/experts.py): the others plan in full, then raise in the first forward. Megatron's
+        own flags cannot run either, so the hook stops (UnrunnableFlags) instead of falling back."""
+        flags = f"--num-experts {self.num_experts}" + (" --swiglu" if self.swiglu else "")
+        if self.add_bias_linear and self.attention_backend == "local":
+            raise UnrunnableFlags(
+                f"{flags} with biases on Megatron's local layers (no Transformer Engine): a routed expert adds "
+                "its output bias in place on a view autograd forbids (\"Output 0 of "
+                "_ReduceFromModelParallelRegion is a view and is being modified inplace\"); add --disable-bias-linear")
+        if self.bias_activation_fusion and not self.swiglu:
+            raise UnrunnableFlags(
+                f"{flags} with GELU experts and biases: megatron-core fuses a routed expert's bias and activation "
+                "for SwiGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add "
+                "--swiglu --disable-bias-linear, --disable-bias-linear, or --no-bias-gelu-fusion")
+        if self.bias_activation_fusion and self.add_bias_linear:
+            raise UnrunnableFlags(
+                f"{flags} with biases: megatron-core's fused SwiGLU of routed experts takes no bias (its first "
+                "forward raises \"Bias is not supported for weighted swiglu fusion\"); add --disable-bias-linear "
+                "or --no-bias-swiglu-fusion")
+
     # Derived values, by Megatron's rules (megatron/training/arguments.py).
+    @property
+    def bias_activation_fusion(self) -> bool:
+        """TransformerConfig.bias_activation_fusion as Megatron-LM sets it: --bias-swiglu-fusion with
+        --swiglu, else --bias-gelu-fusion, which validate_args turns off without biases
+        (training/arguments.py, training/argument_utils.py)."""
+        return self.bias_swiglu_fusion if self.swiglu else self.bias_gelu_fusion and self.add_bias_linear
+
     @property
     def ffn(self) -> int:
         if self.ffn_hidden_size is not None:

@@ -28,7 +28,8 @@ def megatron_namespace(**kw):
                 num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
                 moe_layer_freq=1, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
                 moe_token_dispatcher_type="allgather", context_parallel_size=1, cp_comm_type=["p2p"],
-                expert_model_parallel_size=1, expert_tensor_parallel_size=None, fp8=None, fp8_recipe="delayed")
+                expert_model_parallel_size=1, expert_tensor_parallel_size=None, fp8=None, fp8_recipe="delayed",
+                bias_gelu_fusion=True, bias_swiglu_fusion=True)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -131,9 +132,32 @@ def test_fp8_needs_transformer_engine(monkeypatch):
 def test_moe_arguments_become_the_workload():
     """Megatron's parsed MoE arguments (a list --moe-layer-freq among them) reach the workload."""
     w = ma.workload_from_args(megatron_namespace(num_experts=8, moe_router_topk=2, moe_layer_freq=[1, 0, 1, 0],
-                                                 moe_ffn_hidden_size=96))
+                                                 moe_ffn_hidden_size=96, swiglu=True, add_bias_linear=False))
     assert (w.num_experts, w.moe_router_topk, w.moe_ffn) == (8, 2, 96)
     assert w.moe_layer_pattern() == (True, False, True, False)
+
+
+@pytest.mark.parametrize("flags, with_te, local", [
+    ({}, False, False),                                                    # GELU experts, biases, fused
+    ({"swiglu": True}, False, False),                                      # SwiGLU experts with biases, fused
+    ({"swiglu": True, "add_bias_linear": False}, True, True),
+    ({"add_bias_linear": False}, True, True),                     # Megatron then turns the GELU fusion off
+    ({"bias_gelu_fusion": False}, True, False),                   # unfused biases: local layers only fail
+    ({"swiglu": True, "bias_swiglu_fusion": False}, True, False),
+    ({"swiglu": True, "bias_gelu_fusion": False}, False, False),  # the GELU switch does not reach SwiGLU
+])
+def test_expert_activations_megatron_cannot_run_stop_the_hook_before_planning(flags, with_te, local, monkeypatch):
+    """`--num-experts 4 --moe-router-topk 2` without `--swiglu --disable-bias-linear` planned in full and
+    failed in Megatron's first forward; the hook now stops on it (its fallback, the same flags, would
+    fail too), naming the flags. Without Transformer Engine (the local layers) expert biases never run."""
+    args = megatron_namespace(num_experts=4, moe_router_topk=2, **flags)
+    for te, runs in ((True, with_te), (False, local)):
+        monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args, te=te: te)
+        if runs:
+            assert ma.workload_from_args(args).num_experts == 4
+        else:
+            with pytest.raises(UnrunnableFlags, match=r"^--num-experts 4 (--swiglu )?with .*--disable-bias-linear"):
+                ma.workload_from_args(args)
 
 
 @pytest.mark.parametrize("field, value", [("position_embedding_type", "yarn"), ("normalization", "GroupNorm"),

@@ -21,8 +21,9 @@ CASES = [
     # every other layer MoE, a shared expert and a narrower expert FFN (DeepSeek-like, shrunk), GELU
     dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_experts=8, moe_router_topk=2,
          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64, moe_layer_freq=2, add_bias_linear=False),
-    # Megatron's list form of the layer pattern; router and expert biases
-    dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_experts=4, moe_layer_freq="([0]+[1]*3)"),
+    # Megatron's list form of the layer pattern; router and expert biases (which run unfused only)
+    dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_experts=4, moe_layer_freq="([0]+[1]*3)",
+         bias_gelu_fusion=False),
     # DeepSeek-V3-like, shrunk: MLA with a query latent and latent norms, the first layer dense
     dict(num_layers=3, hidden_size=64, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=24,
          kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12, qk_layernorm=True, ffn_hidden_size=96,

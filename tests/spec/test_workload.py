@@ -114,3 +114,22 @@ def test_max_position_embeddings_below_seq_length_is_refused_as_megatron_does():
     with pytest.raises(PipetteError, match="--max-position-embeddings 1024 is below --seq-length 2048"):
         gpt(max_position_embeddings=1024)
     assert gpt(max_position_embeddings=4096).max_positions == 4096
+
+
+@pytest.mark.parametrize("kw, refused", [
+    (dict(), "--num-experts 4 with GELU experts and biases: megatron-core fuses a routed expert's bias"),
+    (dict(swiglu=True), "--num-experts 4 --swiglu with biases: megatron-core's fused SwiGLU of routed experts"),
+    (dict(swiglu=True, bias_gelu_fusion=False), "--num-experts 4 --swiglu with biases"),
+    (dict(add_bias_linear=False, attention_backend="local"), None),
+    (dict(swiglu=True, add_bias_linear=False), None),
+    (dict(bias_gelu_fusion=False), None),                       # unfused expert biases, with Transformer Engine
+    (dict(bias_gelu_fusion=False, attention_backend="local"), "--num-experts 4 with biases on Megatron's local layers"),
+])
+def test_expert_activations_megatron_cannot_run_are_refused_by_name(kw, refused):
+    from megatron_pipette.errors import UnrunnableFlags
+
+    if refused is None:
+        assert gpt(num_experts=4, **kw).num_experts == 4
+    else:
+        with pytest.raises(UnrunnableFlags, match=f"^{refused}"):
+            gpt(num_experts=4, **kw)
