@@ -135,6 +135,13 @@ def workload_from_args(ns: argparse.Namespace, default_model: str | None,
     return workload_from_preset(model, **given)
 
 
+def precision_note(ns: argparse.Namespace, workload: Workload) -> str:
+    """Where the precision planned came from, when the user did not choose it: Megatron's default
+    (a pasted launch line without --bf16 or --fp16 trains in fp32, and is planned so)."""
+    return "" if hasattr(ns, "precision") or workload.name != "custom" else \
+        " (Megatron's default: neither --bf16 nor --fp16 given)"
+
+
 def split_megatron_flags(leftovers: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """Argparse's leftover words as Megatron flags (argument name -> the words after the flag, or
     its `=value`) and the words that are not Megatron flags."""

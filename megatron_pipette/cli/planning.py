@@ -14,6 +14,7 @@ from megatron_pipette.cli.args import (
     add_workload_flags,
     cluster_from_args,
     layout_constraints,
+    precision_note,
     profile_from_args,
     read_json,
     workload_from_args,
@@ -78,7 +79,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_NOTHING_FITS
     if not ns.json:
-        print(plans.plan_report(result))
+        print(plans.plan_report(result, precision_note(ns, workload)))
     return 0
 
 
@@ -105,7 +106,8 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
-        print(plans.estimate_report(layout.describe(), time, memory))
+        print(plans.estimate_report(f"{layout.describe()} in {workload.precision}{precision_note(ns, workload)}",
+                                     time, memory))
     return 0
 
 
@@ -136,6 +138,6 @@ def estimate_plan(ns: argparse.Namespace) -> int:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
                           "placement": {"node_order": list(placement.node_order)}}, indent=1))
     else:
-        print(plans.estimate_report(f"{layout.describe()} placed on nodes {plans.node_order(placement)}",
-                                     time, memory))
+        print(plans.estimate_report(f"{layout.describe()} in {workload.precision} placed on nodes "
+                                     f"{plans.node_order(placement)}", time, memory))
     return 0

@@ -104,8 +104,10 @@ def no_valid_layout(result: Plan) -> str:
     return f"{head}: {result.rejection_examples.get(kind, kind)}{rest}"
 
 
-def plan_report(result: Plan) -> str:
-    head = (f"Planned {result.workload.name} on {result.cluster_name} ({result.world_size} GPUs): "
+def plan_report(result: Plan, precision_note: str = "") -> str:
+    """The plan as text; the head says the precision planned (and `precision_note`, where it came from)."""
+    head = (f"Planned {result.workload.name} in {result.workload.precision}{precision_note} on "
+            f"{result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
     return "\n".join([head, *rejections(result), "", candidates_table(result), winner(result.candidates[0])])
 

@@ -129,8 +129,8 @@ class Workload:
     """--hidden-dropout: >0 keeps a dropout mask per hidden activation."""
     attention_backend: str = "auto"
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
-    precision: str = "bf16"
-    """--bf16 / --fp16, else fp32: the dtype of parameters and activations."""
+    precision: str = "fp32"
+    """--bf16 / --fp16, else fp32 (Megatron's default): the dtype of parameters and activations."""
     cross_entropy_loss_fusion: bool = False
     """--cross-entropy-loss-fusion: megatron-core's fused vocab-parallel cross entropy (native): the
     same fp32 softmax kept for the backward, two tensor-parallel all-reduces instead of three."""

@@ -19,7 +19,7 @@ def run(capsys, *argv):
 def test_plan_default_prints_table_flags_and_breakdown(capsys):
     code, out, _ = run(capsys, "plan", "--top", "3")
     assert code == 0
-    assert "Planned gpt3-13b on dgx-a100x4 (32 GPUs)" in out
+    assert "Planned gpt3-13b in bf16 on dgx-a100x4 (32 GPUs)" in out
     assert "--tensor-model-parallel-size" in out and "where the time goes" in out and "capacity" in out
 
 
@@ -98,6 +98,58 @@ def test_a_pasted_launch_line_plans_as_its_model_flags(capsys):
     code, out, err = run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2", *launch)
     assert code == 0 and err == ""
     assert (code, out) == run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2")[:2]
+
+
+LAUNCH_LINE = " ".join([
+    "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024",
+    "--micro-batch-size 4 --global-batch-size 32 --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000",
+    "--lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0",
+    "--data-path /data/my-gpt2_text_document --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt",
+    "--split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10",
+    "--save /ckpt --load /ckpt --tensorboard-dir /tb --use-mcore-models --transformer-impl transformer_engine",
+    "--no-bias-dropout-fusion --distributed-backend nccl"]).split()
+"""Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh's kind of launch line, shrunk, without
+--bf16 or --fp16: Megatron trains it in fp32."""
+
+
+def test_a_pasted_megatron_launch_line_plans_in_megatrons_precision(capsys):
+    """`pipette plan` once planned such a line in bf16 (a different job, which then did not fit where
+    Megatron's fp32 job would not either, or the reverse). It reads the line with Megatron's defaults,
+    ignores the flags that change no cost (learning rate, data, logging), and says the precision."""
+    code, out, err = run(capsys, "plan", *LAUNCH_LINE, "--num-nodes", "1", "--json")
+    assert code == 0 and err == "", err
+    doc = json.loads(out)
+    assert doc["model"]["precision"] == "fp32" and doc["candidates"][0]["layout"]["micro_batch_size"] == 4
+    code, out, _ = run(capsys, "plan", *LAUNCH_LINE, "--num-nodes", "1", "--top", "1")
+    assert code == 0 and out.startswith("Planned custom in fp32 (Megatron's default: neither --bf16 nor --fp16 "
+                                        "given) on dgx-a100x1 (8 GPUs)")
+    code, out, _ = run(capsys, "plan", *LAUNCH_LINE, "--bf16", "--num-nodes", "1", "--top", "1")
+    assert code == 0 and out.startswith("Planned custom in bf16 on dgx-a100x1")
+    code, out, _ = run(capsys, "estimate", *LAUNCH_LINE, "--num-nodes", "1")
+    assert code == 0 and out.startswith("tp1 pp1 dp8 mbs4 in fp32 (Megatron's default: neither")
+
+
+def test_a_preset_keeps_its_precision_and_flags_override_it(capsys):
+    code, out, _ = run(capsys, "plan", *SMALL, "--top", "1")
+    assert code == 0 and out.startswith("Planned gpt3-1.3b in bf16 on dgx-a100x1")
+    code, out, _ = run(capsys, "plan", *SMALL, "--fp16", "--top", "1")
+    assert code == 0 and out.startswith("Planned gpt3-1.3b in fp16 on dgx-a100x1")
+
+
+def test_every_neutral_megatron_flag_is_accepted_and_changes_nothing(capsys):
+    """Every option of every argument the flag table classes neutral, at once, each with a word after
+    it (a switch's is a stray word Megatron would refuse, pipette ignores it with the flag; the few
+    modelled for some values only get one of those): the same estimate as without them."""
+    from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, flag_table
+
+    table = flag_table()
+    neutral = [(option, ALLOWED_VALUES.get(name, ("7",))[0]) for name in sorted(table.neutral)
+               for option in table.options[name]]
+    assert len(neutral) > 100
+    pasted = [word for option_value in neutral for word in option_value]
+    code, out, err = run(capsys, "estimate", *SMALL, *pasted)
+    assert (code, err) == (0, "")
+    assert out == run(capsys, "estimate", *SMALL)[1]
 
 
 @pytest.mark.parametrize("argv", [["plan", "--not-a-flag", "3"], ["plan", "--num-experts=8", "stray"],

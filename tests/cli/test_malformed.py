@@ -6,7 +6,7 @@ takes (negative, zero where it is invalid, above its bound, not a number, infini
 enumerated flag times values outside its choices, every file a subcommand reads times the wrong
 kinds of file (missing, a directory, a device, a FIFO, binary, empty, not JSON, nested past the
 parser, JSON of the wrong shape, a cluster with impossible links), every file it writes times the
-places it cannot write, and the cases the issue found by hand. The cases run in this process
+places it cannot write, and the cases reported from trying pipette by hand. They run in this process
 (`main(argv)`); a few run the real entry point in a child interpreter to show it behaves the same.
 Probing and profiling are made impossible while they run: a case that got past the checks into
 torch fails instead of measuring.
@@ -203,24 +203,24 @@ def file_cases() -> list[tuple[str, list[str]]]:
     return cases
 
 
-ISSUE_CASES = [
-    ("the issue: --num-nodes 1000000000", ["plan", "--num-nodes", "1000000000"]),
-    ("the issue: --hidden-size 1000000000", ["plan", "--model", "gpt3-1.3b", "--hidden-size", "1000000000"]),
-    ("the issue: --num-layers 1e20", ["plan", "--num-layers", "1e20"]),
-    ("the issue: --num-layers 100000000 on a preset", ["plan", "--model", "gpt3-1.3b", "--num-layers", "100000000"]),
-    ("the issue: --global-batch-size 1000000000", ["plan", *MODEL, "--global-batch-size", "1000000000"]),
-    ("the issue: --gpus-per-node 1000000000", ["plan", "--gpus-per-node", "1000000000"]),
-    ("the issue: --tensor-model-parallel-size 3", ["plan", "--tensor-model-parallel-size", "3"]),
-    ("the issue: --context-parallel-size 3", ["plan", *MODEL, "--context-parallel-size", "3"]),
-    ("the issue: --pipeline-model-parallel-size 5", ["plan", *MODEL, "--pipeline-model-parallel-size", "5"]),
-    ("the issue: --micro-batch-size above the batch", ["plan", *MODEL, "--micro-batch-size", "1024"]),
-    ("the issue: --max-position-embeddings below --seq-length",
+REPORTED_CASES = [
+    ("reported: --num-nodes 1000000000", ["plan", "--num-nodes", "1000000000"]),
+    ("reported: --hidden-size 1000000000", ["plan", "--model", "gpt3-1.3b", "--hidden-size", "1000000000"]),
+    ("reported: --num-layers 1e20", ["plan", "--num-layers", "1e20"]),
+    ("reported: --num-layers 100000000 on a preset", ["plan", "--model", "gpt3-1.3b", "--num-layers", "100000000"]),
+    ("reported: --global-batch-size 1000000000", ["plan", *MODEL, "--global-batch-size", "1000000000"]),
+    ("reported: --gpus-per-node 1000000000", ["plan", "--gpus-per-node", "1000000000"]),
+    ("reported: --tensor-model-parallel-size 3", ["plan", "--tensor-model-parallel-size", "3"]),
+    ("reported: --context-parallel-size 3", ["plan", *MODEL, "--context-parallel-size", "3"]),
+    ("reported: --pipeline-model-parallel-size 5", ["plan", *MODEL, "--pipeline-model-parallel-size", "5"]),
+    ("reported: --micro-batch-size above the batch", ["plan", *MODEL, "--micro-batch-size", "1024"]),
+    ("reported: --max-position-embeddings below --seq-length",
      ["plan", *MODEL, "--max-position-embeddings", "1024"]),
-    ("the issue: --small-bytes infK", ["probe", "--out", "{tmp}/c.json", "--small-bytes", "infK"]),
-    ("the issue: --moe-layer-freq [1]*9**9**9",
+    ("reported: --small-bytes infK", ["probe", "--out", "{tmp}/c.json", "--small-bytes", "infK"]),
+    ("reported: --moe-layer-freq [1]*9**9**9",
      ["plan", *MODEL, *NEEDS["--moe-layer-freq"], "--moe-layer-freq", "[1]*9**9**9"]),
-    ("the issue: --moe-layer-freq [][0]", ["plan", *MODEL, *NEEDS["--moe-layer-freq"], "--moe-layer-freq", "[][0]"]),
-    ("the issue: --moe-layer-freq [1]*10**20",
+    ("reported: --moe-layer-freq [][0]", ["plan", *MODEL, *NEEDS["--moe-layer-freq"], "--moe-layer-freq", "[][0]"]),
+    ("reported: --moe-layer-freq [1]*10**20",
      ["plan", *MODEL, *NEEDS["--moe-layer-freq"], "--moe-layer-freq", "[1]*10**20"]),
     ("--moe-layer-freq without experts", ["plan", *MODEL, "--moe-layer-freq", "[1]*9**9**9"]),
     ("--moe-layer-freq of the wrong length", ["plan", *MODEL, *NEEDS["--moe-layer-freq"], "--moe-layer-freq", "[1]*3"]),
@@ -234,7 +234,7 @@ ISSUE_CASES = [
     ("--fp8-recipe without --fp8-format", ["plan", *MODEL, "--fp8-recipe", "bogus"]),
     ("--moe-token-dispatcher-type without experts", ["plan", *MODEL, "--moe-token-dispatcher-type", "bogus"]),
     ("--moe-router-topk above the experts", ["plan", *MODEL, *NEEDS["--moe-router-topk"], "--moe-router-topk", "5"]),
-    ("the issue: --num-experts 4 --moe-router-topk 2 without --swiglu --disable-bias-linear",
+    ("reported: --num-experts 4 --moe-router-topk 2 without --swiglu --disable-bias-linear",
      ["plan", *MODEL, "--num-experts", "4", "--moe-router-topk", "2"]),
     ("--num-experts --swiglu with biases", ["plan", *MODEL, "--num-experts", "4", "--swiglu"]),
     ("a refused Megatron flag", ["plan", *MODEL, "--moe-enable-deepep"]),
@@ -295,7 +295,7 @@ def tmp(tmp_path_factory) -> str:
     (root / "readonly").chmod(0o755)
 
 
-CASES = generated() + file_cases() + ISSUE_CASES
+CASES = generated() + file_cases() + REPORTED_CASES
 
 
 def test_the_table_is_large_and_its_cases_distinct():
@@ -348,8 +348,8 @@ def test_a_malformed_invocation_ends_in_one_line(name, argv, tmp, capsys, no_mea
     assert elapsed < LIMIT_S
 
 
-SUBPROCESS_CASES = ["the issue: --num-layers 1e20", "the issue: --small-bytes infK",
-                    "the issue: --moe-layer-freq [1]*9**9**9", "the issue: --tensor-model-parallel-size 3",
+SUBPROCESS_CASES = ["reported: --num-layers 1e20", "reported: --small-bytes infK",
+                    "reported: --moe-layer-freq [1]*9**9**9", "reported: --tensor-model-parallel-size 3",
                     "show <binary>", "plan --cluster <directory>", "plan --cluster <1e-300 bandwidth>",
                     "profile --mbs '0'"]
 

@@ -23,7 +23,7 @@ MOE = Workload(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_lengt
                ffn_hidden_size=4096, swiglu=True, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2048,
                moe_layer_freq="([0]+[1]*7)", add_bias_linear=False, normalization="RMSNorm",
                position_embedding_type="rope", vocab_size=32000, untie_embeddings_and_output_weights=True,
-               moe_token_dispatcher_type="alltoall")
+               moe_token_dispatcher_type="alltoall", precision="bf16")
 H100 = 80 * GiB
 
 

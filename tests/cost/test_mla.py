@@ -21,7 +21,8 @@ DSV3 = workload_from_preset("deepseek-v3-like")
 SMALL = Workload(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=128, global_batch_size=8,
                  multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
                  qk_pos_emb_head_dim=16, v_head_dim=24, qk_layernorm=True, ffn_hidden_size=512, swiglu=True,
-                 add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm")
+                 add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
+                 precision="bf16")
 
 
 def job(workload, **layout):
