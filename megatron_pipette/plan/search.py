@@ -175,8 +175,8 @@ def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choic
     tensor-parallel size Megatron defaults to (TP) and, under TP, 1 (whole experts per rank); typed
     ones whatever they divide, for the layout's rules to name what they break."""
     typed = "expert_model_parallel_size" in constraints or "expert_tensor_parallel_size" in constraints
-    if workload.num_experts is None:
-        return [(choices("expert_model_parallel_size", [1])[0], choices("expert_tensor_parallel_size", [None])[0])]
+    if workload.num_experts is None:     # Megatron refuses EP > 1 without experts and ignores the ETP size
+        return [(choices("expert_model_parallel_size", [1])[0], None)]
     etps = choices("expert_tensor_parallel_size", [None, 1] if tp > 1 else [None])
     return [(ep, etp) for ep in choices("expert_model_parallel_size", divisors(workload.num_experts))
             for etp in etps if typed or world_size % (ep * pp * (tp if etp is None else etp)) == 0]

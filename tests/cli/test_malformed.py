@@ -312,10 +312,12 @@ class _TooSlow(Exception):
 def no_measurement(monkeypatch):
     """Probing and profiling cannot start: a case that passed every check would fail importing them,
     not measure this machine (nor hold a port) for minutes."""
+    for module, name in ((megatron_pipette.probe, "runner"), (megatron_pipette.profile, "profiler"),
+                         (megatron_pipette.profile, "profile_layers")):
+        if name in vars(module):         # (hasattr would import them: the packages load them lazily)
+            monkeypatch.delattr(module, name)
     for name in ("torch", "megatron", "megatron_pipette.probe.runner", "megatron_pipette.profile.profiler"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delattr(megatron_pipette.probe, "runner", raising=False)
-    monkeypatch.delattr(megatron_pipette.profile, "profiler", raising=False)
     monkeypatch.delenv("RANK", raising=False)
 
 
