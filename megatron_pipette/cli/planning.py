@@ -124,9 +124,13 @@ def estimate_plan(ns: argparse.Namespace) -> int:
     except (KeyError, TypeError) as e:
         raise PipetteError(f"--plan {ns.plan}: malformed model ({e!r})") from None
     cluster = cluster_from_args(ns, workload.precision)
-    if placement.logical_to_physical.size != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:
-        raise PipetteError(f"--plan {ns.plan} places {len(placement.node_order)} nodes of "
+    nodes = len(placement.node_order)
+    if nodes * placement.gpus_per_node != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:
+        raise PipetteError(f"--plan {ns.plan} places {nodes} nodes of "
                            f"{placement.gpus_per_node}; --cluster has {cluster.num_nodes} of {cluster.gpus_per_node}")
+    if sorted(placement.node_order) != list(range(nodes)):
+        raise PipetteError(f"--plan {ns.plan}: its node order {list(placement.node_order)} is not an order of its "
+                           f"{nodes} nodes")
     profile = profile_from_args(ns, workload, cluster)
     try:
         job = resolve_job(workload, layout, cluster.world_size)

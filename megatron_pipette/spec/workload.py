@@ -192,15 +192,19 @@ class Workload:
                       "global_batch_size", "vocab_size", "make_vocab_size_divisible_by"):
             check_count(field, getattr(self, field))
         for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "q_lora_rank",
-                      "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                      "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups",
+                      "moe_router_group_topk"):
             if getattr(self, field) is not None:
                 check_count(field, getattr(self, field))
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            raise PipetteError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise PipetteError(f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
                                f"{self.seq_length} (Megatron requires max_position_embeddings >= seq_length)")
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
                                ("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDINGS),
-                               ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS)):
+                               ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS),
+                               ("moe_flex_dispatcher_backend", FLEX_BACKENDS)):
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
@@ -262,9 +266,6 @@ class Workload:
                                f"got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        if self.moe_flex_dispatcher_backend not in FLEX_BACKENDS:
-            raise PipetteError(f"--moe-flex-dispatcher-backend must be one of {', '.join(FLEX_BACKENDS)}, "
-                               f"got {self.moe_flex_dispatcher_backend!r}")
         if self.moe_token_dispatcher_type == "flex" and self.moe_pad_expert_input_to_capacity \
                 and self.moe_flex_dispatcher_backend == "deepep":
             raise PipetteError("--moe-pad-expert-input-to-capacity does not run with the flex dispatcher's deepep "
@@ -278,8 +279,6 @@ class Workload:
             if self.num_experts % groups or self.moe_router_topk % chosen:
                 raise PipetteError(f"--moe-router-num-groups {groups} must divide --num-experts {self.num_experts} "
                                    f"and --moe-router-group-topk {chosen} --moe-router-topk {self.moe_router_topk}")
-        if self.moe_router_dtype not in (None, "fp32", "fp64"):
-            raise PipetteError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
         if self.moe_shared_expert_intermediate_size is not None and self.add_bias_linear:
             raise PipetteError("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
                                "(megatron-core's shared experts have no biases)")

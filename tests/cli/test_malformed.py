@@ -49,7 +49,8 @@ NEEDS = {
     "--num-query-groups": ["--group-query-attention"],
     **{flag: ["--num-experts", "4", "--swiglu", "--disable-bias-linear"]
        for flag in ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
-                    "--moe-expert-capacity-factor", "--moe-layer-freq")},
+                    "--moe-expert-capacity-factor", "--moe-layer-freq", "--moe-router-num-groups",
+                    "--moe-router-group-topk")},
 }
 """Flags that only count beside another one."""
 INT_BAD = ["-1", "0", HUGE, "abc", "1.5", "1e20", "inf", "nan", ""]
