@@ -75,14 +75,16 @@ class RankGrid:
         """Every rank, one array dimension per entry of `dims` (outermost first). An entry joining
         axes with '-' ("dp-cp") is one dimension indexed as Megatron orders a group's members: the
         axis earlier in the grid varies fastest, however the entry spells them. Each axis of the
-        grid appears exactly once."""
+        grid appears once, or not at all where its size is 1 (as in Megatron's order strings)."""
         parts = [self._axes_of(d) for d in dims]
         named = [a for part in parts for a in part]
-        if sorted(named) != sorted(self.axes):
-            raise ValueError(f"{dims} must name each axis of the rank grid {self.axes} once")
+        left = [a for a in self.axes if a not in named]
+        if len(set(named)) != len(named) or any(self._size(a) > 1 for a in left):
+            raise ValueError(f"{dims} must name each axis of the rank grid {dict(zip(self.axes, self.sizes))} "
+                             "larger than 1 once")
         slowest_first = self.axes[::-1]
         ranks = np.arange(self.world_size).reshape([self._size(a) for a in slowest_first])
-        ranks = ranks.transpose([slowest_first.index(a) for a in named])
+        ranks = ranks.transpose([slowest_first.index(a) for a in named + left])
         return ranks.reshape([math.prod(self._size(a) for a in part) for part in parts])
 
     def groups(self, group: str) -> np.ndarray:
