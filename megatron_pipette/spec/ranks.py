@@ -60,6 +60,9 @@ class RankGrid:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
+    def size(self, axis: str) -> int:
+        return self.sizes[self.axes.index(axis)]
+
     def rank(self, **coordinates: int) -> int:
         """The rank at these coordinates (an axis left out is at 0)."""
         unknown = set(coordinates) - set(self.axes)
@@ -79,27 +82,29 @@ class RankGrid:
         parts = [self._axes_of(d) for d in dims]
         named = [a for part in parts for a in part]
         left = [a for a in self.axes if a not in named]
-        if len(set(named)) != len(named) or any(self._size(a) > 1 for a in left):
+        if len(set(named)) != len(named) or any(self.size(a) > 1 for a in left):
             raise ValueError(f"{dims} must name each axis of the rank grid {dict(zip(self.axes, self.sizes))} "
                              "larger than 1 once")
         slowest_first = self.axes[::-1]
-        ranks = np.arange(self.world_size).reshape([self._size(a) for a in slowest_first])
+        ranks = np.arange(self.world_size).reshape([self.size(a) for a in slowest_first])
         ranks = ranks.transpose([slowest_first.index(a) for a in named + left])
-        return ranks.reshape([math.prod(self._size(a) for a in part) for part in parts])
+        return ranks.reshape([math.prod(self.size(a) for a in part) for part in parts])
 
     def groups(self, group: str) -> np.ndarray:
         """(number of groups, group size): every group along the axes of `group` ("tp", "dp-cp"),
         groups and members in the order of RankGenerator.get_ranks(group)."""
         along = self._axes_of(group)
         others = [a for a in self.axes[::-1] if a not in along]
-        return self.array(*others, group).reshape(-1, math.prod(self._size(a) for a in along))
+        return self.array(*others, group).reshape(-1, math.prod(self.size(a) for a in along))
 
     def group_of(self, rank: int, group: str) -> np.ndarray:
-        """The members of the `group` group that holds `rank`, in Megatron's order."""
-        along = self._axes_of(group)
-        others = [a for a in self.axes[::-1] if a not in along]
-        at = self.coordinates(rank)
-        return self.array(*others, group)[tuple(at[a] for a in others)]
+        """The members of the `group` group that holds `rank`, in Megatron's order (built from
+        the group's axes alone, so a large world costs no more than a small one)."""
+        at, stride = self.coordinates(rank), dict(zip(self.axes, self._strides()))
+        members = np.asarray(rank - sum(at[a] * stride[a] for a in self._axes_of(group)))
+        for a in self._axes_of(group):      # slowest first: the last axis added varies fastest
+            members = np.add.outer(members, np.arange(self.size(a)) * stride[a])
+        return members.ravel()
 
     def _axes_of(self, group: str) -> list[str]:
         """The axes of a dimension or group, in the grid's order reversed (slowest first)."""
@@ -108,9 +113,6 @@ class RankGrid:
         if unknown or len(set(along)) != len(along):
             raise ValueError(f"{group!r} does not name distinct axes of the rank grid {self.axes}")
         return sorted(along, key=self.axes.index, reverse=True)
-
-    def _size(self, axis: str) -> int:
-        return self.sizes[self.axes.index(axis)]
 
     def _strides(self) -> list[int]:
         return [math.prod(self.sizes[:i]) for i in range(len(self.sizes))]
