@@ -8,9 +8,8 @@ pipeline hops the latency and bandwidth of each TP rank's own link. The
 per-layout costs are then a few vectorised array operations, so the planner
 can price thousands of layouts that share a grid.
 
-Megatron's default rank order (tp-cp-ep-dp-pp): logical rank
-tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)) for the dense layers,
-etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank)) for the experts.
+Logical ranks are in Megatron's default rank order (tp-cp-ep-dp-pp), their
+dense and expert grids read from spec.ranks.
 A placement maps logical rank -> physical device (the index in the cluster's
 matrices). A pipeline replica is one (dp_rank, cp_rank): the context-parallel
 ranks of a replica run the same schedule in lock step.
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_pipette.spec.hardware import Cluster
+from megatron_pipette.spec.ranks import dense_grid, expert_grid
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -233,7 +233,8 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
     assert world == cluster.world_size, f"TP*CP*PP*DP = {world} but the cluster has {cluster.world_size} devices"
     logical = np.arange(world) if placement is None else np.asarray(placement, dtype=np.int64)
     assert logical.shape == (world,), "a placement maps every logical rank to a device"
-    dev = logical.reshape(pp, dp * cp, tp)
+    grid = dense_grid(tp=tp, cp=cp, dp=dp, pp=pp)
+    dev = logical[grid.array("pp", "dp-cp", "tp")]
     if pp > 1:
         nxt = np.roll(dev, -1, axis=0)
         src, dst = np.stack([dev, nxt]), np.stack([nxt, dev])
@@ -248,7 +249,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         hop_alpha = hop_inv = np.zeros((2, pp, dp * cp, tp))
         hop_xchg = None
         ends = dev[0][..., None]
-    by_cp = logical.reshape(pp, dp, cp, tp).transpose(0, 1, 3, 2)        # rings over the cp axis
+    by_cp = logical[grid.array("pp", "dp", "tp", "cp")]                  # rings over the cp axis
 
     def per_replica(summary):
         worst = _worst_per_stage(summary, (2,))                            # (pp, dp): worst TP rank
@@ -259,7 +260,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         tp=tp, pp=pp, dp=dp, cp=cp, devices=dev,
         gemm_flops=cluster.sustained_gemm_flops[dev].min(axis=2),
         tensor=rings(dev, cluster),
-        data=rings(dev.transpose(0, 2, 1), cluster),
+        data=rings(logical[grid.array("pp", "tp", "dp-cp")], cluster),
         context=per_replica(rings(by_cp, cluster)),
         context_a2a=per_replica(all_to_all(by_cp, cluster)),
         embedding=rings(ends, cluster),
@@ -276,21 +277,23 @@ def expert_dispatch(logical: np.ndarray, ep: int, etp: int, cluster: Cluster, fl
     expert rank order (etp-ep-edp-pp): which groups form depends on EP and ETP alone, not on how
     the rest splits into pipeline stages, so layouts that share EP and ETP share it. `flex`: the
     flex dispatcher's one group over ETP x EP instead, (world / (EP x ETP), 1), its links inside
-    and beyond the NVLink domain apart."""
+    and beyond the NVLink domain apart. The groups come expert DP fastest, then PP, so the grid
+    with PP 1 (whose expert DP is then world / (EP x ETP)) lists them in the same order."""
+    grid = expert_grid(logical.size, etp=etp, ep=ep, pp=1)
     if flex:
-        return all_to_all(logical.reshape(-1, 1, ep * etp), cluster, split=True)
-    return all_to_all(logical.reshape(-1, ep, etp).transpose(0, 2, 1), cluster)
+        return all_to_all(logical[grid.array("edp", "etp-ep")][:, None, :], cluster, split=True)
+    return all_to_all(logical[grid.array("edp", "etp", "ep")], cluster)
 
 
 def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Cluster,
                   dispatch: AllToAll | None = None, flex: bool = False) -> ExpertLinks:
-    grid = logical.reshape(pp, -1, ep, etp)                                # (pp, edp, ep, etp)
+    grid = expert_grid(logical.size, etp=etp, ep=ep, pp=pp)
     flat = dispatch if dispatch is not None else expert_dispatch(logical, ep, etp, cluster, flex)
     by_stage = _each_array(flat, lambda a: a.reshape(pp, -1, a.shape[-1]))
     return ExpertLinks(
         dispatch=_worst_per_stage(by_stage, (1, 2)),
-        tensor=_worst_per_stage(rings(grid, cluster), (1, 2)),
-        tensor_and_expert=_worst_per_stage(rings(grid.reshape(pp, -1, ep * etp), cluster), (1,)),
-        data=_worst_per_stage(rings(grid.transpose(0, 2, 3, 1), cluster), (1, 2)),
+        tensor=_worst_per_stage(rings(logical[grid.array("pp", "edp", "ep", "etp")], cluster), (1, 2)),
+        tensor_and_expert=_worst_per_stage(rings(logical[grid.array("pp", "edp", "etp-ep")], cluster), (1,)),
+        data=_worst_per_stage(rings(logical[grid.array("pp", "ep", "etp", "edp")], cluster), (1, 2)),
         gpus_per_domain=cluster.gpus_per_domain,
     )

@@ -25,6 +25,7 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
+from megatron_pipette.spec.ranks import dense_grid, expert_grid
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB, MiB
 
@@ -361,8 +362,8 @@ def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, 
 @lru_cache(maxsize=4096)
 def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispatcher: str | None, cp_comm: str,
                    stage: int, tied_split: bool, distributed_optimizer: bool, domain: int) -> tuple[Communicator, ...]:
-    stride_pp = tp * cp * dp
-    world, device = stride_pp * pp, stage * stride_pp        # rank 0 of every group axis of this stage
+    dense = dense_grid(tp=tp, cp=cp, dp=dp, pp=pp)
+    world, device = dense.world_size, dense.rank(pp=stage)      # rank 0 of every group axis of this stage
 
     def group(name: str, ranks: np.ndarray, bulk: bool) -> Communicator:
         local = int(np.count_nonzero(ranks // domain == device // domain))
@@ -370,31 +371,31 @@ def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispat
 
     comms = []
     if tp > 1:
-        comms.append(group("tp", device + np.arange(tp), bulk=True))
+        comms.append(group("tp", dense.group_of(device, "tp"), bulk=True))
     if cp > 1:   # the p2p ring's sends and receives are not NVLS collectives
-        comms.append(group("cp", device + np.arange(cp) * tp, bulk=cp_comm != "p2p"))
+        comms.append(group("cp", dense.group_of(device, "cp"), bulk=cp_comm != "p2p"))
     if pp > 1:
-        comms.append(group("pp", np.arange(pp) * stride_pp, bulk=False))
+        comms.append(group("pp", dense.group_of(device, "pp"), bulk=False))
     if dp * cp > 1:
-        comms.append(group("dp" if cp == 1 else "dp-cp", device + np.arange(dp * cp) * tp, bulk=True))
+        comms.append(group("dp" if cp == 1 else "dp-cp", dense.group_of(device, "dp-cp"), bulk=True))
     if tp * pp > 1:
-        comms.append(group("mp", (np.arange(pp)[:, None] * stride_pp + np.arange(tp)).ravel(), bulk=False))
+        comms.append(group("mp", dense.group_of(device, "tp-pp"), bulk=False))
     if dispatcher is not None:
-        edp = stride_pp // (etp * ep)
+        experts = expert_grid(world, etp=etp, ep=ep, pp=pp)
         if dispatcher == "alltoall":    # all-to-alls are point-to-point inside NCCL: no NVLS
-            comms += [group("ep", device + np.arange(ep) * etp, bulk=False)] if ep > 1 else []
-            comms += [group("etp", device + np.arange(etp), bulk=True)] if etp > 1 else []
+            comms += [group("ep", experts.group_of(device, "ep"), bulk=False)] if ep > 1 else []
+            comms += [group("etp", experts.group_of(device, "etp"), bulk=True)] if etp > 1 else []
         elif ep * etp > 1:
-            comms.append(group("tp-ep", device + np.arange(ep * etp), bulk=True))
-        if edp > 1:
-            comms.append(group("edp", device + np.arange(edp) * etp * ep, bulk=True))
+            comms.append(group("tp-ep", experts.group_of(device, "etp-ep"), bulk=True))
+        if experts.size("edp") > 1:
+            comms.append(group("edp", experts.group_of(device, "edp"), bulk=True))
     if world > 1:
         everyone = Communicator(group="world", bulk=False, local_ranks=min(world, domain))
         comms.append(everyone)
         if distributed_optimizer:
             comms.append(Communicator(group="grad-stats", bulk=False, local_ranks=everyone.local_ranks))
-    if tied_split and stage in (0, pp - 1):
-        comms.append(group("embedding", np.array([0, (pp - 1) * stride_pp]), bulk=True))
+    if tied_split and stage in (0, pp - 1):   # the first and last stages of this device's pipeline
+        comms.append(group("embedding", dense.group_of(device, "pp")[[0, -1]], bulk=True))
     return tuple(comms)
 
 

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.ranks import RankGrid, dense_grid, expert_grid
 
 GroupRanks = dict[str, list[int]]
 
-# Megatron's default order 'tp-cp-ep-dp-pp' (megatron.core.parallel_state.RankGenerator), one grid
-# for the dense layers (no ep axis) and one for the experts (etp-ep-edp-pp, no cp axis); the first
-# axis varies fastest. Each group kind is the set of axes its members differ along.
-DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp")}
-EXPERT_GROUPS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",)}
+DENSE_GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp-cp"}
+"""Group kind -> its group on the dense grid (spec.ranks)."""
+EXPERT_GROUPS = {"ep": "ep", "etp": "etp", "edp": "edp"}
+"""Group kind -> its group on the expert grid."""
 
 
 def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int = 1,
@@ -33,9 +33,9 @@ def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp:
     """
     physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
     groups: dict[int, GroupRanks] = {int(p): {} for p in physical}
-    for sizes, kinds in grids:
-        for kind, along in kinds.items():
-            for row in _rows(physical, sizes, along).tolist():
+    for grid, kinds in grids:
+        for kind, group in kinds.items():
+            for row in _rows(physical, grid, group).tolist():
                 for member in row:
                     groups[member][kind] = row
     return groups
@@ -45,8 +45,8 @@ def distinct_groups(logical_to_physical: Sequence[int], kind: str, *, tp: int, p
                     ep: int = 1, etp: int | None = None) -> list[list[int]]:
     """Every group of one kind (as in `expected_groups`), each sorted, in physical ranks."""
     physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
-    sizes, kinds = next((sizes, kinds) for sizes, kinds in grids if kind in kinds)
-    return _rows(physical, sizes, kinds[kind]).tolist()
+    grid, kinds = next((grid, kinds) for grid, kinds in grids if kind in kinds)
+    return _rows(physical, grid, kinds[kind]).tolist()
 
 
 def group_sizes(layout: Layout) -> dict[str, int | None]:
@@ -56,24 +56,17 @@ def group_sizes(layout: Layout) -> dict[str, int | None]:
 
 
 def _grids(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int, ep: int,
-           etp: int | None) -> tuple[np.ndarray, list[tuple[dict[str, int], dict[str, tuple[str, ...]]]]]:
-    """The checked permutation, and the (axis sizes, group kinds) of the dense and the expert grid."""
+           etp: int | None) -> tuple[np.ndarray, list[tuple[RankGrid, dict[str, str]]]]:
+    """The checked permutation, and the dense and the expert grid with their group kinds."""
     world = tp * cp * dp * pp
     physical = np.asarray(logical_to_physical)
     if sorted(physical.tolist()) != list(range(world)):
         raise ValueError(f"logical_to_physical must be a permutation of range({world}) for tp={tp} cp={cp} "
                          f"dp={dp} pp={pp}, got {list(logical_to_physical)}")
-    etp = tp if etp is None else etp
-    if world % (etp * ep * pp):
-        raise ValueError(f"expert grid etp={etp} ep={ep} pp={pp} does not divide the world of {world}")
-    return physical, [({"tp": tp, "cp": cp, "dp": dp, "pp": pp}, DENSE_GROUPS),
-                      ({"etp": etp, "ep": ep, "edp": world // (etp * ep * pp), "pp": pp}, EXPERT_GROUPS)]
+    experts = expert_grid(world, etp=tp if etp is None else etp, ep=ep, pp=pp)
+    return physical, [(dense_grid(tp=tp, cp=cp, dp=dp, pp=pp), DENSE_GROUPS), (experts, EXPERT_GROUPS)]
 
 
-def _rows(physical: np.ndarray, sizes: dict[str, int], along: tuple[str, ...]) -> np.ndarray:
-    """(groups, group size): the groups whose members differ along the axes `along`, each sorted."""
-    axes = list(sizes)
-    grid = physical.reshape([sizes[a] for a in reversed(axes)])      # C order: the first axis is last
-    dims = [len(axes) - 1 - axes.index(a) for a in along]
-    rows = np.moveaxis(grid, dims, range(grid.ndim - len(dims), grid.ndim))
-    return np.sort(rows.reshape(-1, int(np.prod([sizes[a] for a in along]))), axis=1)
+def _rows(physical: np.ndarray, grid: RankGrid, group: str) -> np.ndarray:
+    """(groups, group size): every `group` group of the grid in physical ranks, each sorted."""
+    return np.sort(physical[grid.groups(group)], axis=1)

@@ -31,6 +31,7 @@ from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.ranks import dense_grid
 
 WEAK_NODES_PER_ROUND = 3
 """How many of the weakest-linked nodes a round tries to move."""
@@ -104,7 +105,8 @@ def node_link_weakness(cluster: Cluster) -> np.ndarray:
 def _role_representatives(layout: Layout, cluster: Cluster, unit: int) -> list[int]:
     """One block of `unit` logical nodes per distinct set of pipeline stages, ends of the pipeline first."""
     size = cluster.gpus_per_node * unit
-    stage_of_rank = np.arange(cluster.world_size) // (layout.tp * layout.cp * layout.dp)
+    grid = dense_grid(tp=layout.tp, cp=layout.cp, dp=layout.dp, pp=layout.pp)
+    stage_of_rank = grid.coordinates(np.arange(grid.world_size))["pp"]
     seen: dict[tuple[int, ...], int] = {}
     for k in range(cluster.num_nodes // unit):
         role = tuple(np.unique(stage_of_rank[k * size:(k + 1) * size]))
