@@ -31,6 +31,15 @@ def one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+NEMO_FLAGS = {
+    "--virtual-pipeline-model-parallel-size":
+        "--virtual-pipeline-model-parallel-size is NeMo's name; Megatron-LM takes "
+        "--num-layers-per-virtual-pipeline-stage N (transformer layers per virtual stage: layers / (PP x VP))",
+}
+"""Flags NeMo users type that Megatron-LM spells otherwise: a pointer to Megatron's flag instead of
+'unrecognized arguments'."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with Megatron's rule that flags are never abbreviated (a pasted Megatron flag must
     not be read as a prefix of a pipette one) and its errors on one line (no usage block)."""
@@ -59,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ns, leftovers = parser.parse_known_args(argv)
     megatron, unknown = (split_megatron_flags(leftovers) if ns.command in ("plan", "estimate")
                          else ({}, leftovers))
+    nemo = [word for word in unknown if word.split("=")[0] in NEMO_FLAGS]
+    if nemo:
+        parser.error(NEMO_FLAGS[nemo[0].split("=")[0]])
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

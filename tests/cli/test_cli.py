@@ -271,3 +271,11 @@ def test_no_valid_layout_is_one_line_naming_the_rule(capsys, argv, rule):
     code, out, err = run(capsys, *argv)
     assert code == 3 and out == "" and err.count("\n") == 1, err
     assert err.startswith("pipette plan: no layout of ") and rule in err, err
+
+
+def test_nemos_virtual_pipeline_flag_points_to_megatrons(capsys):
+    from megatron_pipette.cli.main import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--virtual-pipeline-model-parallel-size", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--num-layers-per-virtual-pipeline-stage" in err and len(err.strip().splitlines()) == 1
