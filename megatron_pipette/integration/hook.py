@@ -76,18 +76,27 @@ def _identity() -> dict:
     return ident
 
 
-def _broadcast(obj: Any, rank: int) -> Any:
+def control_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:
+    """The group the pre-launch phase exchanges its plan and identities in: gloo, whose collectives
+    raise when a peer stops answering within `timeout`, where NCCL's watchdog would instead tear the
+    process down with a traceback; None (the default group) when that already is gloo. The probe
+    still measures on the job's own backend."""
+    return None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _broadcast(obj: Any, rank: int, group: dist.ProcessGroup | None) -> Any:
     box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
 def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
-                   timeout: timedelta, saved: Layout | None) -> tuple[dict, Entry | None]:
+                   timeout: timedelta, saved: Layout | None,
+                   group: dist.ProcessGroup | None) -> tuple[dict, Entry | None]:
     """Collective: the plan document, identical on every rank, and the cache entry whose plan.json it
     is (None when it is pinned with --auto-parallel-plan-file)."""
     identities: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(identities, _identity())
+    dist.all_gather_object(identities, _identity(), group=group)
     request = megatron_args.job_request(args, argv, world, gpus_per_node([i["host"] for i in identities]), saved)
     if (note := megatron_args.overridden_by_checkpoint(request)) is not None:
         log(f"WARNING: {note}", rank)
@@ -109,15 +118,16 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
             return start.doc, start.pinned, start.doc is None and start.cluster is None, \
                 start.doc is None and start.profile is None
 
-        doc, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank)
+        doc, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank, group)
         if doc is not None:
             return doc, None if pinned else entry
         return _measure_and_plan(request, entry, found[0] if found else None, probe, profile, rank, phases,
-                                 budget, timeout), entry
+                                 budget, timeout, group), entry
 
 
 def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | None, probe: bool, profile: bool,
-                      rank: int, phases: Phases, budget: float, timeout: timedelta) -> dict:
+                      rank: int, phases: Phases, budget: float, timeout: timedelta,
+                      group: dist.ProcessGroup | None) -> dict:
     """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
     workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
@@ -137,19 +147,19 @@ def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | N
 
     if not profile:
         phases.skip("profile", "cached")
-        return _on_rank0_then_broadcast(plan, rank)
+        return _on_rank0_then_broadcast(plan, rank, group)
     from megatron.core import parallel_state
 
     # The profiler builds megatron-core modules, which need model-parallel state; set up a
     # neutral one (a collective) and tear it down before Megatron builds the real one.
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        return _on_rank0_then_broadcast(plan, rank)
+        return _on_rank0_then_broadcast(plan, rank, group)
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
+def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int, group: dist.ProcessGroup | None) -> Any:
     """Run `work` on rank 0 and give every rank its result, or its error: the other ranks wait in
     the broadcast, so rank 0 must reach it even when `work` fails."""
     result, error = None, None
@@ -158,7 +168,7 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int) -> Any:
             result = work()
         except Exception as e:  # reported on every rank by the caller's fallback
             error = e if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
-    result, error = _broadcast((result, error) if rank == 0 else None, rank)
+    result, error = _broadcast((result, error) if rank == 0 else None, rank, group)
     if error is not None:
         raise error if isinstance(error, PipetteError) else PipetteError(f"rank 0: {error}")
     return result
@@ -248,7 +258,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     saved = None
     try:
         saved = megatron_args.saved_layout(args)
-        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved)
+        group = control_group(backend, probe_timeout)
+        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved, group)
         layout, placement = chosen_from_json(doc, where="plan")
         if placement.logical_to_physical.size != world:
             raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
@@ -288,9 +299,11 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
                 log(f"WARNING: {e}; a restart will not know the layout its checkpoints were saved under", 0)
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = doc["candidates"][0]
+        tight = " (it fits by under 2%, within the memory model's error: it may not fit)" \
+            if best["memory"].get("tight") else ""
         log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
             f"{best['memory']['peak_bytes'] / GiB:.2f} GiB of {best['memory']['capacity_bytes'] / GiB:.2f} "
-            f"GiB per device", args.rank)
+            f"GiB per device{tight}", args.rank)
         if opts.auto_parallel_check_iterations > 0 and not opts.auto_parallel_dry_run:
             selfcheck.arm(selfcheck.CheckSetup(
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
