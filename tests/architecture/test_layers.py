@@ -89,3 +89,15 @@ def test_the_planner_and_the_probe_logic_import_no_torch():
             if target.split(".")[0] in HEAVY:
                 wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_matplotlib_is_imported_only_where_a_picture_is_drawn():
+    """The planner (and calibration) never draws; everywhere else matplotlib is imported inside the
+    function that draws, so `pipette plan` without a picture, and the hook, never load it."""
+    wrong = []
+    for layer, name, tree in modules():
+        anywhere = layer in ("spec", "cost", "plan", "calibration")
+        for target, line in imports(tree, top_level_only=not anywhere):
+            if target.split(".")[0] == "matplotlib":
+                wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
