@@ -33,17 +33,17 @@ def check_args(budget_s: float, precision: str, small_bytes: int, large_bytes: i
         raise PipetteError(f"--repeats must be a positive integer, got {repeats!r}")
 
 
-def out_problem(out: str | os.PathLike | None) -> str | None:
-    """Why `out` cannot be written (checked on rank 0 before probing), or None."""
+def out_problem(out: str | os.PathLike | None, flag: str = "--out") -> str | None:
+    """Why `out` (given as `flag`) cannot be written (checked on rank 0 before probing), or None."""
     if out is None:
         return None
     parent = Path(out).resolve().parent
     if not parent.is_dir():
-        return f"--out {out}: directory {parent} does not exist"
+        return f"{flag} {out}: directory {parent} does not exist"
     if not os.access(parent, os.W_OK):
-        return f"--out {out}: directory {parent} is not writable"
+        return f"{flag} {out}: directory {parent} is not writable"
     if Path(out).is_dir():
-        return f"--out {out}: is a directory"
+        return f"{flag} {out}: is a directory"
     return None
 
 
