@@ -15,7 +15,7 @@ ALLOWED = {
     "spec": {"errors", "units", "data"},
     "cost": {"spec", "errors", "units"},
     "plan": {"cost", "spec", "errors", "units"},
-    "report": {"plan", "cost", "spec", "errors", "units", "files"},
+    "report": {"plan", "cost", "calibration", "spec", "errors", "units", "files"},
     "calibration": {"plan", "cost", "spec", "errors", "units"},
     "measure": {"errors", "units"},
     "probe": {"spec", "measure", "errors", "units", "files"},
@@ -25,7 +25,7 @@ ALLOWED = {
 }
 """Layer -> the layers it may import (besides itself). Descriptions feed the cost model, which the
 planner uses; reports present; calibration fits the measured inputs to a self-check with the cost
-model; measurements produce inputs; the hook and the CLI sit on top."""
+model; measurements produce inputs; reports present them all; the hook and the CLI sit on top."""
 TORCH_FREE = {"errors", "units", "files", "spec", "cost", "plan", "report", "calibration"}
 TORCH_FREE_MODULES = {"probe.schedule", "probe.budget", "probe.transport", "probe.engine", "probe.fit",
                       "probe.document", "probe.twin", "probe.options", "cli.main", "cli.args", "cli.planning",
