@@ -31,6 +31,8 @@ LEFT, RIGHT = 0.07, 0.985
 """The axes' horizontal extent, as fractions of the figure's width."""
 LABEL_PX = 14
 """A pass is labelled with its micro-batch when it is at least this wide."""
+EDGE_PX = 4
+"""A block is outlined when it is at least this wide (narrower ones would be all outline)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +96,9 @@ def write_timeline(timeline: Timeline, path: str | os.PathLike, title: str, flag
             if not mine:
                 continue
             fade = [1.0 if b.chunk is None or chunks == 1 else 1.0 - 0.5 * b.chunk / (chunks - 1) for b in mine]
+            edges = ["white" if (b.end_s - b.start_s) * px_per_s >= EDGE_PX else "none" for b in mine]
             ax.broken_barh([(b.start_s, b.end_s - b.start_s) for b in mine], (stage - 0.4, 0.8),
-                           facecolors=[to_rgba(COLORS[what], a) for a in fade], edgecolors="white", linewidth=0.3)
+                           facecolors=[to_rgba(COLORS[what], a) for a in fade], edgecolors=edges, linewidth=0.3)
     for b in blocks:
         if b.what in ("forward", "backward") and (b.end_s - b.start_s) * px_per_s >= LABEL_PX:
             ax.text((b.start_s + b.end_s) / 2, b.stage, str(b.microbatch), ha="center", va="center", fontsize=7,
