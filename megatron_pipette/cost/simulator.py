@@ -27,8 +27,8 @@ the hop's two-way rate, since the reverse message shares the link with it.
 
 With `trace`, an unbatched run also returns every rank's timeline as Events (for pictures): its
 passes, and each interval it spent blocked in a p2p call, split where the message it waited for
-started moving (before: waiting on its peer, the pipeline's bubble; after: the transfer itself,
-exposed communication).
+(the last to arrive, when it waited for several) started moving (before: waiting on its peer, the
+pipeline's bubble; after: the transfer itself, exposed communication).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The in-job self-check: time the first iterations Megatron trains under the plan, hold them
-against the plan's predictions, and calibrate the model for the next start on this allocation.
+against the plan's predictions (logged, recorded in the cached plan and drawn beside it), and
+calibrate the model for the next start on this allocation.
 
 `arm()` is called by the hook once it chose a plan. It wraps megatron.training.training's
 `train_step`, which Megatron's `train()` calls by its module-global name every iteration, and
