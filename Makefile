@@ -26,11 +26,11 @@ demo: venv
 	PYTHON=$(PY) bash examples/auto_parallel_cpu.sh
 
 # Tiers (markers in pytest.ini): test-fast is the planner (spec, cost, plan, cli, golden outputs,
-# the probe's pure parts) with importing torch made an error (tests marked megatron are left to
-# make test); test-random is the same with hypothesis drawing new examples; test-gpu runs the
-# tests that need CUDA (they skip without it).
-FAST := -m "not torchrun and not slow and not gpu and not megatron" tests/spec tests/cost tests/plan tests/cli tests/golden tests/probe \
-        tests/architecture tests/calibration
+# the probe's pure parts, reports) with importing torch made an error (tests marked megatron are
+# left to make test); test-random is the same with hypothesis drawing new examples; test-gpu runs
+# the tests that need CUDA (they skip without it).
+FAST := -m "not torchrun and not slow and not gpu and not megatron" tests/spec tests/cost tests/plan tests/cli \
+        tests/golden tests/probe tests/architecture tests/calibration tests/report
 
 test: venv lint
 	$(PY) -m pytest -q

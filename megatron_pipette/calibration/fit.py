@@ -148,6 +148,11 @@ class Fit:
     calibrated_s: float
     """Its time under the calibrated model."""
     measured_s: float
+    predicted_passes_s: tuple[float, ...] = ()
+    """Each stage's forward and backward passes per iteration under the uncalibrated model (the
+    passes the check measured per stage)."""
+    calibrated_passes_s: tuple[float, ...] = ()
+    """The same under the calibrated model."""
     notes: tuple[str, ...] = ()
     """What could not be fitted, and why."""
 
@@ -168,8 +173,12 @@ def _fb_and_passes(model: CostModel, job: Job, placement: Placement) -> tuple[fl
     """The schedule's time (the iteration without the optimizer), each stage's forward+backward
     seconds per iteration, and the estimate they come from."""
     est = model.time(job, placement.logical_to_physical)
-    passes = np.array([s.forward_s + s.backward_s for s in est.stage_times]) * job.num_microbatches
-    return est.iteration_time_s - est.breakdown.optimizer_s, passes, est
+    return est.iteration_time_s - est.breakdown.optimizer_s, _passes(est, job), est
+
+
+def _passes(est: TimeEstimate, job: Job) -> np.ndarray:
+    """Each stage's forward+backward seconds per iteration in an estimate of `job`."""
+    return np.array([s.forward_s + s.backward_s for s in est.stage_times]) * job.num_microbatches
 
 
 def _clip(x: float) -> float:
@@ -239,9 +248,10 @@ def fit(workload: Workload, cluster: Cluster, profile: LayerProfile | None, layo
         modelled = model().memory(job).stages
         overhead = max(p - m.total_bytes for p, m in zip(peaks, modelled) if p is not None)
     factors = Factors(compute_rate=rate, memory_rate=memory, link_bandwidth=links, memory_overhead_bytes=overhead)
-    calibrated_s = calibrated(cluster, profile, factors).time(job, placement.logical_to_physical).iteration_time_s
-    return Fit(factors=factors, predicted_s=raw.iteration_time_s, calibrated_s=calibrated_s,
-               measured_s=check.measured_s, notes=tuple(notes))
+    after = calibrated(cluster, profile, factors).time(job, placement.logical_to_physical)
+    return Fit(factors=factors, predicted_s=raw.iteration_time_s, calibrated_s=after.iteration_time_s,
+               measured_s=check.measured_s, predicted_passes_s=tuple(map(float, _passes(raw, job))),
+               calibrated_passes_s=tuple(map(float, _passes(after, job))), notes=tuple(notes))
 
 
 def _root(error, lo: float, hi: float, notes: list[str]) -> float | None:

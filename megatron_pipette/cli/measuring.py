@@ -14,7 +14,14 @@ import time
 import warnings
 from pathlib import Path
 
-from megatron_pipette.cli.args import add_workload_flags, read_json, workload_from_args
+from megatron_pipette.cli.args import (
+    DEFAULT_CLUSTER,
+    add_cluster_flags,
+    add_workload_flags,
+    read_json,
+    workload_from_args,
+)
+from megatron_pipette.cli.planning import show_plan
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import write_cluster_file
 from megatron_pipette.probe.options import check_args, check_seconds, out_problem, parse_size
@@ -179,10 +186,17 @@ def add_probe_sim_parser(sub) -> None:
 
 
 def add_show_parser(sub) -> None:
-    s = sub.add_parser("show", help="summarise a probed cluster file; optionally draw its link heatmap")
-    s.add_argument("file", help="cluster JSON written by the probe")
+    s = sub.add_parser("show", help="summarise a probed cluster file (and draw its link heatmap), or a plan "
+                                    "(and draw its pipeline timeline)")
+    s.add_argument("file", nargs="?", help="cluster JSON written by the probe")
     s.add_argument("--heatmap", metavar="PNG", help="write the bandwidth matrix as a heatmap")
-    s.set_defaults(run=cmd_show)
+    s.add_argument("--plan", metavar="PLAN_JSON",
+                   help="a plan (from `plan --json` or a job's pipette_plan.json): its estimate on --cluster "
+                        f"(default: the cluster file shown, else {DEFAULT_CLUSTER})")
+    s.add_argument("--timeline", metavar="PNG",
+                   help="with --plan: draw one iteration of its pipeline schedule (the simulator's events)")
+    add_cluster_flags(s)
+    s.set_defaults(run=cmd_show, cluster=None)
 
 
 def cmd_probe_sim(ns: argparse.Namespace) -> int:
@@ -218,6 +232,26 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
+    if ns.heatmap and ns.file is None:
+        raise PipetteError(f"--heatmap {ns.heatmap} draws a cluster file's links: give the file")
+    if ns.timeline and ns.plan is None:
+        raise PipetteError(f"--timeline {ns.timeline} draws a plan: give --plan PLAN_JSON")
+    if ns.file is None and ns.plan is None:
+        raise PipetteError("give a cluster file to summarise, or --plan PLAN_JSON")
+    pricing = [flag for flag, value in (("--cluster", ns.cluster), ("--gpu", ns.gpu), ("--num-nodes", ns.num_nodes),
+                                        ("--gpus-per-node", ns.gpus_per_node), ("--layer-profile", ns.layer_profile))
+               if value is not None]
+    if pricing and ns.plan is None:
+        raise PipetteError(f"{', '.join(pricing)} price a plan: give --plan PLAN_JSON")
+    if ns.file is not None:
+        show_cluster(ns)
+    if ns.plan is not None:
+        ns.cluster = ns.cluster or ns.file or DEFAULT_CLUSTER
+        show_plan(ns)
+    return 0
+
+
+def show_cluster(ns: argparse.Namespace) -> None:
     from megatron_pipette.report.cluster_report import summarize, write_heatmap
     from megatron_pipette.spec.cluster_file import cluster_from_json
 
@@ -229,4 +263,3 @@ def cmd_show(ns: argparse.Namespace) -> int:
     if ns.heatmap:
         write_heatmap(doc, ns.heatmap)
         print(f"heatmap written to {ns.heatmap}")
-    return 0

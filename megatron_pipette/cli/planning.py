@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import TextIO
 
 from megatron_pipette.cli.args import (
     DEFAULT_MODEL,
@@ -22,10 +23,12 @@ from megatron_pipette.cli.args import (
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
+from megatron_pipette.probe.options import out_problem
 from megatron_pipette.report import plans
 from megatron_pipette.report.plan_document import chosen_from_json, estimate_json, plan_json
-from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout, check_user_layout
 from megatron_pipette.spec.workload import Workload, megatron_flag, workload_fields
 from megatron_pipette.units import GiB
@@ -41,6 +44,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
     p.add_argument("--allow-tp-across-nodes", action="store_true", help="let tensor parallel span nodes")
     p.add_argument("--json", action="store_true", help="print the plan document (candidates best first)")
+    p.add_argument("--timeline", metavar="PNG",
+                   help="draw one iteration of the best layout's pipeline schedule (the simulator's events)")
     p.set_defaults(run=cmd_plan)
 
 
@@ -62,6 +67,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     profile = profile_from_args(ns, workload, cluster)
     if ns.top <= 0:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
+    check_picture_path(ns.timeline, "--timeline")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
     model = CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
@@ -80,7 +86,25 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         return EXIT_NOTHING_FITS
     if not ns.json:
         print(plans.plan_report(result, precision_note(ns, workload)))
+    if ns.timeline:
+        best = result.candidates[0]
+        job = resolve_job(workload, best.layout, cluster.world_size)
+        draw_timeline(model, job, best.placement, ns.timeline, f"{workload.name} on {cluster.name}: "
+                      f"{best.layout.describe()}", sys.stderr if ns.json else sys.stdout)
     return 0
+
+
+def check_picture_path(path: str | None, flag: str) -> None:
+    """Refuse a picture path that cannot be written, before the work that draws it."""
+    if problem := out_problem(path, flag):
+        raise PipetteError(problem)
+
+
+def draw_timeline(model: CostModel, job: Job, placement: Placement, path: str, title: str, out: TextIO) -> None:
+    from megatron_pipette.report.timeline import write_timeline
+
+    write_timeline(model.timeline(job, placement.logical_to_physical), path, title)
+    print(f"timeline written to {path}", file=out)
 
 
 def cmd_estimate(ns: argparse.Namespace) -> int:
@@ -111,8 +135,8 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def estimate_plan(ns: argparse.Namespace) -> int:
-    """`estimate --plan`: a plan made on one cluster (say, a probed one), priced on another."""
+def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]:
+    """The job and placement of the plan --plan names, and the cost model of --cluster to price them."""
     typed = [megatron_flag(f.name) for f in workload_fields() if hasattr(ns, f.name)] + \
         [megatron_flag(name) for name in layout_constraints(ns)] + (["--model"] if hasattr(ns, "model") else [])
     if typed:
@@ -136,12 +160,31 @@ def estimate_plan(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
-    model = CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
+    return job, placement, CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
+
+
+def _placed(job: Job, placement: Placement) -> str:
+    return (f"{job.layout.describe()} in {job.workload.precision} placed on nodes "
+            f"{plans.node_order(placement)}")
+
+
+def estimate_plan(ns: argparse.Namespace) -> int:
+    """`estimate --plan`: a plan made on one cluster (say, a probed one), priced on another."""
+    job, placement, model = _plan_on_cluster(ns)
     time, memory = evaluate(model, job, placement)
     if ns.json:
-        print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name,
+        print(json.dumps({**estimate_json(job.layout, time, memory), "cluster": model.cluster.name,
                           "placement": {"node_order": list(placement.node_order)}}, indent=1))
     else:
-        print(plans.estimate_report(f"{layout.describe()} in {workload.precision} placed on nodes "
-                                     f"{plans.node_order(placement)}", time, memory))
+        print(plans.estimate_report(_placed(job, placement), time, memory))
     return 0
+
+
+def show_plan(ns: argparse.Namespace) -> None:
+    """`show --plan`: the plan's estimate on --cluster and, with --timeline, the picture of its iteration."""
+    check_picture_path(ns.timeline, "--timeline")
+    job, placement, model = _plan_on_cluster(ns)
+    print(plans.estimate_report(_placed(job, placement), *evaluate(model, job, placement)))
+    if ns.timeline:
+        draw_timeline(model, job, placement, ns.timeline, f"{job.workload.name} on {model.cluster.name}: "
+                      f"{job.layout.describe()}", sys.stdout)

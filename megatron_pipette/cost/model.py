@@ -21,7 +21,7 @@ from megatron_pipette.cost.comm import AllToAll, GroupLinks, expert_dispatch, gr
 from megatron_pipette.cost.compute import StageWork, stage_work
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, MemoryEstimate, RuntimeOverheads, estimate_memory
-from megatron_pipette.cost.timing import TimeEstimate, iteration_time
+from megatron_pipette.cost.timing import TimeEstimate, Timeline, iteration_time, iteration_timeline
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
@@ -89,6 +89,11 @@ class CostModel:
         """Predicted iteration time under the placement `devices` (None: the default order)."""
         return iteration_time(job, self.cluster, self.work(job), self.links(job, devices), simulate=simulate,
                               execution=self.execution)
+
+    def timeline(self, job: Job, devices: np.ndarray | None = None) -> Timeline:
+        """`time(job, devices)` with the simulator's events of its critical replica (for pictures)."""
+        return iteration_timeline(job, self.cluster, self.work(job), self.links(job, devices),
+                                  execution=self.execution)
 
     def memory(self, job: Job) -> MemoryEstimate:
         """Peak memory of every pipeline stage against the cluster's per-device capacity (shared by

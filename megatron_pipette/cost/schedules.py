@@ -103,6 +103,18 @@ def simulate_pipeline(name: str, times: StageTimes, m: int) -> PipelineTime:
     return PipelineTime(total_s=total, finish_s=finish, busy_s=busy, p2p_s=p2p, exact=True)
 
 
+def trace_pipeline(name: str, times: StageTimes, m: int, replica: int = 0) -> simulator.SimResult:
+    """One replica's pass from the event-driven simulator, with every rank's events (pictures).
+    Without pipelining Megatron runs forward_backward_no_pipelining, one forward then one backward
+    per micro-batch: 1F1B's program on one rank."""
+    _, p, v = times.shape
+    program = simulator.program_1f1b(p, m) if name == "no-pipelining" else PROGRAMS[name](p, m, v)
+    fx, bx = times.exchange_s
+    return simulator.simulate(program, times.forward_s[replica], times.backward_s[replica],
+                              times.fwd_comm_s[replica], times.bwd_comm_s[replica], fwd_xchg_s=fx[replica],
+                              bwd_xchg_s=bx[replica], trace=True)
+
+
 # --- no pipelining -----------------------------------------------------------------------------
 
 @register("no-pipelining")

@@ -24,6 +24,11 @@ Forward messages go from rank r to (r+1) % p on hop r; backward messages go
 from (r+1) % p to r on hop r. A message both sides post as part of an exchange
 (1F1B's send_forward_recv_backward meeting send_backward_recv_forward) runs at
 the hop's two-way rate, since the reverse message shares the link with it.
+
+With `trace`, an unbatched run also returns every rank's timeline as Events (for pictures): its
+passes, and each interval it spent blocked in a p2p call, split where the message it waited for
+(the last to arrive, when it waited for several) started moving (before: waiting on its peer, the
+pipeline's bubble; after: the transfer itself, exposed communication).
 """
 
 from __future__ import annotations
@@ -38,6 +43,22 @@ FORWARD, BACKWARD = 0, 1
 
 
 @dataclass(frozen=True, kw_only=True)
+class Event:
+    """One interval of one rank's timeline."""
+
+    rank: int
+    what: str
+    """"forward", "backward" (a pass), "wait" (blocked before the awaited message started moving),
+    "p2p" (blocked while it moved)."""
+    start_s: float
+    end_s: float
+    chunk: int | None = None
+    """Model chunk of a pass."""
+    microbatch: int | None = None
+    """Micro-batch of a pass."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SimResult:
     """Timings of one simulated iteration's forward-backward pass."""
 
@@ -47,6 +68,8 @@ class SimResult:
     """(p,) when each rank finished its last backward (its DP reduction may start then); (B, p)."""
     end_s: np.ndarray
     """(p,) when each rank finished its last op (sends included); (B, p)."""
+    events: tuple[Event, ...] = ()
+    """With `trace`: every rank's passes and blocked intervals, in the order each rank ran them."""
 
 
 class _Builder:
@@ -278,7 +301,7 @@ class _InterleavedRank:
 
 def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
              bwd_comm_s: np.ndarray, *, fwd_xchg_s: np.ndarray | None = None,
-             bwd_xchg_s: np.ndarray | None = None) -> SimResult:
+             bwd_xchg_s: np.ndarray | None = None, trace: bool = False) -> SimResult:
     """Time a program.
 
     forward_s, backward_s: (p, v) compute time of one micro-batch of each model chunk on each rank.
@@ -286,9 +309,13 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
     (h+1) % p (and back); fwd_xchg_s, bwd_xchg_s: the same messages inside an exchange (default:
     as alone, full duplex). With a leading batch axis ((B, p, v) and (B, p)) every replica is
     timed in one pass: which rank waits on what depends on the program only, not on times.
+    `trace` (unbatched only) records SimResult.events.
     """
     p = len(program)
     batch = np.ndim(forward_s) == 3
+    assert not (trace and batch), "a trace is of one replica"
+    events: list[Event] | None = [] if trace else None
+    started: dict = {}     # key -> when the transfer started (traced runs only)
     if batch:
         mx, zero = np.maximum, np.zeros(np.shape(forward_s)[0])
         cols = [np.ascontiguousarray(np.moveaxis(np.asarray(a, dtype=float), 0, -1))
@@ -316,9 +343,12 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
             if op[0] == COMPUTE:
                 kind, c = op[1], op[2]
                 d = fwd[r][c] if kind == FORWARD else bwd[r][c]
-                t = t + d
+                begin, t = t, t + d
                 if kind == BACKWARD:
                     last_bwd[r] = t
+                if events is not None:
+                    events.append(Event(rank=r, what="forward" if kind == FORWARD else "backward", start_s=begin,
+                                        end_s=t, chunk=c, microbatch=op[3]))
             elif op[0] == POST:
                 for key, _, paired in op[1]:
                     other = posted.pop(key, None)
@@ -328,16 +358,23 @@ def simulate(program: tuple, forward_s: np.ndarray, backward_s: np.ndarray, fwd_
                     src, dst, direction, _ = key
                     rates = xchg if paired and other[1] else comm
                     done[key] = mx(t, other[0]) + rates[direction][src if direction == FORWARD else dst]
+                    if events is not None:
+                        started[key] = mx(t, other[0])
                     runnable.extend(waiting.pop(key, ()))
             else:
                 pending = next((k for k in op[1] if k not in done), None)
                 if pending is not None:
                     waiting.setdefault(pending, []).append(r)
                     break
+                blocked = t
                 t = reduce(mx, (done[k] for k in op[1]), t)
+                if events is not None and t > blocked:
+                    moving = min(t, max(blocked, started[max(op[1], key=done.__getitem__)]))
+                    events += [Event(rank=r, what=what, start_s=a, end_s=b) for what, a, b in
+                               (("wait", blocked, moving), ("p2p", moving, t)) if b > a]
             i += 1
         clock[r], pc[r] = t, i
     stuck = [r for r in range(p) if pc[r] < len(program[r])]
     assert not stuck, f"pipeline schedule deadlocks: ranks {stuck} blocked at ops {[pc[r] for r in stuck]}"
     end, finish = np.stack(clock, axis=-1), np.stack(last_bwd, axis=-1)
-    return SimResult(total_s=end.max(axis=-1), finish_s=finish, end_s=end)
+    return SimResult(total_s=end.max(axis=-1), finish_s=finish, end_s=end, events=tuple(events or ()))

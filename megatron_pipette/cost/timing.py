@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_pipette.cost import schedules
+from megatron_pipette.cost import schedules, simulator
 from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
@@ -392,19 +392,26 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     return exposed, gather + contention
 
 
+def _pipeline(job: Job, work: StageWork, links: GroupLinks, execution: Execution,
+              simulate: bool) -> tuple[_Stages, str, schedules.PipelineTime, int]:
+    """The stage times, the schedule's name, its pass per replica and the critical replica."""
+    layout = job.layout
+    assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
+        "links are for another grid"
+    stages = _stage_times(job, work, links, execution)
+    name = schedules.schedule_name(layout.pp, job.virtual_stages)
+    pipe = _run_schedule(name, stages.times, job.num_microbatches, simulate)
+    return stages, name, pipe, int(np.argmax(pipe.total_s))
+
+
 def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
                    simulate: bool = False, execution: Execution = DEFAULT_EXECUTION) -> TimeEstimate:
     """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
     workload, layout = job.workload, job.layout
-    assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
-        "links are for another grid"
-    stages = _stage_times(job, work, links, execution)
-    m, v = job.num_microbatches, job.virtual_stages
-    name = schedules.schedule_name(layout.pp, v)
-    pipe = _run_schedule(name, stages.times, m, simulate)
-    crit = int(np.argmax(pipe.total_s))
+    stages, name, pipe, crit = _pipeline(job, work, links, execution, simulate)
+    m = job.num_microbatches
     t_pipe = float(pipe.total_s[crit])
     params = stage_parameters(job)
     shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
@@ -440,3 +447,28 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
         breakdown=breakdown,
         stage_times=tuple(StageTime(forward_s=float(f), backward_s=float(b)) for f, b in zip(worst_f, worst_b)),
         schedule=name, exact_schedule=pipe.exact or simulate)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """One iteration's forward-backward pass on the critical replica, event by event (for pictures)."""
+
+    estimate: TimeEstimate
+    """The iteration's prediction, as iteration_time gives it."""
+    events: tuple[simulator.Event, ...]
+    """Every pipeline rank's passes and blocked p2p intervals (cost.simulator.Event)."""
+    recompute_s: np.ndarray
+    """(p, v) recomputed forward compute inside one backward of chunk c on pipeline rank r."""
+    pipeline_s: float
+    """End of the simulated forward-backward pass."""
+    microbatches: int
+
+
+def iteration_timeline(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
+                       execution: Execution = DEFAULT_EXECUTION) -> Timeline:
+    """iteration_time's prediction with the event-driven simulator's trace of its critical replica."""
+    stages, name, _, crit = _pipeline(job, work, links, execution, simulate=False)
+    trace = schedules.trace_pipeline(name, stages.times, job.num_microbatches, crit)
+    return Timeline(estimate=iteration_time(job, cluster, work, links, execution=execution), events=trace.events,
+                    recompute_s=stages.recompute[crit], pipeline_s=float(trace.total_s),
+                    microbatches=job.num_microbatches)

@@ -194,8 +194,13 @@ class Entry:
 
     def write(self, doc: Document, value: Mapping[str, Any]) -> bool:
         """Store `value` as `doc`, at once; False when it cannot be (warned about once per entry)."""
+        return self.write_file(doc.name, (json.dumps(value, indent=1) + "\n").encode())
+
+    def write_file(self, name: str, data: bytes) -> bool:
+        """Store `data` as the entry's file `name` (a document's, or a picture no one reads back), at
+        once; False when it cannot be (warned about once per entry)."""
         try:
-            write_atomic(self.file(doc), (json.dumps(value, indent=1) + "\n").encode(), FLAG, self.file_mode)
+            write_atomic(self.path / name, data, FLAG, self.file_mode)
         except PipetteError as e:
             self._cannot_write(str(e))
             return False

@@ -1,5 +1,6 @@
 """The in-job self-check: time the first iterations Megatron trains under the plan, hold them
-against the plan's predictions, and calibrate the model for the next start on this allocation.
+against the plan's predictions (logged, recorded in the cached plan and drawn beside it), and
+calibrate the model for the next start on this allocation.
 
 `arm()` is called by the hook once it chose a plan. It wraps megatron.training.training's
 `train_step`, which Megatron's `train()` calls by its module-global name every iteration, and
@@ -42,7 +43,7 @@ from megatron_pipette.calibration.check import (
     compare,
     sample_from_json,
 )
-from megatron_pipette.calibration.fit import calibration_json, fit
+from megatron_pipette.calibration.fit import Fit, calibration_json, fit
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
 from megatron_pipette.integration.common import candidate_digest, log
@@ -50,6 +51,8 @@ from megatron_pipette.profile.measure import LiveSavedBytes, live_tensor_bytes, 
 from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.workload import Workload
 
+CHECK_CHART = "self_check.png"
+"""The check's chart, beside plan.json in the cache entry."""
 REPORT_WAIT_S = 30.0
 """Longest rank 0 waits for the others' records: they post theirs at the end of the same step."""
 RECORD_LOCK_S = 5.0
@@ -328,12 +331,32 @@ def _record(entry: Entry, candidate: dict, result: CheckResult) -> None:
     if not entry.write(PLAN, {**doc, "self_check": result.as_json()}):
         return
     log(f"self-check written to {entry.file(PLAN)}", 0)
+    _draw(entry, result, _calibrate(entry, doc, result))
+
+
+def _calibrate(entry: Entry, doc: dict, result: CheckResult) -> Fit | None:
+    """Fit the model's factors to the check and store them; the fit, or None without the allocation's
+    probe and profile."""
     cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
     if cluster is None or profile is None:
         log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
-        return
+        return None
     layout, placement = chosen_from_json(doc, where=str(entry.file(PLAN)))
     fitted = fit(Workload(**doc["model"]), cluster, profile, layout, placement, result)
     if entry.write(CALIBRATION, calibration_json(fitted, layout, placement, result)):
         log(fitted.line(), 0)
         log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)
+    return fitted
+
+
+def _draw(entry: Entry, result: CheckResult, fitted: Fit | None) -> None:
+    """The check's chart beside its JSON; best effort: a chart that cannot be drawn is one warning."""
+    try:
+        from megatron_pipette.report.check_chart import check_chart
+
+        png, _ = check_chart(result, fitted)
+    except Exception as e:  # noqa: BLE001 (a picture must not stop the training it describes)
+        log(f"WARNING: self-check chart not drawn: {type(e).__name__}: {e}", 0)
+        return
+    if entry.write_file(CHECK_CHART, png):
+        log(f"self-check chart written to {entry.path / CHECK_CHART}", 0)

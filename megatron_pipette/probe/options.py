@@ -44,7 +44,7 @@ def check_args(budget_s: float, precision: str, small_bytes: int, large_bytes: i
 
 
 def out_problem(out: str | os.PathLike | None, flag: str = "--out") -> str | None:
-    """Why `out` cannot be written (checked on rank 0 before probing), or None."""
+    """Why `out` (given as `flag`) cannot be written (checked on rank 0 before probing), or None."""
     if out is None:
         return None
     try:

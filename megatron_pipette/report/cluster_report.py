@@ -9,13 +9,12 @@ in, text out); `write_heatmap` only writes the PNG. `pipette show` calls both.
 
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
 
-from megatron_pipette.files import write_atomic
 from megatron_pipette.plan.placement import node_link_weakness
+from megatron_pipette.report.figures import figure, write_png
 from megatron_pipette.spec.cluster_file import cluster_from_json
 from megatron_pipette.units import GiB
 
@@ -120,8 +119,6 @@ def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
 def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "cluster file") -> None:
     """Write a PNG of the node x node bandwidth (GB/s, rail to rail) beside the intra-node matrix of
     the first node class."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     cluster = cluster_from_json(cluster_doc, where=where)
@@ -129,8 +126,7 @@ def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "clus
     intra = np.array(cluster.intra_node[0].bandwidth_Bps, dtype=float) / 1e9
     np.fill_diagonal(inter, np.nan)
     np.fill_diagonal(intra, np.nan)
-    fig = Figure(figsize=(15, 6.5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = figure(15, 6.5)
     for k, (matrix, title, unit) in enumerate(((inter, f"between nodes ({cluster.num_nodes})", "node"),
                                                 (intra, f"inside a node (class 0 of {len(cluster.intra_node)})",
                                                  "local rank"))):
@@ -143,6 +139,4 @@ def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "clus
         ax.set_ylabel(f"from {unit}")
         ax.set_title(title)
     fig.suptitle(f"{cluster.name}: {cluster.num_nodes} node(s) x {cluster.gpus_per_node}")
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    write_atomic(path, png.getvalue(), "--heatmap")
+    write_png(fig, path, "--heatmap")

@@ -15,7 +15,7 @@ ALLOWED = {
     "spec": {"errors", "units", "data"},
     "cost": {"spec", "errors", "units"},
     "plan": {"cost", "spec", "errors", "units"},
-    "report": {"plan", "cost", "spec", "errors", "units", "files"},
+    "report": {"plan", "cost", "calibration", "spec", "errors", "units", "files"},
     "calibration": {"plan", "cost", "spec", "errors", "units"},
     "measure": {"errors", "units"},
     "probe": {"spec", "measure", "errors", "units", "files"},
@@ -25,7 +25,7 @@ ALLOWED = {
 }
 """Layer -> the layers it may import (besides itself). Descriptions feed the cost model, which the
 planner uses; reports present; calibration fits the measured inputs to a self-check with the cost
-model; measurements produce inputs; the hook and the CLI sit on top."""
+model; measurements produce inputs; reports present them all; the hook and the CLI sit on top."""
 TORCH_FREE = {"errors", "units", "files", "spec", "cost", "plan", "report", "calibration"}
 TORCH_FREE_MODULES = {"probe.schedule", "probe.budget", "probe.transport", "probe.engine", "probe.fit",
                       "probe.document", "probe.twin", "probe.options", "profile.shapes", "profile.request",
@@ -88,5 +88,17 @@ def test_the_planner_and_the_probe_logic_import_no_torch():
             continue
         for target, line in imports(tree, top_level_only=not whole_layer):
             if target.split(".")[0] in HEAVY:
+                wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_matplotlib_is_imported_only_where_a_picture_is_drawn():
+    """The planner (and calibration) never draws; everywhere else matplotlib is imported inside the
+    function that draws, so `pipette plan` without a picture, and the hook, never load it."""
+    wrong = []
+    for layer, name, tree in modules():
+        anywhere = layer in ("spec", "cost", "plan", "calibration")
+        for target, line in imports(tree, top_level_only=not anywhere):
+            if target.split(".")[0] == "matplotlib":
                 wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
     assert not wrong, "\n".join(wrong)

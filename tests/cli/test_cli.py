@@ -196,6 +196,48 @@ def test_plan_and_show_read_a_cluster_file(capsys, tmp_path):
     assert code == 0 and png.stat().st_size > 1000
 
 
+def test_plan_and_show_draw_the_best_layouts_timeline(capsys, tmp_path):
+    """`plan --timeline` draws the best candidate (the JSON stays clean on stdout); `show --plan` draws
+    the same picture from the plan document, on the cluster file it shows."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(cluster_to_json(preset_cluster("dgx-a100", num_nodes=1))))
+    planned, shown = tmp_path / "plan.png", tmp_path / "show.png"
+    code, out, err = run(capsys, "plan", *SMALL, "--pipeline-model-parallel-size", "2", "--top", "2", "--json",
+                         "--timeline", str(planned))
+    assert code == 0 and err == f"timeline written to {planned}\n"
+    doc = json.loads(out)
+    (tmp_path / "plan.json").write_text(out)
+    code, out, _ = run(capsys, "show", str(cluster), "--plan", str(tmp_path / "plan.json"), "--timeline", str(shown))
+    assert code == 0 and out.startswith("Cluster ") and f"timeline written to {shown}" in out
+    assert f"{doc['candidates'][0]['iteration_time_s']:.3f} s/iteration" in out
+    assert planned.read_bytes().startswith(b"\x89PNG") and planned.read_bytes() == shown.read_bytes()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--timeline", "/nonexistent/t.png"], "--timeline /nonexistent/t.png: directory /nonexistent does not"),
+    (["show", "--timeline", "t.png"], "--timeline t.png draws a plan: give --plan PLAN_JSON"),
+    (["show", "--heatmap", "h.png", "--plan", "p.json"], "--heatmap h.png draws a cluster file's links"),
+    (["show"], "give a cluster file to summarise, or --plan PLAN_JSON"),
+    (["show", "c.json", "--num-nodes", "2"], "--num-nodes price a plan: give --plan PLAN_JSON"),
+    (["show", "--plan", "/nonexistent.json"], "--plan /nonexistent.json: no such file"),
+])
+def test_pictures_refuse_what_they_cannot_draw_in_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1 and not out
+
+
+@pytest.mark.torchrun
+def test_plan_without_a_picture_does_not_load_matplotlib():
+    """A child interpreter: this one has loaded matplotlib for the other tests."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_pipette.cli.main import main; "
+            f"main({['plan', *SMALL, '--top', '1']!r}); print(sorted(m for m in sys.modules if 'matplotlib' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.splitlines()[-1] == "[]"
+
+
 def test_console_script_help(capsys):
     """The installed `pipette` script's entry point, run in this process."""
     (script,) = entry_points(group="console_scripts", name="pipette")

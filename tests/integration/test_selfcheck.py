@@ -38,7 +38,7 @@ def checked_job(run_torchrun, tmp_path_factory) -> tuple[str, Path]:
 def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
     """The hook switches the line to what CPU needs (and says so), Megatron does not try to rebuild
     its prebuilt dataset helpers, training runs past the check, and the check is logged and
-    recorded in the cached plan: passes inside the schedule inside the step."""
+    recorded in the cached plan (passes inside the schedule inside the step), and drawn beside it."""
     out, directory = checked_job
     assert ("> auto-parallel: CPU rehearsal: --distributed-backend gloo (not nccl: NCCL needs GPUs), "
             "--transformer-impl local (Transformer Engine is not installed), --no-persist-layer-norm, "
@@ -64,6 +64,8 @@ def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
         # The tensors counted against the memory model's terms (docs/validation.md has the table).
         for term in ("model state", "activations"):
             assert 0.75 < stage["measured_tensors"][term] / stage["predicted_tensors"][term] < 1.25, stage
+    chart = directory / "self_check.png"      # beside the JSON: time and tensors per stage
+    assert chart.read_bytes().startswith(b"\x89PNG") and f"self-check chart written to {chart}" in out
 
 
 @pytest.mark.torchrun
@@ -117,3 +119,32 @@ def test_a_rank_that_never_reports_holds_the_check_only_briefly(monkeypatch, cap
     assert "> auto-parallel: self-check, iterations 2-4: predicted 1 s/iteration, measured 1.2 s (+20.0%)" in out
     assert "> auto-parallel: self-check: rank(s) 1 did not report; compared without them" in out
     assert "self-check not recorded: the plan is pinned by --auto-parallel-plan-file" in out
+
+
+@pytest.mark.megatron
+def test_the_chart_is_drawn_beside_the_json_and_a_failure_to_draw_is_one_warning(monkeypatch, capsys, tmp_path):
+    from megatron_pipette.calibration.check import RankSample, compare
+    from megatron_pipette.integration import selfcheck
+    from megatron_pipette.integration.cache import Entry
+    from megatron_pipette.report import check_chart
+
+    entry = Entry(tmp_path / "cache", "k")
+    entry.open()
+    candidate = {"iteration_time_s": 1.0, "memory": {"stages": [
+        {"stage": 0, "weight_bytes": 1, "gradient_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1,
+         "transient_bytes": 1, "overhead_bytes": 1, "peak_bytes": 6}]}}
+    result = compare(candidate, [RankSample(rank=0, stage=0, iteration_s=1.2, forward_backward_s=1.1, compute_s=0.9,
+                                            memory=None)], (2, 4))
+    selfcheck._draw(entry, result, None)
+    chart = entry.path / selfcheck.CHECK_CHART
+    assert chart.read_bytes().startswith(b"\x89PNG") and chart.stat().st_size > 10_000
+    assert f"> auto-parallel: self-check chart written to {chart}" in capsys.readouterr().out
+
+    def broken(*_):
+        raise ValueError("no fonts")
+
+    chart.unlink()
+    monkeypatch.setattr(check_chart, "check_chart", broken)
+    selfcheck._draw(entry, result, None)
+    assert capsys.readouterr().out == "> auto-parallel: WARNING: self-check chart not drawn: ValueError: no fonts\n"
+    assert not chart.exists()
