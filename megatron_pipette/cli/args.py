@@ -198,9 +198,9 @@ def layout_constraints(ns: argparse.Namespace) -> dict:
 def read_json(path: str, what: str) -> object:
     """The JSON document in the regular file `path`; anything else (a directory, a device, a binary,
     a file nested too deep for the parser) is a PipetteError naming `what`."""
+    if not Path(path).is_file():
+        raise PipetteError(f"{what} {path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
     try:
-        if not Path(path).is_file():
-            raise PipetteError(f"{what} {path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
