@@ -5,14 +5,16 @@
 # for 20 iterations. No layout flag is given: the planner chooses them all. Nor is any CPU setting
 # (gloo, the local layer spec, ...): without a GPU the hook supplies them, and says so. After the
 # first iteration the self-check times 5 more, compares them with the plan and calibrates the
-# model for the next start (a second `make demo` plans with it).
+# model for the next start (a second `make demo` plans with it). TORCHRUN_ARGS replaces
+# `--standalone` (say, an elastic launch: docs/elastic.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # One thread per rank: 4 ranks share the cores.
 export OMP_NUM_THREADS=1
 
-exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-4}" \
+# shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of words
+exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run ${TORCHRUN_ARGS:---standalone} --nproc-per-node "${NPROC:-4}" \
   examples/pretrain_gpt.py \
   --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
   --seq-length 64 --max-position-embeddings 64 --untie-embeddings-and-output-weights \

@@ -3,8 +3,6 @@
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.processes import free_port, kill_tree
 from megatron_pipette.integration.groups import expected_groups, group_sizes
 from megatron_pipette.report.plan_document import chosen_from_json
 
@@ -51,15 +50,9 @@ def two_node_torchrun(args: list[str], timeout: float = 240) -> str:
     finally:
         for agent in agents:
             if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
+                kill_tree(agent.pid)  # its workers too: each runs in a session of its own
     assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
     return "\n".join(outputs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_groups(output: str, doc: dict) -> tuple:

@@ -6,13 +6,13 @@ which imports torch and megatron-core once: no interpreter start-up per rank.
 
 import json
 import os
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
+from helpers.processes import free_port
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.workload import Workload
 
@@ -50,15 +50,9 @@ def _rank(rank: int, port: int, tmp: str) -> None:
     os._exit(code)  # skip the forked pytest's exit handlers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.torchrun
 def test_rank_zero_of_a_tp2_job_profiles_with_its_own_groups(forked, tmp_path):
-    port = _free_port()
+    port = free_port()
     exit_codes = forked(_rank, [(r, port, str(tmp_path)) for r in range(2)])
     errors = [e.read_text() for e in tmp_path.glob("rank*.err")]
     assert not errors and exit_codes == [0, 0], "\n".join(errors)[-3000:]

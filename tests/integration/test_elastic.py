@@ -1,0 +1,125 @@
+"""Elastic torchrun: a node is lost mid-training, the survivor plans for what is left and resumes."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helpers.processes import free_port, kill_tree
+
+REPO = Path(__file__).resolve().parents[2]
+AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"
+ITERATION = re.compile(r"iteration\s+(\d+)/")
+LOADED = re.compile(r"successfully loaded checkpoint from (\S+) .* at iteration\s+(\d+)")
+CHOSEN = re.compile(r"> auto-parallel: chosen layout ([^:]+):")
+# Short rendezvous timeouts (docs/elastic.md): the lost node's keep-alive expires after 2 s x 3, the
+# survivor waits 2 s for more nodes before it starts alone.
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"
+
+
+class Output:
+    """Lines of the agents' output (workers write to their agent's stdout), each with the time it arrived."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str, str]] = []
+        self._lock = threading.Lock()
+
+    def follow(self, name: str, proc: subprocess.Popen) -> None:
+        def read() -> None:
+            for line in proc.stdout:
+                with self._lock:
+                    self.lines.append((time.monotonic(), name, line.rstrip("\n")))
+        threading.Thread(target=read, daemon=True).start()
+
+    def since(self, start: float = 0.0, name: str | None = None) -> list[tuple[float, str]]:
+        """(arrival time, line) of `name`'s lines (every agent's by default) that arrived at `start` or later."""
+        with self._lock:
+            return [(t, line) for t, n, line in self.lines if t >= start and name in (None, n)]
+
+    def text(self, start: float = 0.0, name: str | None = None) -> str:
+        return "\n".join(line for _, line in self.since(start, name))
+
+    def wait_for(self, found: Callable[[], object], what: str, timeout: float, agents: dict) -> None:
+        """Poll until `found()`; fail naming `what`, with the output's tail, on timeout or when every
+        agent has exited."""
+        deadline = time.monotonic() + timeout
+        while not found():
+            if time.monotonic() > deadline or all(a.poll() is not None for a in agents.values()):
+                pytest.fail(f"no {what} within {timeout:.0f} s:\n{self.text()[-6000:]}")
+            time.sleep(0.1)
+
+
+def start_agent(port: int, hosts_store: bool, args: list[str], cache: Path, output: Output, name: str):
+    """One torchrun agent, 2 processes, joining a 1-to-2-node rendezvous on loopback; `hosts_store` makes
+    it the one holding the c10d store (the agent that must survive)."""
+    torchrun = (f"--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id elastic-test "
+                f"--max-restarts 3 --rdzv-conf is_host={int(hosts_store)},{RDZV_CONF}")
+    env = {**os.environ, "TORCHRUN_ARGS": torchrun, "NPROC": "2", "PYTHON": sys.executable,
+           "PIPETTE_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    proc = subprocess.Popen(["bash", str(AUTO_GPT), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output.follow(name, proc)
+    return proc
+
+
+def resumed(lines: list[tuple[float, str]]) -> tuple[int, float] | None:
+    """(the iteration Megatron loaded, when the next one was logged), once both are in `lines`."""
+    loaded = None
+    for t, line in lines:
+        if loaded is None:
+            if load := LOADED.search(line):
+                loaded = int(load.group(2))
+        elif any(int(i) == loaded + 1 for i in ITERATION.findall(line)):
+            return loaded, t
+    return None
+
+
+def processes(layout: str) -> int:
+    """The processes a layout label (`tp1 pp2 dp2 mbs4 dopt`) spans: tp x cp x pp x dp."""
+    return math.prod(int(size) for size in re.findall(r"\b(?:tp|cp|pp|dp)(\d+)\b", layout))
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_layout(tmp_path: Path) -> None:
+    """Two agents of 2 processes train under a layout for 4 and checkpoint every 3 iterations; the agent
+    not hosting the store is killed with its workers (a lost node). torchrun restarts the survivor's
+    workers alone: the hook plans for 2 processes and says so, Megatron reshards the last checkpoint,
+    and training goes on from the iteration after it. Prints the seconds from the kill to that iteration."""
+    ckpt = tmp_path / "ckpt"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    args = ["--train-iters", "1000", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
+    port, output, agents = free_port(), Output(), {}
+    try:
+        for name, hosts_store in (("survivor", True), ("lost", False)):
+            agents[name] = start_agent(port, hosts_store, args, tmp_path / "cache", output, name)
+        output.wait_for(lambda: tracker.exists() and ITERATION.search(output.text()), "checkpoint", 100, agents)
+        killed_at = time.monotonic()
+        kill_tree(agents["lost"].pid)
+        saved_at_kill = int(tracker.read_text())
+        output.wait_for(lambda: resumed(output.since(killed_at, "survivor")), "iteration after resuming", 90,
+                        agents)
+        resumed_from, next_at = resumed(output.since(killed_at, "survivor"))
+        saved_at_resume = int(tracker.read_text())
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent.pid)
+            agent.wait()
+    before, after = output.text(0), output.text(killed_at, "survivor")
+    first, second = CHOSEN.search(before), CHOSEN.search(after)
+    assert first and processes(first.group(1)) == 4, before[-6000:]
+    assert second and processes(second.group(1)) == 2, after[-6000:]
+    assert (f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {first.group(1)}, under "
+            f"{second.group(1)} (Megatron reshards it)") in after, after[-6000:]
+    assert LOADED.search(after).group(1) == str(ckpt)
+    assert saved_at_kill <= resumed_from == saved_at_resume, (saved_at_kill, resumed_from, saved_at_resume)
+    print(f"kill to iteration {resumed_from + 1} (resumed from {resumed_from} under {second.group(1)}): "
+          f"{next_at - killed_at:.1f} s")
