@@ -1,0 +1,79 @@
+"""The README's validation table, generated from the kept results, so every figure in it is traceable.
+
+    python benchmarks/validation_summary.py            # prints the table
+    python benchmarks/validation_summary.py --check    # exits 1 when README.md's table differs
+
+Why: figures typed into a README drift from the runs they came from. Each row here reads one kept
+result file (the newest of its benchmark) and names it with the command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BEGIN, END = "<!-- validation table: benchmarks/validation_summary.py -->", "<!-- end of validation table -->"
+
+
+def _load(folder: str) -> dict:
+    return json.loads((RESULTS / folder / "results.json").read_text())
+
+
+def rows() -> list[list[str]]:
+    h100 = _load("published_runs_h100-2026-11-26")
+    s = h100["summary"]["recipe"]
+    a100 = _load("published_runs-2026-11-26")["summary"]
+    emulated = [_load(f"emulated_cluster-2026-11-23-held-out-22-run{n}") for n in (3, 4)]
+    held = [e["predictions_held_out"] for e in emulated]
+    ratios = [e["placement_4nodes"]["ratio"] for e in emulated]
+    return [
+        ["NVIDIA's published H100 runs, the development set (19: NeMo 24.07, Megatron-Bridge 25.09-26.04, "
+         "Megatron-LM README), published layouts with their recipes",
+         f"mean \\|error\\| {s['mean_abs_error']:.1%}, signed {s['mean_error']:+.1%}, worst {s['worst_error']:+.1%}; "
+         f"{s['predicted_not_to_fit']} of {s['runs']} predicted not to fit; MoE free-search median gain "
+         f"{s['moe_median_search_gain']:+.0%}",
+         "`python benchmarks/published_runs_h100.py`", f"{h100['date']}, `published_runs_h100-2026-11-26`"],
+        ["Published A100 runs (18: Narayanan et al. 2021, Korthikanti et al. 2022, transcribed from memory)",
+         f"mean \\|error\\| {a100['all']['mean_abs_error']:.1%}, worst {a100['all']['worst_error']:+.1%}; held-out "
+         f"half {a100['held-out']['mean_abs_error']:.1%}", "`python benchmarks/published_runs.py`",
+         "2026-11-26, `published_runs-2026-11-26`"],
+        ["Emulated 4-node cluster (network namespaces, shaped links, CPU training), 22 held-out layouts, two runs",
+         f"MAPE {held[0]['mape']:.1%} / {held[1]['mape']:.1%}, Kendall tau {held[0]['kendall_tau']:.2f} / "
+         f"{held[1]['kendall_tau']:.2f}; placement {ratios[0]:.2f}x / {ratios[1]:.2f}x faster than Megatron's order",
+         "`python benchmarks/emulated_cluster.py` (root)",
+         "2026-11-23 (the model of that day), `emulated_cluster-2026-11-23-held-out-22-run3`, `-run4`"],
+    ]
+
+
+def table() -> str:
+    lines = [BEGIN, "| compared against | figures | reproduce | when, kept under `benchmarks/results/` |",
+             "|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows()]
+    return "\n".join([*lines, END])
+
+
+def readme_table(readme: str) -> str:
+    """The table block of README.md's text ('' where it has none)."""
+    if BEGIN not in readme or END not in readme:
+        return ""
+    return readme[readme.index(BEGIN):readme.index(END) + len(END)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when README.md's table is not this one")
+    ns = p.parse_args(argv)
+    if ns.check:
+        same = readme_table((ROOT / "README.md").read_text()) == table()
+        print("README.md's validation table is " + ("current" if same else "stale: regenerate it"))
+        return 0 if same else 1
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
