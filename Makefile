@@ -30,7 +30,7 @@ demo: venv
 # left to make test); test-random is the same with hypothesis drawing new examples; test-gpu runs
 # the tests that need CUDA (they skip without it).
 FAST := -m "not torchrun and not slow and not gpu and not megatron" tests/spec tests/cost tests/plan tests/cli \
-        tests/golden tests/probe tests/architecture tests/calibration tests/report
+        tests/golden tests/probe tests/twin tests/architecture tests/calibration tests/report
 
 test: venv lint
 	$(PY) -m pytest -q
