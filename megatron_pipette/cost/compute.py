@@ -27,6 +27,7 @@ the --recompute-modules of every layer (by default the attention core).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from megatron_pipette.cost.experts import moe_mlp
 from megatron_pipette.cost.gemm import (
     AttentionCurve,
     GemmCurve,
+    LinearFlops,
     PartWork,
     Work,
     attention_curve,
@@ -95,8 +97,15 @@ def _shape(job: Job) -> dict:
                 sp=layout.tp if layout.sequence_parallel else 1)
 
 
+class ForwardBackward(NamedTuple):
+    """Effective FLOPs of one computation's forward and backward."""
+
+    forward: float
+    backward: float
+
+
 def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, dq: int, dv: int, cp: int = 1) -> tuple[float, float]:
+                   s: int, dq: int, dv: int, cp: int = 1) -> ForwardBackward:
     """(forward, backward) effective FLOPs of the attention core (scores over query/key heads of
     width dq, weighted values of width dv) of b sequences of a heads on one TP rank, which holds s /
     `cp` of the queries (context parallelism balances the causal work over its ranks). Unfused
@@ -106,11 +115,12 @@ def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_ker
     q = s // cp
     full = gemm_work(gemm, q, s, dq, b * a) + gemm_work(gemm, q, dv, s, b * a)
     if not causal_kernel:
-        return full, 2 * full
+        return ForwardBackward(forward=full, backward=2 * full)
     if attention is None:
-        return full / 2, full
+        return ForwardBackward(forward=full / 2, backward=full)
     flops = 1.0 * b * a * q * s * (dq + dv)
-    return (flops / attention.efficiency(0, flops / cp), 2 * flops / attention.efficiency(1, 2 * flops / cp))
+    return ForwardBackward(forward=flops / attention.efficiency(0, flops / cp),
+                           backward=2 * flops / attention.efficiency(1, 2 * flops / cp))
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
@@ -241,7 +251,7 @@ def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
     causal = w.attention_backend in FLASH_BACKENDS
     whole = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"], x["dq"], x["dv"], x["cp"])
     shard = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"] // x["cp"], x["dq"], x["dv"])
-    forward, backward = whole[0] - shard[0], whole[1] - shard[1]
+    forward, backward = whole.forward - shard.forward, whole.backward - shard.backward
     redone = layout.recompute_granularity == "full" or "core_attn" in layout.selective_modules
     return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
                     recompute=Work(flops=forward if redone else 0.0))
@@ -268,16 +278,47 @@ def _profile_part(entry, rate: float) -> PartWork | None:
     return None if entry is None else _profiled(entry.forward_s, entry.backward_s, 0.0, rate)
 
 
+class ChunkWork(NamedTuple):
+    """Work of one micro-batch per (pipeline stage, model chunk): cost.gemm.Work with a (p, v) array
+    in each field."""
+
+    flops: np.ndarray
+    """(p, v) effective GEMM FLOPs: seconds = flops / the stage's GEMM FLOP/s."""
+    mem_s: np.ndarray
+    """(p, v) memory-bound seconds."""
+
+    def seconds(self, rate: np.ndarray | float) -> np.ndarray:
+        """Seconds at `rate` GEMM FLOP/s (broadcast against (p, v))."""
+        return self.flops / rate + self.mem_s
+
+
+class LayerLinears(NamedTuple):
+    """Effective FLOPs of the GEMMs beside which Megatron runs a layer's tensor-parallel collectives
+    (the roofline's, also when the layer time is profiled): the backward ones of the column-parallel
+    linears (qkv, fc1, output) hide their asynchronous collectives; --tp-comm-overlap pipelines the
+    forward and data-gradient ones of qkv, proj, fc1 and fc2 with the collectives beside them."""
+
+    qkv: LinearFlops
+    """The attention's column-parallel linears, summed: QKV, or MLA's up projections."""
+    proj: LinearFlops
+    """The attention's output projection (row parallel)."""
+    fc1: LinearFlops
+    """The MLP's first linear (column parallel)."""
+    fc2: LinearFlops
+    """The MLP's second linear (row parallel)."""
+    output: LinearFlops
+    """The output layer (column parallel, last stage), at the training dtype's curve also under FP8."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageWork:
     """Work of one micro-batch per (pipeline stage, model chunk), compute only."""
 
-    forward: np.ndarray
-    """(2, p, v): [0] effective FLOPs, [1] memory-bound seconds."""
-    backward: np.ndarray
-    """(2, p, v) without recomputation."""
-    recompute: np.ndarray
-    """(2, p, v) recomputed forward work, added to the backward."""
+    forward: ChunkWork
+    backward: ChunkWork
+    """Without recomputation."""
+    recompute: ChunkWork
+    """Recomputed forward work, added to the backward."""
     layers: np.ndarray
     """(p, v) transformer layers per chunk."""
     recomputed_layers: np.ndarray
@@ -291,24 +332,29 @@ class StageWork:
     mlp_redone: np.ndarray
     """(p, v) layers whose dense MLP, TP collectives included, selective recomputation redoes (mlp;
     an MoE layer's shared experts under moe or shared_experts)."""
-    core: np.ndarray
-    """(2,) effective FLOPs of one layer's attention core, forward and backward: what context
-    parallelism's key/value exchange hides behind."""
+    attention_core: ForwardBackward
+    """One layer's attention core: what context parallelism's key/value exchange hides behind."""
     profiled: bool
     """True when the dense layers' times came from the LayerProfile (MoE layers, which the profile
     does not time, are the roofline's; so is every layer under a CP size whose shard it did not time)."""
-    overlap: np.ndarray
-    """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
-    linears (QKV or MLA's up projections, fc1 of every layer; the output layer), behind which
-    Megatron runs their backward TP collectives (the roofline's GEMMs, also when the layer time is
-    profiled)."""
-    userbuffer: np.ndarray
-    """(4, 2) effective FLOPs of the forward and data-gradient GEMMs of QKV, the output projection,
-    fc1 and fc2, which --tp-comm-overlap pipelines with the TP collectives beside them."""
+    linears: LayerLinears
+    """One layer's linears (and the output layer's), for the TP collectives beside them (cost.timing)."""
 
 
-def _as_array(work: Work) -> np.ndarray:
-    return np.array([work.flops, work.mem_s])
+def _chunks(dense: Work, moe: Work, count: np.ndarray, moe_count: np.ndarray) -> ChunkWork:
+    """`count` layers per chunk, `moe_count` of them with the MoE layer's work, the rest the dense one's."""
+    return ChunkWork(flops=dense.flops * (count - moe_count) + moe.flops * moe_count,
+                     mem_s=dense.mem_s * (count - moe_count) + moe.mem_s * moe_count)
+
+
+def _add_at(chunks: ChunkWork, stage: int, chunk: int, work: Work) -> None:
+    """Add `work` to one (stage, chunk) of `chunks`, in place."""
+    chunks.flops[stage, chunk] += work.flops
+    chunks.mem_s[stage, chunk] += work.mem_s
+
+
+def _summed(linears: list[LinearFlops]) -> LinearFlops:
+    return LinearFlops(*(sum(gemms) for gemms in zip(*linears)))
 
 
 def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
@@ -332,31 +378,29 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     moe, moe_rc = _moe_counts(job, layers)
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
     sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
-    fwd, bwd, rc = (_as_array(getattr(layer, part))[:, None, None] * (count - moe_count)
-                    + _as_array(getattr(sparse, part))[:, None, None] * moe_count
-                    for part, count, moe_count in (("forward", layers, moe), ("backward", layers, moe),
-                                                   ("recompute", rc_layers, moe_rc_layers)))
-    fwd[:, 0, 0] += _as_array(embed.forward)
-    bwd[:, 0, 0] += _as_array(embed.backward)
-    fwd[:, -1, -1] += _as_array(out.forward)
-    bwd[:, -1, -1] += _as_array(out.backward)
+    fwd = _chunks(layer.forward, sparse.forward, layers, moe)
+    bwd = _chunks(layer.backward, sparse.backward, layers, moe)
+    rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)
+    _add_at(fwd, 0, 0, embed.forward)
+    _add_at(bwd, 0, 0, embed.backward)
+    _add_at(fwd, -1, -1, out.forward)
+    _add_at(bwd, -1, -1, out.backward)
     x = _shape(job)
-    works = {name: np.array(linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)))
+    works = {name: linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w))
              for name, shape in _layer_linears(job).items()}
-    attn = sum(works[name] for name in _column_attention(w))
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    output = np.array(linear_work(gemm, x["n"], vocab, x["h"], main_grad_bytes(w)))
-    overlap = np.array([attn[1:], works["fc1"][1:], output[1:]])
+    linears = LayerLinears(qkv=_summed([works[name] for name in _column_attention(w)]), proj=works["proj"],
+                           fc1=works["fc1"], fc2=works["fc2"],
+                           output=linear_work(gemm, x["n"], vocab, x["h"], main_grad_bytes(w)))
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],
                           x["dv"], x["cp"])
     redone = layout.selective_modules
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
-    userbuffer = np.array([attn[:2], works["proj"][:2], works["fc1"][:2], works["fc2"][:2]])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
-                     core=np.array(core), profiled=profiled, overlap=overlap, userbuffer=userbuffer)
+                     attention_core=core, profiled=profiled, linears=linears)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

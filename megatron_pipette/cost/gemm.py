@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from typing import NamedTuple
 
 import numpy as np
 
@@ -197,16 +198,27 @@ def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0,
     return 2.0 * m * n * k * count / gemm(m * count, n, k, output_bytes)
 
 
+class LinearFlops(NamedTuple):
+    """Effective FLOPs of the three GEMMs of a linear layer (or of several, summed)."""
+
+    forward: float
+    dgrad: float
+    """The data gradient: the backward's input gradient."""
+    wgrad: float
+    """The weight gradient."""
+
+
 def linear_work(gemm: GemmCurve, tokens: float, out: float, inp: float, main_grad_bytes: float | None = None,
-                count: int = 1) -> tuple[float, float, float]:
+                count: int = 1) -> LinearFlops:
     """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
     `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
     at its own shape's efficiency. `main_grad_bytes`: what the weight-gradient GEMM reads and writes
     per weight where it accumulates into Megatron's main_grad (gradient-accumulation fusion: twice
     the gradient buffer's dtype); None: a 16-bit result. `count` such linears, each its own GEMM
     (a grouped GEMM of the local experts: every expert reads its own weights)."""
-    return (count * gemm_work(gemm, tokens, out, inp), count * gemm_work(gemm, tokens, inp, out),
-            count * gemm_work(gemm, out, inp, tokens, output_bytes=main_grad_bytes))
+    return LinearFlops(forward=count * gemm_work(gemm, tokens, out, inp),
+                       dgrad=count * gemm_work(gemm, tokens, inp, out),
+                       wgrad=count * gemm_work(gemm, out, inp, tokens, output_bytes=main_grad_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,7 +81,7 @@ class CostModel:
         work = self.work(job)
         rate = float(self.cluster.sustained_gemm_flops.max())
         parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
-        per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
+        per_chunk = sum(part.seconds(rate) for part in parts)                    # (p, v)
         fill_and_drain = np.concatenate(([0.0], np.cumsum(per_chunk[:-1, 0])))   # stages before k, chunk 0
         return float((job.num_microbatches * per_chunk.sum(axis=1) + fill_and_drain).max())
 
