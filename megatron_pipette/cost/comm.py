@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -177,6 +178,15 @@ class ExpertLinks:
     """GPUs of an NVLink domain: what the flex dispatcher's groups span beyond it goes over the NICs."""
 
 
+class Hops(NamedTuple):
+    """Seconds of one message on each pipeline hop, per replica."""
+
+    activation: np.ndarray
+    """(dp x cp, pp) hop h: the forward's activation, rank h -> (h+1) % pp."""
+    gradient: np.ndarray
+    """(dp x cp, pp) hop h: the backward's gradient, rank (h+1) % pp -> h."""
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GroupLinks:
     """The links every group of one rank grid and placement uses."""
@@ -209,17 +219,17 @@ class GroupLinks:
     """Latency and 1/bandwidth (each (2, pp, dp x cp, tp)) of the same links inside an exchange;
     None: full duplex (as hop_alpha_s, hop_inv_bw)."""
 
-    def p2p_s(self, nbytes: float) -> np.ndarray:
-        """(2, dp x cp, pp): one message on each hop, each TP rank on its own link; the slowest sets it."""
+    def p2p_s(self, nbytes: float) -> Hops:
+        """One message on each hop, each TP rank on its own link; the slowest sets it."""
         return _hop_s(nbytes, self.hop_alpha_s, self.hop_inv_bw)
 
-    def exchange_s(self, nbytes: float) -> np.ndarray | None:
-        """(2, dp x cp, pp): the same messages while the reverse one runs (None: as p2p_s)."""
+    def exchange_s(self, nbytes: float) -> Hops | None:
+        """The same messages while the reverse one runs (None: as p2p_s)."""
         return None if self.hop_xchg is None else _hop_s(nbytes, *self.hop_xchg)
 
 
-def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
-    return (alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1)
+def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> Hops:
+    return Hops(*(alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1))
 
 
 def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, cp: int = 1, ep: int = 1,

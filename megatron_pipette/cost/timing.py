@@ -260,9 +260,9 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
     times = schedules.StageTimes(forward_s=fwd + tp_f + cp_f + ep_f, backward_s=bwd + rc + tp_b + cp_b + ep_b,
-                                 fwd_comm_s=hop[0], bwd_comm_s=hop[1],
-                                 fwd_xchg_s=None if xchg is None else xchg[0],
-                                 bwd_xchg_s=None if xchg is None else xchg[1])
+                                 fwd_comm_s=hop.activation, bwd_comm_s=hop.gradient,
+                                 fwd_xchg_s=None if xchg is None else xchg.activation,
+                                 bwd_xchg_s=None if xchg is None else xchg.gradient)
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
                    ep_comm=ep_f + ep_b)
 
