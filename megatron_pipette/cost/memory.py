@@ -290,6 +290,7 @@ def in_flight_microbatches(job: Job) -> tuple[int, ...]:
     return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
 
 
+# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
 def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[tuple[int, int, int]]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
@@ -315,6 +316,7 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
     return frozenset(states)
 
 
+# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
 def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[tuple[int, int, int], ...]:
     """The in-flight states (chunks, of them chunk 0, of them the last chunk) no other state
@@ -359,6 +361,7 @@ def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, 
                           layout.cp_comm_type, stage, tied_split, layout.use_distributed_optimizer, domain)
 
 
+# Module-level memo (cost.model lists them): a function of the rank grid's sizes alone.
 @lru_cache(maxsize=4096)
 def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispatcher: str | None, cp_comm: str,
                    stage: int, tied_split: bool, distributed_optimizer: bool, domain: int) -> tuple[Communicator, ...]:
