@@ -333,7 +333,9 @@ class Communicator:
     """One NCCL communicator a device uses."""
 
     group: str
-    """Megatron's group: tp, pp, dp, mp (model parallel), embedding, world, grad-stats."""
+    """Megatron's group, named as its order strings name it (spec.ranks): tp, cp, pp, dp (dp-cp
+    under context parallelism), mp (model parallel: tp-pp), ep, etp, etp-ep, edp, and embedding,
+    world, grad-stats."""
     bulk: bool
     """It moves large tensors by collectives (TP activations, DP gradients and parameters, the
     embedding gradient), which NCCL runs with NVLS where it is on. pp runs p2p only, which NVLS
@@ -389,7 +391,7 @@ def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispat
             comms += [group("ep", experts.group_of(device, "ep"), bulk=False)] if ep > 1 else []
             comms += [group("etp", experts.group_of(device, "etp"), bulk=True)] if etp > 1 else []
         elif ep * etp > 1:
-            comms.append(group("tp-ep", experts.group_of(device, "etp-ep"), bulk=True))
+            comms.append(group("etp-ep", experts.group_of(device, "etp-ep"), bulk=True))
         if experts.size("edp") > 1:
             comms.append(group("edp", experts.group_of(device, "edp"), bulk=True))
     if world > 1:

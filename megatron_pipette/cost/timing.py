@@ -168,7 +168,7 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
         return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.tensor.all_gather_s(volume["etp"])
     if job.workload.moe_token_dispatcher_type == "flex":
         return 2 * experts.dispatch.all_to_all_s(volume["flex"], *flex_shares(job, experts.gpus_per_domain))
-    return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
+    return 2 * experts.tensor_and_expert.all_gather_s(volume["etp-ep"])
 
 
 def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
