@@ -146,10 +146,10 @@ def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.nda
     heads, groups = w.num_attention_heads // layout.tp, w.query_groups // layout.tp
     kv = n * groups * (dq + dv) * e                                          # this rank's K and V
     if layout.cp_comm_type == "a2a":
-        a2a = links.context_a2a
+        a2a = links.cp_a2a_groups
         one = sum(a2a.all_to_all_s(n * width * e) for width in (heads * dq, groups * dq, groups * dv, heads * dv))
         return one.T[:, :, None], one.T[:, :, None]
-    ring = links.context
+    ring = links.cp_groups
     gather = ring.all_gather_s(layout.cp * kv).T[:, :, None]
     if layout.cp_comm_type == "allgather":
         return gather, 2 * gather
@@ -165,10 +165,10 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     --overlap-moe-expert-parallel-comm, which would, is refused)."""
     volume, experts = dispatch_bytes(job), links.experts
     if job.workload.moe_token_dispatcher_type == "alltoall":
-        return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.tensor.all_gather_s(volume["etp"])
+        return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.etp_groups.all_gather_s(volume["etp"])
     if job.workload.moe_token_dispatcher_type == "flex":
         return 2 * experts.dispatch.all_to_all_s(volume["flex"], *flex_shares(job, experts.gpus_per_domain))
-    return 2 * experts.tensor_and_expert.all_gather_s(volume["etp-ep"])
+    return 2 * experts.etp_ep_groups.all_gather_s(volume["etp-ep"])
 
 
 def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
@@ -176,7 +176,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     sp = layout.sequence_parallel
     tokens = job.tokens_per_microbatch
     act = tokens * workload.hidden_size * workload.bytes_per_element
-    ring = links.tensor
+    ring = links.tp_groups
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
     # The collective before the attention's column-parallel linears moves their input: the hidden
     # state, or MLA's latents (cost.compute.attention_input_width).
@@ -359,7 +359,7 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     replicas, experts = layout.dp * layout.cp, links.experts
     if replicas == 1 and (experts is None or layout.expert_data_parallel_size == 1):
         return np.zeros(layout.pp), 0.0
-    ring, dopt = links.data, layout.use_distributed_optimizer
+    ring, dopt = links.dp_cp_groups, layout.use_distributed_optimizer
 
     def both(collective: str, per_param: int, fp8_layers: bool = False) -> np.ndarray:
         """(pp,) the dense and the expert collective of each stage (worst TP rank's group);
@@ -367,7 +367,7 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
         dense = params.dense * per_param - (params.dense_in_layers * (per_param - 1) if fp8_layers else 0)
         out = getattr(ring, collective)(dense[:, None]).max(axis=1)
         expert = params.expert * (1 if fp8_layers else per_param)
-        return out + (getattr(experts.data, collective)(expert) if experts else 0.0)
+        return out + (getattr(experts.edp_groups, collective)(expert) if experts else 0.0)
 
     reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", workload.grad_bytes)
     buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
@@ -424,7 +424,7 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     t_sync = t_dp
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
         words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * workload.grad_bytes
-        t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
+        t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding_groups.all_reduce_s(words).max()))
     optimizer = float(optimizer_s.max())
     total = t_sync + gather + optimizer
     busiest = int(np.argmax(pipe.busy_s[crit]))
