@@ -64,9 +64,9 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
     column-parallel linear holds out / TP, a row-parallel one in / TP; MLA's duplicated down
     projections are whole and, under sequence parallelism, run on the rank's share of the tokens."""
     x, w, t = _shape(job), job.workload, job.layout.tp
-    n, f, h = x["n"], x["f"], x["h"]
+    n, f, h = x.tokens, x.ffn, x.hidden
     per_rank = {"column": lambda out, inp: (n, out // t, inp), "row": lambda out, inp: (n, out, inp // t),
-                "duplicated": lambda out, inp: (n // x["sp"], out, inp)}
+                "duplicated": lambda out, inp: (n // x.sp, out, inp)}
     attention = {name: per_rank[split](out, inp) for name, (out, inp, split) in w.attention_linears().items()}
     return {**attention, "fc1": (n, f * (2 if w.swiglu else 1), h), "fc2": (n, h, f)}
 
@@ -86,15 +86,36 @@ def attention_input_width(workload: Workload) -> int:
             + (workload.qk_pos_emb_head_dim if workload.multi_latent_attention else 0))
 
 
-def _shape(job: Job) -> dict:
-    """Per-rank sizes: n tokens (the rank's context-parallel share of the micro-batch), heads, groups
-    and ffn columns per TP rank."""
+class RankShape(NamedTuple):
+    """The sizes one TP rank computes with, per micro-batch."""
+
+    tokens: int
+    """The rank's context-parallel share of the micro-batch's tokens."""
+    micro_batch: int
+    seq_length: int
+    cp: int
+    hidden: int
+    heads: int
+    """Attention heads on this TP rank."""
+    query_groups: int
+    """Query groups on this TP rank."""
+    query_head_dim: int
+    value_head_dim: int
+    ffn: int
+    """FFN columns on this TP rank."""
+    element_bytes: int
+    sp: int
+    """What sequence parallelism splits the sequence by: the TP size, or 1 without it."""
+
+
+def _shape(job: Job) -> RankShape:
     w, layout = job.workload, job.layout
     t = layout.tp
-    return dict(n=job.tokens_per_microbatch, b=layout.micro_batch_size, s=w.seq_length, cp=layout.cp,
-                h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, dq=w.query_head_dim,
-                dv=w.value_head_dim, f=w.ffn // t, e=w.bytes_per_element,
-                sp=layout.tp if layout.sequence_parallel else 1)
+    return RankShape(tokens=job.tokens_per_microbatch, micro_batch=layout.micro_batch_size, seq_length=w.seq_length,
+                     cp=layout.cp, hidden=w.hidden_size, heads=w.num_attention_heads // t,
+                     query_groups=w.query_groups // t, query_head_dim=w.query_head_dim,
+                     value_head_dim=w.value_head_dim, ffn=w.ffn // t, element_bytes=w.bytes_per_element,
+                     sp=layout.tp if layout.sequence_parallel else 1)
 
 
 class ForwardBackward(NamedTuple):
@@ -131,10 +152,10 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     whose MLP is cost.experts.moe_mlp; `linear`: the curve of the layer's linears where it differs
     from `gemm` (FP8: cost.gemm.fp8_curve)."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, b, s, h, a, g, dq, dv, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "dq", "dv", "f", "e", "sp",
-                                                              "cp"))
+    n, h, f, e, sp = x.tokens, x.hidden, x.ffn, x.element_bytes, x.sp
     gemm = gemm or gemm_curve(None, w.precision)
-    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, dq, dv, cp)
+    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
+                                         x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     shapes = _layer_linears(job)
     if moe:
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
@@ -147,7 +168,8 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
-        scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
+        scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length
+                  * x.seq_length)
     mem = (hidden + act + _attention_elementwise_bytes(job) + scores) / memory_bandwidth_Bps
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + cast_f / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
@@ -179,10 +201,10 @@ def _attention_elementwise_bytes(job: Job) -> float:
     also applies its rotary embedding whatever --position-embedding-type says) and the
     --qk-layernorm norms (MLA's on the latents, sharded only by SP)."""
     w, x = job.workload, _shape(job)
-    n, a, g, dq, e = x["n"], x["a"], x["g"], x["dq"], x["e"]
+    n, a, g, dq, e = x.tokens, x.heads, x.query_groups, x.query_head_dim, x.element_bytes
     if w.multi_latent_attention:
         rope = 2 * e * n * 2 * a * dq
-        norms = 2 * e * n * sum(w.qk_norm_widths()) / x["sp"]
+        norms = 2 * e * n * sum(w.qk_norm_widths()) / x.sp
     else:
         rope = 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
         norms = 2 * e * n * (a + g) * dq if w.qk_layernorm else 0
@@ -194,7 +216,7 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
 
     The backward writes a dense (vocab/t x h) gradient and adds it into the fp32 main grad."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     fwd = 2 * e * n * h + (3 * e * n * h if w.position_embedding_type == "learned_absolute" else 0)
     fwd += (2 * e + 1) * n * h / sp if w.hidden_dropout > 0 else 0
     bwd = 2 * e * n * h + w.padded_vocab_size(layout.tp) // layout.tp * h * (e + 8)
@@ -204,7 +226,7 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
 def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
     """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
@@ -249,8 +271,10 @@ def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
     w, layout, x = job.workload, job.layout, _shape(job)
     gemm, attention = gemm_curve(cluster.gpu, w.precision), attention_curve(cluster.gpu, w.attention_backend)
     causal = w.attention_backend in FLASH_BACKENDS
-    whole = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"], x["dq"], x["dv"], x["cp"])
-    shard = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"] // x["cp"], x["dq"], x["dv"])
+    whole = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length, x.query_head_dim,
+                           x.value_head_dim, x.cp)
+    shard = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length // x.cp, x.query_head_dim,
+                           x.value_head_dim)
     forward, backward = whole.forward - shard.forward, whole.backward - shard.backward
     redone = layout.recompute_granularity == "full" or "core_attn" in layout.selective_modules
     return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
@@ -391,9 +415,9 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     linears = LayerLinears(qkv=_summed([works[name] for name in _column_attention(w)]), proj=works["proj"],
                            fc1=works["fc1"], fc2=works["fc2"],
-                           output=linear_work(gemm, x["n"], vocab, x["h"], main_grad_bytes(w)))
-    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],
-                          x["dv"], x["cp"])
+                           output=linear_work(gemm, x.tokens, vocab, x.hidden, main_grad_bytes(w)))
+    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
+                          x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     redone = layout.selective_modules
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
