@@ -202,10 +202,10 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     qkv, proj, fc1, fc2, output = work.linears
     share = execution.nccl_compute_share
 
-    def hidden(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+    def hidden(collective: np.ndarray, gemm_flops: np.ndarray | float) -> np.ndarray:
         return behind_gemms(collective, gemm_flops, rate, share)
 
-    def pipelined(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+    def pipelined(collective: np.ndarray, gemm_flops: np.ndarray | float) -> np.ndarray:
         return userbuffer_exposed(collective, gemm_flops, rate, layout.tp, share)
 
     if sp:
