@@ -9,7 +9,9 @@ per-layout costs are then a few vectorised array operations, so the planner
 can price thousands of layouts that share a grid.
 
 Logical ranks are in Megatron's default rank order (tp-cp-ep-dp-pp), their
-dense and expert grids read from spec.ranks.
+dense and expert grids read from spec.ranks. Groups are named as Megatron's order strings name
+them (tp, cp, dp-cp, pp, ep, etp, etp-ep, edp): GroupLinks.dp_cp_groups is the 'dp-cp' group, in
+the spelling a Python name allows (megatron-core's ProcessGroupCollection.dp_cp).
 A placement maps logical rank -> physical device (the index in the cluster's
 matrices). A pipeline replica is one (dp_rank, cp_rank): the context-parallel
 ranks of a replica run the same schedule in lock step.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -167,14 +170,23 @@ class ExpertLinks:
 
     dispatch: AllToAll
     """Expert-parallel groups: the alltoall dispatcher's all-to-alls (flex: over ETP x EP)."""
-    tensor: Rings
+    etp_groups: Rings
     """Expert tensor-parallel groups: the routed rows' all-gather and reduce-scatter."""
-    tensor_and_expert: Rings
+    etp_ep_groups: Rings
     """ETP x EP groups: the allgather dispatcher's all-gather and reduce-scatter."""
-    data: Rings
+    edp_groups: Rings
     """Expert data-parallel groups: the experts' gradient reduction and parameter all-gather."""
     gpus_per_domain: int
     """GPUs of an NVLink domain: what the flex dispatcher's groups span beyond it goes over the NICs."""
+
+
+class Hops(NamedTuple):
+    """Seconds of one message on each pipeline hop, per replica."""
+
+    activation: np.ndarray
+    """(dp x cp, pp) hop h: the forward's activation, rank h -> (h+1) % pp."""
+    gradient: np.ndarray
+    """(dp x cp, pp) hop h: the backward's gradient, rank (h+1) % pp -> h."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -189,15 +201,15 @@ class GroupLinks:
     """(pp, dp x cp, tp) physical device of each logical rank; axis 1 is the pipeline replica."""
     gemm_flops: np.ndarray
     """(pp, dp x cp) GEMM FLOP/s each tensor-parallel group's slowest device sustains through a step."""
-    tensor: Rings
+    tp_groups: Rings
     """Tensor-parallel groups, shape (pp, dp x cp)."""
-    data: Rings
+    dp_cp_groups: Rings
     """The dense gradients' groups (data x context parallel), shape (pp, tp): stage s, TP rank t."""
-    context: Rings
+    cp_groups: Rings
     """Context-parallel rings (the key/value exchange), per replica: (pp, dp x cp), worst TP rank."""
-    context_a2a: AllToAll
-    """Context-parallel all-to-alls (--cp-comm-type a2a), per replica as `context`."""
-    embedding: Rings
+    cp_a2a_groups: AllToAll
+    """Context-parallel all-to-alls (--cp-comm-type a2a), per replica as `cp_groups`."""
+    embedding_groups: Rings
     """First + last stage groups (tied word embeddings), shape (dp x cp, tp)."""
     experts: ExpertLinks | None
     """The expert grid's groups; None for a dense model."""
@@ -209,17 +221,17 @@ class GroupLinks:
     """Latency and 1/bandwidth (each (2, pp, dp x cp, tp)) of the same links inside an exchange;
     None: full duplex (as hop_alpha_s, hop_inv_bw)."""
 
-    def p2p_s(self, nbytes: float) -> np.ndarray:
-        """(2, dp x cp, pp): one message on each hop, each TP rank on its own link; the slowest sets it."""
+    def p2p_s(self, nbytes: float) -> Hops:
+        """One message on each hop, each TP rank on its own link; the slowest sets it."""
         return _hop_s(nbytes, self.hop_alpha_s, self.hop_inv_bw)
 
-    def exchange_s(self, nbytes: float) -> np.ndarray | None:
-        """(2, dp x cp, pp): the same messages while the reverse one runs (None: as p2p_s)."""
+    def exchange_s(self, nbytes: float) -> Hops | None:
+        """The same messages while the reverse one runs (None: as p2p_s)."""
         return None if self.hop_xchg is None else _hop_s(nbytes, *self.hop_xchg)
 
 
-def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> np.ndarray:
-    return (alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1)
+def _hop_s(nbytes: float, alpha: np.ndarray, inv_bw: np.ndarray) -> Hops:
+    return Hops(*(alpha + nbytes * inv_bw).max(axis=3).transpose(0, 2, 1))
 
 
 def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, cp: int = 1, ep: int = 1,
@@ -259,11 +271,11 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
     return GroupLinks(
         tp=tp, pp=pp, dp=dp, cp=cp, devices=dev,
         gemm_flops=cluster.sustained_gemm_flops[dev].min(axis=2),
-        tensor=rings(dev, cluster),
-        data=rings(logical[grid.array("pp", "tp", "dp-cp")], cluster),
-        context=per_replica(rings(by_cp, cluster)),
-        context_a2a=per_replica(all_to_all(by_cp, cluster)),
-        embedding=rings(ends, cluster),
+        tp_groups=rings(dev, cluster),
+        dp_cp_groups=rings(logical[grid.array("pp", "tp", "dp-cp")], cluster),
+        cp_groups=per_replica(rings(by_cp, cluster)),
+        cp_a2a_groups=per_replica(all_to_all(by_cp, cluster)),
+        embedding_groups=rings(ends, cluster),
         experts=_expert_links(logical, pp, ep, tp if etp is None else etp, cluster, dispatch, flex) if experts
         else None,
         hop_alpha_s=hop_alpha,
@@ -292,8 +304,8 @@ def _expert_links(logical: np.ndarray, pp: int, ep: int, etp: int, cluster: Clus
     by_stage = _each_array(flat, lambda a: a.reshape(pp, -1, a.shape[-1]))
     return ExpertLinks(
         dispatch=_worst_per_stage(by_stage, (1, 2)),
-        tensor=_worst_per_stage(rings(logical[grid.array("pp", "edp", "ep", "etp")], cluster), (1, 2)),
-        tensor_and_expert=_worst_per_stage(rings(logical[grid.array("pp", "edp", "etp-ep")], cluster), (1,)),
-        data=_worst_per_stage(rings(logical[grid.array("pp", "ep", "etp", "edp")], cluster), (1, 2)),
+        etp_groups=_worst_per_stage(rings(logical[grid.array("pp", "edp", "ep", "etp")], cluster), (1, 2)),
+        etp_ep_groups=_worst_per_stage(rings(logical[grid.array("pp", "edp", "etp-ep")], cluster), (1,)),
+        edp_groups=_worst_per_stage(rings(logical[grid.array("pp", "ep", "etp", "edp")], cluster), (1, 2)),
         gpus_per_domain=cluster.gpus_per_domain,
     )

@@ -27,6 +27,7 @@ the --recompute-modules of every layer (by default the attention core).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from megatron_pipette.cost.experts import moe_mlp
 from megatron_pipette.cost.gemm import (
     AttentionCurve,
     GemmCurve,
+    LinearFlops,
     PartWork,
     Work,
     attention_curve,
@@ -62,9 +64,9 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
     column-parallel linear holds out / TP, a row-parallel one in / TP; MLA's duplicated down
     projections are whole and, under sequence parallelism, run on the rank's share of the tokens."""
     x, w, t = _shape(job), job.workload, job.layout.tp
-    n, f, h = x["n"], x["f"], x["h"]
+    n, f, h = x.tokens, x.ffn, x.hidden
     per_rank = {"column": lambda out, inp: (n, out // t, inp), "row": lambda out, inp: (n, out, inp // t),
-                "duplicated": lambda out, inp: (n // x["sp"], out, inp)}
+                "duplicated": lambda out, inp: (n // x.sp, out, inp)}
     attention = {name: per_rank[split](out, inp) for name, (out, inp, split) in w.attention_linears().items()}
     return {**attention, "fc1": (n, f * (2 if w.swiglu else 1), h), "fc2": (n, h, f)}
 
@@ -84,19 +86,47 @@ def attention_input_width(workload: Workload) -> int:
             + (workload.qk_pos_emb_head_dim if workload.multi_latent_attention else 0))
 
 
-def _shape(job: Job) -> dict:
-    """Per-rank sizes: n tokens (the rank's context-parallel share of the micro-batch), heads, groups
-    and ffn columns per TP rank."""
+class RankShape(NamedTuple):
+    """The sizes one TP rank computes with, per micro-batch."""
+
+    tokens: int
+    """The rank's context-parallel share of the micro-batch's tokens."""
+    micro_batch: int
+    seq_length: int
+    cp: int
+    hidden: int
+    heads: int
+    """Attention heads on this TP rank."""
+    query_groups: int
+    """Query groups on this TP rank."""
+    query_head_dim: int
+    value_head_dim: int
+    ffn: int
+    """FFN columns on this TP rank."""
+    element_bytes: int
+    sp: int
+    """What sequence parallelism splits the sequence by: the TP size, or 1 without it."""
+
+
+def _shape(job: Job) -> RankShape:
     w, layout = job.workload, job.layout
     t = layout.tp
-    return dict(n=job.tokens_per_microbatch, b=layout.micro_batch_size, s=w.seq_length, cp=layout.cp,
-                h=w.hidden_size, a=w.num_attention_heads // t, g=w.query_groups // t, dq=w.query_head_dim,
-                dv=w.value_head_dim, f=w.ffn // t, e=w.bytes_per_element,
-                sp=layout.tp if layout.sequence_parallel else 1)
+    return RankShape(tokens=job.tokens_per_microbatch, micro_batch=layout.micro_batch_size, seq_length=w.seq_length,
+                     cp=layout.cp, hidden=w.hidden_size, heads=w.num_attention_heads // t,
+                     query_groups=w.query_groups // t, query_head_dim=w.query_head_dim,
+                     value_head_dim=w.value_head_dim, ffn=w.ffn // t, element_bytes=w.bytes_per_element,
+                     sp=layout.tp if layout.sequence_parallel else 1)
+
+
+class ForwardBackward(NamedTuple):
+    """Effective FLOPs of one computation's forward and backward."""
+
+    forward: float
+    backward: float
 
 
 def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, dq: int, dv: int, cp: int = 1) -> tuple[float, float]:
+                   s: int, dq: int, dv: int, cp: int = 1) -> ForwardBackward:
     """(forward, backward) effective FLOPs of the attention core (scores over query/key heads of
     width dq, weighted values of width dv) of b sequences of a heads on one TP rank, which holds s /
     `cp` of the queries (context parallelism balances the causal work over its ranks). Unfused
@@ -106,11 +136,12 @@ def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_ker
     q = s // cp
     full = gemm_work(gemm, q, s, dq, b * a) + gemm_work(gemm, q, dv, s, b * a)
     if not causal_kernel:
-        return full, 2 * full
+        return ForwardBackward(forward=full, backward=2 * full)
     if attention is None:
-        return full / 2, full
+        return ForwardBackward(forward=full / 2, backward=full)
     flops = 1.0 * b * a * q * s * (dq + dv)
-    return (flops / attention.efficiency(0, flops / cp), 2 * flops / attention.efficiency(1, 2 * flops / cp))
+    return ForwardBackward(forward=flops / attention.efficiency(0, flops / cp),
+                           backward=2 * flops / attention.efficiency(1, 2 * flops / cp))
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
@@ -121,10 +152,10 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     whose MLP is cost.experts.moe_mlp; `linear`: the curve of the layer's linears where it differs
     from `gemm` (FP8: cost.gemm.fp8_curve)."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, b, s, h, a, g, dq, dv, f, e, sp, cp = (x[k] for k in ("n", "b", "s", "h", "a", "g", "dq", "dv", "f", "e", "sp",
-                                                              "cp"))
+    n, h, f, e, sp = x.tokens, x.hidden, x.ffn, x.element_bytes, x.sp
     gemm = gemm or gemm_curve(None, w.precision)
-    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, b, a, s, dq, dv, cp)
+    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
+                                         x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     shapes = _layer_linears(job)
     if moe:
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
@@ -137,7 +168,8 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
-        scores = (2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * b * a * s * s
+        scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length
+                  * x.seq_length)
     mem = (hidden + act + _attention_elementwise_bytes(job) + scores) / memory_bandwidth_Bps
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + cast_f / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
@@ -169,10 +201,10 @@ def _attention_elementwise_bytes(job: Job) -> float:
     also applies its rotary embedding whatever --position-embedding-type says) and the
     --qk-layernorm norms (MLA's on the latents, sharded only by SP)."""
     w, x = job.workload, _shape(job)
-    n, a, g, dq, e = x["n"], x["a"], x["g"], x["dq"], x["e"]
+    n, a, g, dq, e = x.tokens, x.heads, x.query_groups, x.query_head_dim, x.element_bytes
     if w.multi_latent_attention:
         rope = 2 * e * n * 2 * a * dq
-        norms = 2 * e * n * sum(w.qk_norm_widths()) / x["sp"]
+        norms = 2 * e * n * sum(w.qk_norm_widths()) / x.sp
     else:
         rope = 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
         norms = 2 * e * n * (a + g) * dq if w.qk_layernorm else 0
@@ -184,7 +216,7 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
 
     The backward writes a dense (vocab/t x h) gradient and adds it into the fp32 main grad."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     fwd = 2 * e * n * h + (3 * e * n * h if w.position_embedding_type == "learned_absolute" else 0)
     fwd += (2 * e + 1) * n * h / sp if w.hidden_dropout > 0 else 0
     bwd = 2 * e * n * h + w.padded_vocab_size(layout.tp) // layout.tp * h * (e + 8)
@@ -194,7 +226,7 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
 def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
     """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
     w, layout, x = job.workload, job.layout, _shape(job)
-    n, h, e, sp = x["n"], x["h"], x["e"], x["sp"]
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
     fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
@@ -239,9 +271,11 @@ def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
     w, layout, x = job.workload, job.layout, _shape(job)
     gemm, attention = gemm_curve(cluster.gpu, w.precision), attention_curve(cluster.gpu, w.attention_backend)
     causal = w.attention_backend in FLASH_BACKENDS
-    whole = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"], x["dq"], x["dv"], x["cp"])
-    shard = core_attention(gemm, attention, causal, x["b"], x["a"], x["s"] // x["cp"], x["dq"], x["dv"])
-    forward, backward = whole[0] - shard[0], whole[1] - shard[1]
+    whole = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length, x.query_head_dim,
+                           x.value_head_dim, x.cp)
+    shard = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length // x.cp, x.query_head_dim,
+                           x.value_head_dim)
+    forward, backward = whole.forward - shard.forward, whole.backward - shard.backward
     redone = layout.recompute_granularity == "full" or "core_attn" in layout.selective_modules
     return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
                     recompute=Work(flops=forward if redone else 0.0))
@@ -268,16 +302,47 @@ def _profile_part(entry, rate: float) -> PartWork | None:
     return None if entry is None else _profiled(entry.forward_s, entry.backward_s, 0.0, rate)
 
 
+class ChunkWork(NamedTuple):
+    """Work of one micro-batch per (pipeline stage, model chunk): cost.gemm.Work with a (p, v) array
+    in each field."""
+
+    flops: np.ndarray
+    """(p, v) effective GEMM FLOPs: seconds = flops / the stage's GEMM FLOP/s."""
+    mem_s: np.ndarray
+    """(p, v) memory-bound seconds."""
+
+    def seconds(self, rate: np.ndarray | float) -> np.ndarray:
+        """Seconds at `rate` GEMM FLOP/s (broadcast against (p, v))."""
+        return self.flops / rate + self.mem_s
+
+
+class LayerLinears(NamedTuple):
+    """Effective FLOPs of the GEMMs beside which Megatron runs a layer's tensor-parallel collectives
+    (the roofline's, also when the layer time is profiled): the backward ones of the column-parallel
+    linears (qkv, fc1, output) hide their asynchronous collectives; --tp-comm-overlap pipelines the
+    forward and data-gradient ones of qkv, proj, fc1 and fc2 with the collectives beside them."""
+
+    qkv: LinearFlops
+    """The attention's column-parallel linears, summed: QKV, or MLA's up projections."""
+    proj: LinearFlops
+    """The attention's output projection (row parallel)."""
+    fc1: LinearFlops
+    """The MLP's first linear (column parallel)."""
+    fc2: LinearFlops
+    """The MLP's second linear (row parallel)."""
+    output: LinearFlops
+    """The output layer (column parallel, last stage), at the training dtype's curve also under FP8."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageWork:
     """Work of one micro-batch per (pipeline stage, model chunk), compute only."""
 
-    forward: np.ndarray
-    """(2, p, v): [0] effective FLOPs, [1] memory-bound seconds."""
-    backward: np.ndarray
-    """(2, p, v) without recomputation."""
-    recompute: np.ndarray
-    """(2, p, v) recomputed forward work, added to the backward."""
+    forward: ChunkWork
+    backward: ChunkWork
+    """Without recomputation."""
+    recompute: ChunkWork
+    """Recomputed forward work, added to the backward."""
     layers: np.ndarray
     """(p, v) transformer layers per chunk."""
     recomputed_layers: np.ndarray
@@ -291,24 +356,29 @@ class StageWork:
     mlp_redone: np.ndarray
     """(p, v) layers whose dense MLP, TP collectives included, selective recomputation redoes (mlp;
     an MoE layer's shared experts under moe or shared_experts)."""
-    core: np.ndarray
-    """(2,) effective FLOPs of one layer's attention core, forward and backward: what context
-    parallelism's key/value exchange hides behind."""
+    attention_core: ForwardBackward
+    """One layer's attention core: what context parallelism's key/value exchange hides behind."""
     profiled: bool
     """True when the dense layers' times came from the LayerProfile (MoE layers, which the profile
     does not time, are the roofline's; so is every layer under a CP size whose shard it did not time)."""
-    overlap: np.ndarray
-    """(3, 2) effective FLOPs of the data- and weight-gradient GEMMs of the column-parallel
-    linears (QKV or MLA's up projections, fc1 of every layer; the output layer), behind which
-    Megatron runs their backward TP collectives (the roofline's GEMMs, also when the layer time is
-    profiled)."""
-    userbuffer: np.ndarray
-    """(4, 2) effective FLOPs of the forward and data-gradient GEMMs of QKV, the output projection,
-    fc1 and fc2, which --tp-comm-overlap pipelines with the TP collectives beside them."""
+    linears: LayerLinears
+    """One layer's linears (and the output layer's), for the TP collectives beside them (cost.timing)."""
 
 
-def _as_array(work: Work) -> np.ndarray:
-    return np.array([work.flops, work.mem_s])
+def _chunks(dense: Work, moe: Work, count: np.ndarray, moe_count: np.ndarray) -> ChunkWork:
+    """`count` layers per chunk, `moe_count` of them with the MoE layer's work, the rest the dense one's."""
+    return ChunkWork(flops=dense.flops * (count - moe_count) + moe.flops * moe_count,
+                     mem_s=dense.mem_s * (count - moe_count) + moe.mem_s * moe_count)
+
+
+def _add_at(chunks: ChunkWork, stage: int, chunk: int, work: Work) -> None:
+    """Add `work` to one (stage, chunk) of `chunks`, in place."""
+    chunks.flops[stage, chunk] += work.flops
+    chunks.mem_s[stage, chunk] += work.mem_s
+
+
+def _summed(linears: list[LinearFlops]) -> LinearFlops:
+    return LinearFlops(*(sum(gemms) for gemms in zip(*linears)))
 
 
 def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) -> StageWork:
@@ -332,31 +402,29 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     moe, moe_rc = _moe_counts(job, layers)
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
     sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
-    fwd, bwd, rc = (_as_array(getattr(layer, part))[:, None, None] * (count - moe_count)
-                    + _as_array(getattr(sparse, part))[:, None, None] * moe_count
-                    for part, count, moe_count in (("forward", layers, moe), ("backward", layers, moe),
-                                                   ("recompute", rc_layers, moe_rc_layers)))
-    fwd[:, 0, 0] += _as_array(embed.forward)
-    bwd[:, 0, 0] += _as_array(embed.backward)
-    fwd[:, -1, -1] += _as_array(out.forward)
-    bwd[:, -1, -1] += _as_array(out.backward)
+    fwd = _chunks(layer.forward, sparse.forward, layers, moe)
+    bwd = _chunks(layer.backward, sparse.backward, layers, moe)
+    rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)
+    _add_at(fwd, 0, 0, embed.forward)
+    _add_at(bwd, 0, 0, embed.backward)
+    _add_at(fwd, -1, -1, out.forward)
+    _add_at(bwd, -1, -1, out.backward)
     x = _shape(job)
-    works = {name: np.array(linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)))
+    works = {name: linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w))
              for name, shape in _layer_linears(job).items()}
-    attn = sum(works[name] for name in _column_attention(w))
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    output = np.array(linear_work(gemm, x["n"], vocab, x["h"], main_grad_bytes(w)))
-    overlap = np.array([attn[1:], works["fc1"][1:], output[1:]])
-    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x["b"], x["a"], x["s"], x["dq"],
-                          x["dv"], x["cp"])
+    linears = LayerLinears(qkv=_summed([works[name] for name in _column_attention(w)]), proj=works["proj"],
+                           fc1=works["fc1"], fc2=works["fc2"],
+                           output=linear_work(gemm, x.tokens, vocab, x.hidden, main_grad_bytes(w)))
+    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
+                          x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     redone = layout.selective_modules
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
-    userbuffer = np.array([attn[:2], works["proj"][:2], works["fc1"][:2], works["fc2"][:2]])
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
-                     core=np.array(core), profiled=profiled, overlap=overlap, userbuffer=userbuffer)
+                     attention_core=core, profiled=profiled, linears=linears)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

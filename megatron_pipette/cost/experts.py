@@ -106,16 +106,16 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
 def dispatch_bytes(job: Job) -> dict[str, float]:
     """Bytes each dispatcher collective moves per MoE layer and direction, as the collective's size:
     "a2a" what one rank sends to the expert-parallel group (its routed copies, itself included),
-    "etp" the all-gather (and reduce-scatter back) of the rows over expert TP, "tp_ep" the
+    "etp" the all-gather (and reduce-scatter back) of the rows over expert TP, "etp-ep" the
     allgather dispatcher's all-gather of every token over ETP x EP (and reduce-scatter back)."""
     w, layout = job.workload, job.layout
     t, h, e = tokens_in(job), w.hidden_size, w.bytes_per_element
     if w.moe_token_dispatcher_type == "alltoall":
         return {"a2a": t * w.moe_router_topk * capacity_share(job) * h * e,
-                "etp": routed_rows(job) * h * e if layout.etp > 1 else 0.0, "tp_ep": 0.0, "flex": 0.0}
+                "etp": routed_rows(job) * h * e if layout.etp > 1 else 0.0, "etp-ep": 0.0, "flex": 0.0}
     if w.moe_token_dispatcher_type == "flex":     # every expert-TP rank of a chosen expert gets the token
-        return {"a2a": 0.0, "etp": 0.0, "tp_ep": 0.0, "flex": routed_rows(job) * h * e}
-    return {"a2a": 0.0, "etp": 0.0, "tp_ep": t * layout.etp * layout.ep * h * e, "flex": 0.0}
+        return {"a2a": 0.0, "etp": 0.0, "etp-ep": 0.0, "flex": routed_rows(job) * h * e}
+    return {"a2a": 0.0, "etp": 0.0, "etp-ep": t * layout.etp * layout.ep * h * e, "flex": 0.0}
 
 
 def flex_shares(job: Job, gpus_per_domain: int) -> tuple[float, float]:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,7 +56,9 @@ class GemmCurve:
     output_bytes: float = 2.0
     """Bytes per output element written (a 16-bit result)."""
     _seen: dict = field(default_factory=dict, init=False, repr=False)
-    """Efficiencies already looked up: a search prices the same few shapes for thousands of jobs."""
+    """Efficiencies already looked up: a search prices the same few shapes for thousands of jobs.
+    A memo of a pure function of the shape, kept as long as the curve (gemm_curve's module-level
+    memo keeps one curve per GPU and precision for every cost model)."""
 
     def __call__(self, m: float, n: float, k: float, output_bytes: float | None = None) -> float:
         """`output_bytes`: per output element where the GEMM writes other than a 16-bit result (the
@@ -109,6 +112,7 @@ class AttentionCurve:
         return _interpolate(self.log_table[direction], self.lo, (flops,))
 
 
+# Module-level memo (cost.model lists them): package data, read once per GPU and backend.
 @cache
 def attention_curve(gpu: GPU | None, attention_backend: str) -> AttentionCurve | None:
     """The causal kernel's measured curve on this GPU, None where there is none (unfused attention,
@@ -122,6 +126,7 @@ def attention_curve(gpu: GPU | None, attention_backend: str) -> AttentionCurve |
                           lo=_gemm_data()["attention_log2_flops_range"][0])
 
 
+# Module-level memo (cost.model lists them): package data, read once.
 @cache
 def _gemm_data() -> dict:
     return json.loads(resources.files("megatron_pipette.data").joinpath("gemm_efficiency.json").read_text())
@@ -138,6 +143,7 @@ def large_gemm_rate(gpu: GPU, precision: str) -> float:
     return gpu.peak(precision) * gpu.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)
 
 
+# Module-level memo (cost.model lists them): package data, read once per GPU and precision.
 @cache
 def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
@@ -152,6 +158,7 @@ def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
                      ridge=ridge, operand_bytes=width, output_bytes=width)
 
 
+# Module-level memo (cost.model lists them): package data, read once per GPU and precision.
 @cache
 def fp8_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """FP8 GEMMs (Transformer Engine's, under --fp8-format) against the training dtype's large-GEMM
@@ -197,16 +204,27 @@ def gemm_work(gemm: GemmCurve, m: float, n: float, k: float, count: float = 1.0,
     return 2.0 * m * n * k * count / gemm(m * count, n, k, output_bytes)
 
 
+class LinearFlops(NamedTuple):
+    """Effective FLOPs of the three GEMMs of a linear layer (or of several, summed)."""
+
+    forward: float
+    dgrad: float
+    """The data gradient: the backward's input gradient."""
+    wgrad: float
+    """The weight gradient."""
+
+
 def linear_work(gemm: GemmCurve, tokens: float, out: float, inp: float, main_grad_bytes: float | None = None,
-                count: int = 1) -> tuple[float, float, float]:
+                count: int = 1) -> LinearFlops:
     """(forward, data-gradient, weight-gradient) effective FLOPs of a linear layer [inp -> out] over
     `tokens`: tokens x inp @ inp x out, tokens x out @ out x inp, out x tokens @ tokens x inp, each
     at its own shape's efficiency. `main_grad_bytes`: what the weight-gradient GEMM reads and writes
     per weight where it accumulates into Megatron's main_grad (gradient-accumulation fusion: twice
     the gradient buffer's dtype); None: a 16-bit result. `count` such linears, each its own GEMM
     (a grouped GEMM of the local experts: every expert reads its own weights)."""
-    return (count * gemm_work(gemm, tokens, out, inp), count * gemm_work(gemm, tokens, inp, out),
-            count * gemm_work(gemm, out, inp, tokens, output_bytes=main_grad_bytes))
+    return LinearFlops(forward=count * gemm_work(gemm, tokens, out, inp),
+                       dgrad=count * gemm_work(gemm, tokens, inp, out),
+                       wgrad=count * gemm_work(gemm, out, inp, tokens, output_bytes=main_grad_bytes))
 
 
 @dataclass(frozen=True, kw_only=True)

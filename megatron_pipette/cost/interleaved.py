@@ -86,6 +86,7 @@ def _additive(mask: np.ndarray) -> np.ndarray | None:
     return np.where(mask, 0.0, NEG)[:, None]
 
 
+# Module-level memo (cost.model lists them): the wave structure depends on (p, m, v) alone.
 @lru_cache(maxsize=1024)
 def _structure(p: int, m: int, v: int, max_groups: int) -> _Structure:
     mv, pv = m * v, p * v
@@ -136,6 +137,8 @@ def _structure(p: int, m: int, v: int, max_groups: int) -> _Structure:
 
 
 _MEMO: OrderedDict = OrderedDict()
+"""Module-level memo (cost.model lists them) of interleaved_time, a pure function of its inputs:
+the answers to its last _MEMO_SIZE distinct inputs, least recently used dropped first."""
 _MEMO_SIZE = 256
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -290,8 +291,19 @@ def in_flight_microbatches(job: Job) -> tuple[int, ...]:
     return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
 
 
+# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
+class InFlight(NamedTuple):
+    """Model chunks one pipeline rank holds activations of, after one forward step."""
+
+    chunks: int
+    first_chunk: int
+    """Of them, chunk 0's (stage 0's holds the embedding's)."""
+    last_chunk: int
+    """Of them, the last chunk's (the last stage's holds the output layer's)."""
+
+
 @cache
-def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[tuple[int, int, int]]:
+def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[InFlight]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
 
     Stage 0's chunk 0 holds the embedding and the last stage's last chunk the output layer, so there
@@ -301,27 +313,30 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
     """
     if vpp == 1:
         n = microbatches_in_flight(pp, rank, num_microbatches)
-        return frozenset({(n, n, n)})
+        return frozenset({InFlight(chunks=n, first_chunk=n, last_chunk=n)})
     if 0 < rank < pp - 1:  # holds neither embedding nor output: only the total matters
-        return frozenset({(microbatches_in_flight(pp, rank, num_microbatches, vpp), 0, 0)})
+        return frozenset({InFlight(chunks=microbatches_in_flight(pp, rank, num_microbatches, vpp), first_chunk=0,
+                                   last_chunk=0)})
     order = simulator.forward_chunks(num_microbatches, vpp, pp)
     warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp)
     live, states = [0] * vpp, set()
     for step in range(len(order)):
         live[order[step]] += 1
-        states.add((sum(live), live[0], live[-1]))
+        states.add(InFlight(chunks=sum(live), first_chunk=live[0], last_chunk=live[-1]))
         if step >= warmup:
             live[vpp - 1 - order[step - warmup]] -= 1
     return frozenset(states)
 
 
+# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
-def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[tuple[int, int, int], ...]:
+def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[InFlight, ...]:
     """The in-flight states (chunks, of them chunk 0, of them the last chunk) no other state
     matches or exceeds in each of chunk 0's count, the last chunk's and the other chunks': a peak of
     bytes that grow with each of those (each chunk kind its own bytes) is always among them."""
     states = _in_flight_states(pp, rank, num_microbatches, vpp)
-    kinds = {s: (s[0] - s[1] - s[2], s[1], s[2]) if vpp > 1 else s for s in states}
+    kinds = {s: (s.chunks - s.first_chunk - s.last_chunk, s.first_chunk, s.last_chunk) if vpp > 1 else s
+             for s in states}
     return tuple(a for a in states
                  if not any(b != a and all(x <= y for x, y in zip(kinds[a], kinds[b], strict=True)) for b in states))
 
@@ -331,7 +346,9 @@ class Communicator:
     """One NCCL communicator a device uses."""
 
     group: str
-    """Megatron's group: tp, pp, dp, mp (model parallel), embedding, world, grad-stats."""
+    """Megatron's group, named as its order strings name it (spec.ranks): tp, cp, pp, dp (dp-cp
+    under context parallelism), mp (model parallel: tp-pp), ep, etp, etp-ep, edp, and embedding,
+    world, grad-stats."""
     bulk: bool
     """It moves large tensors by collectives (TP activations, DP gradients and parameters, the
     embedding gradient), which NCCL runs with NVLS where it is on. pp runs p2p only, which NVLS
@@ -359,6 +376,7 @@ def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, 
                           layout.cp_comm_type, stage, tied_split, layout.use_distributed_optimizer, domain)
 
 
+# Module-level memo (cost.model lists them): a function of the rank grid's sizes alone.
 @lru_cache(maxsize=4096)
 def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispatcher: str | None, cp_comm: str,
                    stage: int, tied_split: bool, distributed_optimizer: bool, domain: int) -> tuple[Communicator, ...]:
@@ -386,7 +404,7 @@ def _communicators(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, dispat
             comms += [group("ep", experts.group_of(device, "ep"), bulk=False)] if ep > 1 else []
             comms += [group("etp", experts.group_of(device, "etp"), bulk=True)] if etp > 1 else []
         elif ep * etp > 1:
-            comms.append(group("tp-ep", experts.group_of(device, "etp-ep"), bulk=True))
+            comms.append(group("etp-ep", experts.group_of(device, "etp-ep"), bulk=True))
         if experts.size("edp") > 1:
             comms.append(group("edp", experts.group_of(device, "edp"), bulk=True))
     if world > 1:
@@ -410,10 +428,19 @@ def nccl_bytes(job: Job, stage: int, overheads: RuntimeOverheads, nvls_domain: i
 
 # The estimate.
 
+class ChunkActivations(NamedTuple):
+    """Activation bytes of one micro-batch in one model chunk."""
+
+    stored: int
+    """Kept from its forward to its backward."""
+    recomputed: int
+    """Rematerialised at once in its backward."""
+
+
 def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
-                       profile: LayerProfile | None) -> tuple[int, int]:
-    """(bytes one micro-batch stores in one model chunk of `chunk_layers` layers, `moe_layers` of
-    them MoE, and bytes recomputed at once in its backward)."""
+                       profile: LayerProfile | None) -> ChunkActivations:
+    """One micro-batch's activations in one model chunk of `chunk_layers` layers, `moe_layers` of
+    them MoE."""
     layout = job.layout
     granularity = layout.recompute_granularity
     dense = chunk_layers - moe_layers
@@ -421,25 +448,26 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
         stored = dense * _layer_bytes(job, granularity, profile) + (moe_layers and moe_layers * _layer_bytes(
             job, granularity, profile, moe=True))
         if granularity is None:
-            return stored, 0
+            return ChunkActivations(stored=stored, recomputed=0)
         # A layer's backward rematerialises what selective recomputation dropped, one layer at a time:
         # by default (core_attn) its scores; else what the formula drops, for the heavier kind of layer.
         if layout.selective_modules == DEFAULT_RECOMPUTE_MODULES:
-            return stored, _score_bytes(job)
+            return ChunkActivations(stored=stored, recomputed=_score_bytes(job))
         kinds = [False] * (dense > 0) + [True] * (moe_layers > 0)
-        return stored, max((_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe)
-                            for moe in kinds), default=0)
+        return ChunkActivations(stored=stored, recomputed=max(
+            (_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe) for moe in kinds),
+            default=0))
     stored = _layer_bytes(job, "full", profile)
     full_dense = _layer_bytes(job, None, profile)
     full_moe = _layer_bytes(job, None, profile, moe=True) if moe_layers else 0
     full = max(full_dense, full_moe)
     n = layout.recompute_num_layers
     if layout.recompute_method == "uniform":  # inputs of groups of n layers; one group live in backward
-        return -(-chunk_layers // n) * stored, min(n, chunk_layers) * full
+        return ChunkActivations(stored=-(-chunk_layers // n) * stored, recomputed=min(n, chunk_layers) * full)
     checkpointed = min(n, chunk_layers)  # block: the first n layers of each chunk, one at a time
     kept_moe = min(moe_layers, chunk_layers - checkpointed)   # the heavier layers taken as the kept ones
     kept = (chunk_layers - checkpointed - kept_moe) * full_dense + kept_moe * full_moe
-    return checkpointed * stored + kept, full
+    return ChunkActivations(stored=checkpointed * stored + kept, recomputed=full)
 
 
 @dataclass(frozen=True)
@@ -453,10 +481,12 @@ class _JobTerms:
     the vocab-parallel cross entropy saves."""
     buffer: int
     """Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input."""
-    backward: tuple[int, int]
-    """One layer's gradients in flight, in a stage without and with MoE layers: the MLP's two wide
-    ones (an MoE layer's experts', with the dispatcher's send and receive buffers of the routed
-    rows), or the score gradients."""
+    dense_backward: int
+    """One layer's gradients in flight in a stage without MoE layers: the MLP's two wide ones, or
+    the score gradients."""
+    moe_backward: int
+    """The same in a stage with MoE layers (an MoE layer's experts', with the dispatcher's send and
+    receive buffers of the routed rows)."""
     logits: int
     """The last stage's training-dtype logits (forward) or their gradient (backward); fp32 logits
     are the softmax."""
@@ -474,7 +504,7 @@ def _job_terms(job: Job) -> _JobTerms:
     return _JobTerms(embedding=tokens * h // sp if workload.hidden_dropout > 0 else 0,
                      output=2 * e * tokens * h // sp + 4 * tokens * vocab // t,
                      buffer=max(e * scores, e * tokens * h if layout.sequence_parallel else 0),
-                     backward=(dense, moe), logits=e * tokens * vocab // t if e != 4 else 0)
+                     dense_backward=dense, moe_backward=moe, logits=e * tokens * vocab // t if e != 4 else 0)
 
 
 def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerms, chunk_bytes,
@@ -483,8 +513,8 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
     moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
-    stored = [chunk_bytes(n, m) for n, m in zip(job.chunk_sizes[stage], moe)]   # (kept, recomputed) per chunk
-    recomputed = max(r for _, r in stored)
+    chunks = [chunk_bytes(n, m) for n, m in zip(job.chunk_sizes[stage], moe)]
+    recomputed = max(c.recomputed for c in chunks)
     embedding = terms.embedding if first else 0
     output = terms.output if last else 0
     states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp)
@@ -492,14 +522,14 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
         # The end ranks' states count chunk 0 and the last chunk apart: each weighs its own layers
         # (the embedding or the loss counted in the split shortens it, sometimes to none), the rest
         # the heaviest middle chunk.
-        head, tail = stored[0][0] + embedding, stored[-1][0] + output
-        middle = max((b for b, _ in stored[1:-1]), default=0)
+        head, tail = chunks[0].stored + embedding, chunks[-1].stored + output
+        middle = max((c.stored for c in chunks[1:-1]), default=0)
         activations = max((n - n_first - n_last) * middle + n_first * head + n_last * tail
                           for n, n_first, n_last in states)
     else:   # one chunk, or a middle rank: the heaviest chunk (by its layers, MoE among them) for all
-        chunk = max(b for b, _ in stored)
+        chunk = max(c.stored for c in chunks)
         activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
-    backward = terms.backward[any(moe)]
+    backward = terms.moe_backward if any(moe) else terms.dense_backward
     transient = terms.buffer + max(terms.logits if last else 0, recomputed + backward)
 
     dense, expert = int(params.dense[stage]), int(params.expert[stage])

@@ -2,9 +2,19 @@
 
 Why one object: every estimate of a planning run shares the cluster, the layer profile and the
 runtime overheads, and the search prices thousands of jobs that share work (a job's compute does
-not depend on its placement) and links (layouts of one rank grid share them). The caches live
-here, for the life of the model, keyed by hashable jobs and grids; nothing is cached at module
-level. The estimates themselves are the pure functions of cost.timing and cost.memory.
+not depend on its placement) and links (layouts of one rank grid share them). The caches of what
+depends on the cluster or the profile live here, for the life of the model, keyed by hashable jobs
+and grids. The estimates themselves are the pure functions of cost.timing and cost.memory.
+
+What stays at module level are memos of pure functions, whose answer depends on their arguments
+alone, so no model sees another's state through them; each says so where it is:
+- package data, read once: spec.hardware.gpu_catalog and cluster_presets, spec.megatron_flags.flag_table,
+  cost.gemm._gemm_data and the curves built from it, cost.gemm.gemm_curve, fp8_curve and
+  attention_curve (each curve remembers the efficiencies it looked up, GemmCurve._seen);
+- schedule shapes, functions of a few integers: cost.simulator.program_1f1b and program_interleaved,
+  cost.interleaved._structure, cost.memory._in_flight_states, _peak_candidates and _communicators;
+- cost.interleaved._MEMO: the interleaved schedule's times of the last stage times it was given
+  (a planner prices layouts that differ only outside the pipeline).
 
     model = CostModel(cluster, profile=profile)
     job = resolve_job(workload, layout)
@@ -81,7 +91,7 @@ class CostModel:
         work = self.work(job)
         rate = float(self.cluster.sustained_gemm_flops.max())
         parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
-        per_chunk = sum(w[0] / rate + w[1] for w in parts)                       # (p, v)
+        per_chunk = sum(part.seconds(rate) for part in parts)                    # (p, v)
         fill_and_drain = np.concatenate(([0.0], np.cumsum(per_chunk[:-1, 0])))   # stages before k, chunk 0
         return float((job.num_microbatches * per_chunk.sum(axis=1) + fill_and_drain).max())
 

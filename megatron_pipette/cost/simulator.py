@@ -127,6 +127,7 @@ def _finish(builders: list[_Builder]) -> tuple:
     return tuple(tuple(b.ops) for b in builders)
 
 
+# Module-level memo (cost.model lists them): the program depends on (p, m) alone.
 @lru_cache(maxsize=256)
 def program_1f1b(p: int, m: int) -> tuple:
     """forward_backward_pipelining_without_interleaving, batched blocking p2p (Megatron's default)."""
@@ -179,6 +180,7 @@ def forward_chunks(m: int, v: int, group: int) -> list[int]:
     return [c for _, c in schedule_table(m, v, group)]
 
 
+# Module-level memo (cost.model lists them): the program depends on its arguments alone.
 @lru_cache(maxsize=256)
 def program_interleaved(p: int, m: int, v: int, overlap_p2p_comm: bool = True) -> tuple:
     """forward_backward_pipelining_with_interleaving with Megatron-LM's defaults.

@@ -112,15 +112,17 @@ class _Stages:
     ep_comm: np.ndarray
 
 
-def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, share: float = 0.0) -> np.ndarray:
-    """Seconds collectives that each run behind one GEMM (`gemm_flops`, effective, on the last axis;
-    `rate` FLOP/s) add: the part the GEMM cannot hide, max(0, collective - GEMM), and the `share`
-    of the GEMM's throughput the collective takes while it runs beside it (Execution.nccl_compute_share)."""
+def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray | float, rate: np.ndarray,
+                 share: float = 0.0) -> np.ndarray:
+    """Seconds collectives that each run behind one GEMM (`gemm_flops`, effective: one GEMM's, or
+    several on the last axis; `rate` FLOP/s) add: the part the GEMM cannot hide, max(0, collective -
+    GEMM), and the `share` of the GEMM's throughput the collective takes while it runs beside it
+    (Execution.nccl_compute_share)."""
     c, g = collective_s[..., None], gemm_flops / rate[..., None]
     return (np.maximum(0.0, c - g) + share * np.minimum(c, g)).sum(axis=-1)
 
 
-def userbuffer_exposed(collective_s: np.ndarray, gemm_flops: np.ndarray, rate: np.ndarray, tp: int,
+def userbuffer_exposed(collective_s: np.ndarray, gemm_flops: np.ndarray | float, rate: np.ndarray, tp: int,
                        share: float = 0.0) -> np.ndarray:
     """Exposed seconds of collectives each pipelined with one GEMM in TP chunks (Transformer
     Engine's userbuffers, --tp-comm-overlap): a pair takes max(c, g) + min(c, g) / TP (the chunk
@@ -144,16 +146,17 @@ def _context_parallel(job: Job, work: StageWork, links: GroupLinks, rate: np.nda
     heads, groups = w.num_attention_heads // layout.tp, w.query_groups // layout.tp
     kv = n * groups * (dq + dv) * e                                          # this rank's K and V
     if layout.cp_comm_type == "a2a":
-        a2a = links.context_a2a
+        a2a = links.cp_a2a_groups
         one = sum(a2a.all_to_all_s(n * width * e) for width in (heads * dq, groups * dq, groups * dv, heads * dv))
         return one.T[:, :, None], one.T[:, :, None]
-    ring = links.context
+    ring = links.cp_groups
     gather = ring.all_gather_s(layout.cp * kv).T[:, :, None]
     if layout.cp_comm_type == "allgather":
         return gather, 2 * gather
     blocks = (layout.cp - 1) / layout.cp                   # the attention of CP - 1 blocks hides the ring
-    return (behind_gemms(gather, blocks * work.core[:1], rate, share),
-            behind_gemms(2 * gather, blocks * work.core[1:], rate, share))
+    core = work.attention_core
+    return (behind_gemms(gather, blocks * core.forward, rate, share),
+            behind_gemms(2 * gather, blocks * core.backward, rate, share))
 
 
 def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
@@ -162,10 +165,10 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     --overlap-moe-expert-parallel-comm, which would, is refused)."""
     volume, experts = dispatch_bytes(job), links.experts
     if job.workload.moe_token_dispatcher_type == "alltoall":
-        return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.tensor.all_gather_s(volume["etp"])
+        return 2 * experts.dispatch.all_to_all_s(volume["a2a"]) + 2 * experts.etp_groups.all_gather_s(volume["etp"])
     if job.workload.moe_token_dispatcher_type == "flex":
         return 2 * experts.dispatch.all_to_all_s(volume["flex"], *flex_shares(job, experts.gpus_per_domain))
-    return 2 * experts.tensor_and_expert.all_gather_s(volume["tp_ep"])
+    return 2 * experts.etp_ep_groups.all_gather_s(volume["etp-ep"])
 
 
 def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
@@ -173,7 +176,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     sp = layout.sequence_parallel
     tokens = job.tokens_per_microbatch
     act = tokens * workload.hidden_size * workload.bytes_per_element
-    ring = links.tensor
+    ring = links.tp_groups
     ar, ag = ring.all_reduce_s(act).T[:, :, None], ring.all_gather_s(act).T[:, :, None]   # (dp, pp, 1)
     # The collective before the attention's column-parallel linears moves their input: the hidden
     # state, or MLA's latents (cost.compute.attention_input_width).
@@ -196,22 +199,21 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     # forward all-reduces (SP: reduce-scatters, and the all-gathers before QKV and fc1) and, with SP,
     # the all-gather of their output gradient in the backward.
     # With --tp-comm-overlap the exposed ones are pipelined with the GEMM beside them (userbuffers).
-    dgrad, wgrad = work.overlap[:, 0], work.overlap[:, 1]
+    qkv, proj, fc1, fc2, output = work.linears
     share = execution.nccl_compute_share
 
-    def hidden(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+    def hidden(collective: np.ndarray, gemm_flops: np.ndarray | float) -> np.ndarray:
         return behind_gemms(collective, gemm_flops, rate, share)
 
-    def pipelined(collective: np.ndarray, gemm_flops: np.ndarray) -> np.ndarray:
+    def pipelined(collective: np.ndarray, gemm_flops: np.ndarray | float) -> np.ndarray:
         return userbuffer_exposed(collective, gemm_flops, rate, layout.tp, share)
 
     if sp:
         if layout.tp_comm_overlap:
-            fprop, row_dgrad = work.userbuffer[:, 0], work.userbuffer[[1, 3], 1]     # proj's and fc2's
-            forward_ag = pipelined(ag, fprop)
-            mlp_ag = pipelined(ag, fprop[2:])
-            layer_grad_ag = pipelined(ag, row_dgrad)
-            mlp_grad_ag = pipelined(ag, row_dgrad[1:])
+            forward_ag = pipelined(ag, np.array([qkv.forward, proj.forward, fc1.forward, fc2.forward]))
+            mlp_ag = pipelined(ag, np.array([fc1.forward, fc2.forward]))
+            layer_grad_ag = pipelined(ag, np.array([proj.dgrad, fc2.dgrad]))
+            mlp_grad_ag = pipelined(ag, fc2.dgrad)
         else:
             # before QKV and fc1 the input all-gathers, after the projection and fc2 the reduce-scatters
             forward_ag, mlp_ag = ag_qkv + ag_fc1 + 2 * ag, ag_fc1 + ag
@@ -219,15 +221,15 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         layer_fwd = forward_ag
         # The input's re-gather behind the data-gradient GEMM, the input gradient's reduce-scatter
         # behind the weight-gradient GEMM.
-        fc1_bwd = hidden(ag_fc1, dgrad[1:2]) + hidden(ag, wgrad[1:2])
-        layer_bwd = (layer_grad_ag + hidden(ag_qkv, dgrad[:1]) + hidden(ag_in, wgrad[:1])
+        fc1_bwd = hidden(ag_fc1, fc1.dgrad) + hidden(ag, fc1.wgrad)
+        layer_bwd = (layer_grad_ag + hidden(ag_qkv, qkv.dgrad) + hidden(ag_in, qkv.wgrad)
                      + fc1_bwd)
         mlp_fwd, mlp_bwd = mlp_ag, mlp_grad_ag + fc1_bwd
-        output_bwd = hidden(ag, dgrad[2:]) + hidden(ag, wgrad[2:])
+        output_bwd = hidden(ag, output.dgrad) + hidden(ag, output.wgrad)
     else:
-        mlp_fwd, mlp_bwd = ar, hidden(ar, wgrad[1:2])
-        layer_fwd, layer_bwd = 2 * ar, mlp_bwd + hidden(ar_in, wgrad[:1])
-        output_bwd = hidden(ar, wgrad[2:])
+        mlp_fwd, mlp_bwd = ar, hidden(ar, fc1.wgrad)
+        layer_fwd, layer_bwd = 2 * ar, mlp_bwd + hidden(ar_in, qkv.wgrad)
+        output_bwd = hidden(ar, output.wgrad)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers + mlp_fwd * work.mlp_redone
     if workload.moe_shared_expert_intermediate_size is None:   # no dense MLP in an MoE layer: no TP collectives
@@ -254,15 +256,13 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
         tp_b[:, -1, -1] += output_bwd[:, -1, 0]
-    fwd = work.forward[0] / rate + work.forward[1]
-    bwd = work.backward[0] / rate + work.backward[1]
-    rc = work.recompute[0] / rate + work.recompute[1]
+    fwd, bwd, rc = work.forward.seconds(rate), work.backward.seconds(rate), work.recompute.seconds(rate)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
     times = schedules.StageTimes(forward_s=fwd + tp_f + cp_f + ep_f, backward_s=bwd + rc + tp_b + cp_b + ep_b,
-                                 fwd_comm_s=hop[0], bwd_comm_s=hop[1],
-                                 fwd_xchg_s=None if xchg is None else xchg[0],
-                                 bwd_xchg_s=None if xchg is None else xchg[1])
+                                 fwd_comm_s=hop.activation, bwd_comm_s=hop.gradient,
+                                 fwd_xchg_s=None if xchg is None else xchg.activation,
+                                 bwd_xchg_s=None if xchg is None else xchg.gradient)
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
                    ep_comm=ep_f + ep_b)
 
@@ -359,7 +359,7 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     replicas, experts = layout.dp * layout.cp, links.experts
     if replicas == 1 and (experts is None or layout.expert_data_parallel_size == 1):
         return np.zeros(layout.pp), 0.0
-    ring, dopt = links.data, layout.use_distributed_optimizer
+    ring, dopt = links.dp_cp_groups, layout.use_distributed_optimizer
 
     def both(collective: str, per_param: int, fp8_layers: bool = False) -> np.ndarray:
         """(pp,) the dense and the expert collective of each stage (worst TP rank's group);
@@ -367,7 +367,7 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
         dense = params.dense * per_param - (params.dense_in_layers * (per_param - 1) if fp8_layers else 0)
         out = getattr(ring, collective)(dense[:, None]).max(axis=1)
         expert = params.expert * (1 if fp8_layers else per_param)
-        return out + (getattr(experts.data, collective)(expert) if experts else 0.0)
+        return out + (getattr(experts.edp_groups, collective)(expert) if experts else 0.0)
 
     reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", workload.grad_bytes)
     buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
@@ -424,7 +424,7 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     t_sync = t_dp
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
         words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * workload.grad_bytes
-        t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding.all_reduce_s(words).max()))
+        t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding_groups.all_reduce_s(words).max()))
     optimizer = float(optimizer_s.max())
     total = t_sync + gather + optimizer
     busiest = int(np.argmax(pipe.busy_s[crit]))

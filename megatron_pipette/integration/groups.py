@@ -15,16 +15,16 @@ from megatron_pipette.spec.ranks import RankGrid, dense_grid, expert_grid
 
 GroupRanks = dict[str, list[int]]
 
-DENSE_GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp-cp"}
-"""Group kind -> its group on the dense grid (spec.ranks)."""
-EXPERT_GROUPS = {"ep": "ep", "etp": "etp", "edp": "edp"}
-"""Group kind -> its group on the expert grid."""
+DENSE_GROUPS = ("tp", "cp", "dp", "pp", "dp-cp")
+"""The groups of the dense grid (spec.ranks), named as Megatron's order strings name them."""
+EXPERT_GROUPS = ("ep", "etp", "edp")
+"""The groups of the expert grid."""
 
 
 def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int = 1,
                     ep: int = 1, etp: int | None = None) -> dict[int, GroupRanks]:
     """For each physical rank, the sorted physical ranks of each of its groups: "tp", "cp", "dp"
-    (without context parallelism, Megatron's get_data_parallel_group()), "pp", "dp_cp" (the dense
+    (without context parallelism, Megatron's get_data_parallel_group()), "pp", "dp-cp" (the dense
     gradients' group) and the expert grid's "ep", "etp" and "edp" (Megatron builds them for a
     dense model too).
 
@@ -34,8 +34,8 @@ def expected_groups(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp:
     physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
     groups: dict[int, GroupRanks] = {int(p): {} for p in physical}
     for grid, kinds in grids:
-        for kind, group in kinds.items():
-            for row in _rows(physical, grid, group).tolist():
+        for kind in kinds:
+            for row in _rows(physical, grid, kind).tolist():
                 for member in row:
                     groups[member][kind] = row
     return groups
@@ -46,7 +46,7 @@ def distinct_groups(logical_to_physical: Sequence[int], kind: str, *, tp: int, p
     """Every group of one kind (as in `expected_groups`), each sorted, in physical ranks."""
     physical, grids = _grids(logical_to_physical, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
     grid, kinds = next((grid, kinds) for grid, kinds in grids if kind in kinds)
-    return _rows(physical, grid, kinds[kind]).tolist()
+    return _rows(physical, grid, kind).tolist()
 
 
 def group_sizes(layout: Layout) -> dict[str, int | None]:
@@ -56,7 +56,7 @@ def group_sizes(layout: Layout) -> dict[str, int | None]:
 
 
 def _grids(logical_to_physical: Sequence[int], *, tp: int, pp: int, dp: int, cp: int, ep: int,
-           etp: int | None) -> tuple[np.ndarray, list[tuple[RankGrid, dict[str, str]]]]:
+           etp: int | None) -> tuple[np.ndarray, list[tuple[RankGrid, tuple[str, ...]]]]:
     """The checked permutation, and the dense and the expert grid with their group kinds."""
     world = tp * cp * dp * pp
     physical = np.asarray(logical_to_physical)

@@ -82,6 +82,7 @@ class GPU:
         return self.peak_flops[precision]
 
 
+# Module-level memo: package data, read once (a pure function of no argument).
 @cache
 def gpu_catalog() -> dict[str, GPU]:
     """All catalog GPUs by every name and alias, lower-cased."""
@@ -276,6 +277,7 @@ def make_cluster(*, name: str, num_nodes: int, gpus_per_node: int, gpu: GPU | No
                    intra_node=levels, node_class=classes, inter_node=inter_node, **rest)
 
 
+# Module-level memo: package data, read once (a pure function of no argument).
 @cache
 def cluster_presets() -> dict[str, dict]:
     data = json.loads(resources.files("megatron_pipette.data").joinpath("clusters.json").read_text())

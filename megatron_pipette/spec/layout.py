@@ -1,6 +1,9 @@
 """The layout: how one Megatron job is parallelised, in Megatron's argument names.
 
-`Layout` holds the choices (`--tensor-model-parallel-size` ...); `validate_layout`
+`Layout` holds the choices (`--tensor-model-parallel-size` ...), each field under the long name of
+its flag; its short properties (tp, cp, ep, dp, pp, etp) are the axis names of Megatron's rank
+order strings (tp-cp-ep-dp-pp), which spec.ranks, the cost model and the planner use for axes
+and groups throughout (no third spelling: not `tensor`, `data`); `validate_layout`
 applies the rules Megatron enforces for a given workload and world size, and
 raises `Infeasible` naming the flags when Megatron would reject the layout.
 `stage_layers` gives the layers of each pipeline stage and `chunk_sizes` those

@@ -84,6 +84,7 @@ class FlagTable:
         return self.options[name][0]
 
 
+# Module-level memo: package data, read once (a pure function of no argument).
 @cache
 def flag_table() -> FlagTable:
     doc = json.loads(resources.files("megatron_pipette.data").joinpath("megatron_flags.json").read_text())

@@ -49,15 +49,16 @@ def test_half_duplex_links_slow_rings_and_exchanges_but_not_single_messages():
     a, b = group_links(1, 2, 4, full), group_links(1, 2, 4, half)
     assert a.exchange_s(1e8) is None
     np.testing.assert_array_equal(a.p2p_s(1e8), b.p2p_s(1e8))
-    np.testing.assert_allclose(b.exchange_s(1e8) - 3e-5, 2 * (a.p2p_s(1e8) - 1e-5))
-    ring_a, ring_b = a.data.all_reduce_s(1e9), b.data.all_reduce_s(1e9)
+    for exchange, alone in zip(b.exchange_s(1e8), a.p2p_s(1e8), strict=True):    # activation, gradient
+        np.testing.assert_allclose(exchange - 3e-5, 2 * (alone - 1e-5))
+    ring_a, ring_b = a.dp_cp_groups.all_reduce_s(1e9), b.dp_cp_groups.all_reduce_s(1e9)
     np.testing.assert_allclose(ring_b - 3e-5, 2 * (ring_a - 1e-5))
 
 
 def test_single_rank_groups_cost_nothing():
     links = group_links(1, 1, 8, cluster())
-    assert links.tensor.all_reduce_s(1e9).max() == 0
-    assert np.all(links.p2p_s(1e9) == 0)
+    assert links.tp_groups.all_reduce_s(1e9).max() == 0
+    assert all(np.all(hop == 0) for hop in links.p2p_s(1e9))
 
 
 def test_groups_follow_megatrons_rank_order():
@@ -72,7 +73,7 @@ def test_ring_uses_its_slowest_link_and_only_its_own():
     c = cluster(1, 8)
     c.intra_node[0].bandwidth_Bps[2, 3] = 1e9          # inside TP group (pp 0, dp 1): devices 2, 3
     links = group_links(2, 1, 4, c)
-    cost = links.tensor.all_reduce_s(1e8)
+    cost = links.tp_groups.all_reduce_s(1e8)
     assert cost[0, 1] > cost[0, 0] * 5
     assert cost[0, 0] == cost[0, 2] == cost[0, 3]
 
@@ -98,7 +99,7 @@ def test_a_data_parallel_ring_over_whole_nodes_reaches_nccls_measured_bus_bandwi
     a ring priced on one rail gave an eighth of it."""
     c = preset_cluster(preset, num_nodes=8)
     size = 2**30
-    seconds = group_links(1, 1, 64, c).data.all_reduce_s(size)[0, 0]
+    seconds = group_links(1, 1, 64, c).dp_cp_groups.all_reduce_s(size)[0, 0]
     assert 2 * 63 / 64 * size / seconds == pytest.approx(per_node, rel=0.05)
 
 
@@ -113,11 +114,11 @@ def test_p2p_is_the_slowest_tp_ranks_link_and_wraps():
     assert np.array_equal(group_links(2, 2, 2, c2).p2p_s(1e8), links.p2p_s(1e8))
     order = np.array([0, 1, 2, 3, 5, 4, 6, 7])         # node 1's local ranks 0 and 1 swapped: cross-rail hops
     slow = group_links(2, 2, 2, c2, order)
-    fwd, bwd = links.p2p_s(1e8), slow.p2p_s(1e8)
-    assert fwd.shape == (2, 2, 2)                      # (direction, dp, hop)
-    assert bwd[0, 0, 0] > fwd[0, 0, 0] * 5             # the slow (cross-rail) TP rank sets the hop's time
-    assert bwd[0, 1, 0] == fwd[0, 1, 0]                # the other replica is untouched
-    assert fwd[0, 0, 1] == fwd[0, 0, 0]                # hop 1 wraps 1 -> 0 across nodes too
+    fast, crossed = links.p2p_s(1e8).activation, slow.p2p_s(1e8).activation
+    assert fast.shape == (2, 2)                        # (dp, hop)
+    assert crossed[0, 0] > fast[0, 0] * 5              # the slow (cross-rail) TP rank sets the hop's time
+    assert crossed[1, 0] == fast[1, 0]                 # the other replica is untouched
+    assert fast[0, 1] == fast[0, 0]                    # hop 1 wraps 1 -> 0 across nodes too
 
 
 def test_slowest_device_sets_the_tensor_group_pace():

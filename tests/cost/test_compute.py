@@ -80,7 +80,8 @@ def test_raw_gemm_flops_are_megatrons_model_flops(monkeypatch):
         w = workload_from_preset(name)
         layout = Layout(pipeline_model_parallel_size=2, data_parallel_size=4, micro_batch_size=2)
         work = stage_work(resolve_job(w, layout), preset_cluster("dgx-a100", num_nodes=1))
-        total = (work.forward[0].sum() + work.backward[0].sum()) * resolve_job(w, layout).num_microbatches * layout.dp
+        flops = work.forward.flops.sum() + work.backward.flops.sum()
+        total = flops * resolve_job(w, layout).num_microbatches * layout.dp
         assert total == pytest.approx(w.model_flops_per_iteration(), rel=1e-12)
 
 
@@ -96,8 +97,9 @@ def test_causal_kernels_skip_the_masked_half_of_the_scores():
     for backend, causal in (("auto", True), ("flash", True), ("fused", True), ("unfused", False), ("local", False)):
         w = workload_from_preset("llama3-8b", attention_backend=backend)
         work = stage_work(resolve_job(w, Layout(data_parallel_size=8)), A100)
-        assert (work.forward[0].sum() < stage_work(resolve_job(workload_from_preset(
-            "llama3-8b", attention_backend="unfused"), Layout(data_parallel_size=8)), A100).forward[0].sum()) == causal
+        unfused = stage_work(resolve_job(workload_from_preset("llama3-8b", attention_backend="unfused"),
+                                         Layout(data_parallel_size=8)), A100)
+        assert (work.forward.flops.sum() < unfused.forward.flops.sum()) == causal
 
 
 def test_measured_attention_kernels_price_the_core_on_h100():
@@ -154,10 +156,10 @@ def test_unfused_attention_pays_for_the_score_matrix():
 def test_first_and_last_stages_carry_embedding_and_output_layer():
     w = workload_from_preset("gpt3-1.3b")
     work = stage_work(resolve_job(w, Layout(pipeline_model_parallel_size=4, data_parallel_size=2)), A100)
-    fwd = work.forward[0] + work.forward[1] * 1e15
+    fwd = work.forward.flops + work.forward.mem_s * 1e15
     assert fwd[0, 0] > fwd[1, 0] and fwd[3, 0] > fwd[1, 0] and fwd[1, 0] == fwd[2, 0]
     output_gemm = 2 * 2048 * 2048 * 50304 / gemm_curve(A100.gpu, "bf16")(2048, 50304, 2048)
-    assert work.forward[0, 3, 0] - work.forward[0, 1, 0] == pytest.approx(output_gemm)
+    assert work.forward.flops[3, 0] - work.forward.flops[1, 0] == pytest.approx(output_gemm)
 
 
 def test_interleaving_splits_stages_into_chunks_with_the_ends_on_their_chunks():
@@ -165,8 +167,8 @@ def test_interleaving_splits_stages_into_chunks_with_the_ends_on_their_chunks():
     work = stage_work(resolve_job(w, Layout(pipeline_model_parallel_size=2, data_parallel_size=4,
                                 num_layers_per_virtual_pipeline_stage=3)), A100)
     assert work.layers.shape == (2, 4) and np.all(work.layers == 3)
-    assert work.forward[0, 1, 3] > work.forward[0, 1, 0]        # output layer on the last chunk
-    assert work.backward[1, 0, 0] > work.backward[1, 0, 1]      # embedding on the first chunk
+    assert work.forward.flops[1, 3] > work.forward.flops[1, 0]        # output layer on the last chunk
+    assert work.backward.mem_s[0, 0] > work.backward.mem_s[0, 1]      # embedding on the first chunk
 
 
 def test_block_recompute_counts_n_layers_per_chunk():
@@ -176,7 +178,7 @@ def test_block_recompute_counts_n_layers_per_chunk():
     work = stage_work(resolve_job(w, layout), A100)
     assert np.all(work.recomputed_layers == 5)
     per_layer = roofline_layer(resolve_job(w, layout), A100.memory_bandwidth_Bps).forward.flops
-    assert work.recompute[0, 0, 0] == pytest.approx(5 * per_layer)
+    assert work.recompute.flops[0, 0] == pytest.approx(5 * per_layer)
 
 
 def _profile(rank=0, fwd=0.01, bwd=0.02, rc_bwd=None, gemm_flops=None):
@@ -197,7 +199,7 @@ def test_profile_replaces_the_roofline_and_scales_with_device_speed():
     work = stage_work(resolve_job(w, layout), c, _profile(rank=3))
     assert work.profiled
     output = compute.roofline_output(resolve_job(w, layout), c.memory_bandwidth_Bps).forward.flops   # not profiled here
-    layers_s_on_fast_device = (work.forward[0, 0, 0] - output) / c.gemm_flops[0]
+    layers_s_on_fast_device = (work.forward.flops[0, 0] - output) / c.gemm_flops[0]
     assert layers_s_on_fast_device == pytest.approx(w.num_layers * 0.01 / 2)
 
 
@@ -209,7 +211,7 @@ def test_devices_sharing_cores_run_the_profile_slower():
     alone = stage_work(resolve_job(w, Layout(data_parallel_size=8)), c, _profile())
     shared = stage_work(resolve_job(w, Layout(data_parallel_size=8)), c, _profile(gemm_flops=2 * c.gemm_flops[0]))
     output = compute.roofline_output(resolve_job(w, Layout(data_parallel_size=8)), c.memory_bandwidth_Bps).forward.flops
-    assert (shared.forward[0, 0, 0] - output) == pytest.approx(2 * (alone.forward[0, 0, 0] - output))
+    assert (shared.forward.flops[0, 0] - output) == pytest.approx(2 * (alone.forward.flops[0, 0] - output))
 
 
 def test_profiled_recompute_is_split_out_of_backward():

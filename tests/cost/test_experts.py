@@ -61,7 +61,7 @@ def test_routed_rows_and_dispatch_volume():
             data_parallel_size=4, micro_batch_size=2)
     t = 2 * 4096 / 2
     assert experts.routed_rows(j) == t * 2 * 2
-    assert experts.dispatch_bytes(j) == {"a2a": t * 2 * 1024 * 2, "etp": t * 2 * 2 * 1024 * 2, "tp_ep": 0.0,
+    assert experts.dispatch_bytes(j) == {"a2a": t * 2 * 1024 * 2, "etp": t * 2 * 2 * 1024 * 2, "etp-ep": 0.0,
                                          "flex": 0.0}
     padded = dataclasses.replace(MOE, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
     assert experts.routed_rows(job(padded, expert_model_parallel_size=4, data_parallel_size=4)) == 4096 * 2 * 1.5

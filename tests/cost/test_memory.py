@@ -497,7 +497,7 @@ def test_interleaved_stage_holds_each_chunk_at_its_own_size(layers, lay):
     the loss shortened holds less), plus the embedding's and the output layer's own."""
     job = resolve_job(dataclasses.replace(TINY, num_layers=layers), lay)
     estimate = estimate_memory(job, 80 * 2**30)
-    one_layer = _chunk_activations(job, 1, 0, None)[0]
+    one_layer = _chunk_activations(job, 1, 0, None).stored
     terms = _job_terms(job)
     for stage in (0, lay.pp - 1):
         sizes = [n * one_layer for n in job.chunk_sizes[stage]]

@@ -89,7 +89,7 @@ def test_mlp_recomputation_redoes_the_mlp_and_its_collectives():
     assert 0 < core.recompute_s < none.compute_s / 2 and 0 < mlp.recompute_s < none.compute_s / 2
     j = job(modules=("mlp",), **kw)
     act = GPT.seq_length * GPT.hidden_size * GPT.bytes_per_element
-    ar = float(model.links(j).tensor.all_reduce_s(act).max())
+    ar = float(model.links(j).tp_groups.all_reduce_s(act).max())
     assert mlp.tp_comm_s - none.tp_comm_s == pytest.approx(j.num_microbatches * GPT.num_layers * ar, rel=1e-9)
 
 

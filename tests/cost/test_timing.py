@@ -190,7 +190,7 @@ def test_param_gather_overlap_without_interleaving_waits_stage_by_stage():
     on, off = (resolve_job(w, layout(8, 8, 16, use_distributed_optimizer=True, overlap_grad_reduce=True,
                                       overlap_param_gather=flag)) for flag in (True, False))
     params = stage_parameters(on).dense
-    ag = model.links(on).data.all_gather_s(params[:, None] * w.bytes_per_element).max(axis=1)
+    ag = model.links(on).dp_cp_groups.all_gather_s(params[:, None] * w.bytes_per_element).max(axis=1)
     buckets = np.ceil(params[0] / 40e6)
     first_forward = model.time(on).stage_times[0].forward_s
     exposed = max(ag[0] - first_forward, ag[0] / buckets) + ag[1:].sum()
@@ -232,8 +232,8 @@ def test_column_parallel_backward_collectives_hide_behind_their_gradient_gemms()
     job = resolve_job(w, layout(8, 1, 1))
     base = preset_cluster("dgx-h100", num_nodes=1)
     links = CostModel(base).links(job)
-    ar = float(links.tensor.all_reduce_s(2048 * w.hidden_size * 2).max())
-    ce = 3 * float(links.tensor.all_reduce_s(4 * 2048).max())     # vocab-parallel cross-entropy: 3 all-reduces
+    ar = float(links.tp_groups.all_reduce_s(2048 * w.hidden_size * 2).max())
+    ce = 3 * float(links.tp_groups.all_reduce_s(4 * 2048).max())     # vocab-parallel cross-entropy: 3 all-reduces
     m, layers = job.num_microbatches, w.num_layers
 
     def tp_comm(rate: float) -> float:
@@ -253,7 +253,7 @@ def test_tp_comm_overlap_pipelines_the_exposed_collectives_with_their_gemms():
     w = workload_from_preset("gpt3-13b", global_batch_size=8)
     base = preset_cluster("dgx-h100", num_nodes=1)
     on, off = (resolve_job(w, layout(8, 1, 1, sequence_parallel=True, tp_comm_overlap=flag)) for flag in (True, False))
-    ag = float(CostModel(base).links(on).tensor.all_gather_s(2048 * w.hidden_size * 2).max())
+    ag = float(CostModel(base).links(on).tp_groups.all_gather_s(2048 * w.hidden_size * 2).max())
     m, layers = on.num_microbatches, w.num_layers
 
     def tp_comm(job, rate: float) -> float:
@@ -390,7 +390,7 @@ def test_fused_cross_entropy_sends_two_all_reduces_instead_of_three():
     job, fused_job = resolve_job(GPT, lay), resolve_job(fused, lay)
     links = model.links(job)
     tokens = job.tokens_per_microbatch
-    ring = links.tensor
+    ring = links.tp_groups
     step = float((ring.all_reduce_s(8 * tokens) - 2 * ring.all_reduce_s(4 * tokens)).max())
     assert step < 0
     plain_f = model.time(job).stage_times[-1].forward_s

@@ -61,7 +61,7 @@ def main() -> None:
         ps = parallel_state
         getters = {"tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
                    "dp": ps.get_data_parallel_group, "cp": ps.get_context_parallel_group,
-                   "dp_cp": functools.partial(ps.get_data_parallel_group, with_context_parallel=True),
+                   "dp-cp": functools.partial(ps.get_data_parallel_group, with_context_parallel=True),
                    "ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
                    "edp": ps.get_expert_data_parallel_group}
         results.append({"rank": rank, **{kind: group_report(get(), physical_of, physical)

@@ -22,13 +22,13 @@ CASES = [
     # TP 2 with whole experts per rank (ETP 1), EP 2 spanning the TP pair.
     {"tp": 2, "pp": 1, "ep": 2, "etp": 1, "logical_of_physical": [1, 3, 0, 2]},
 ]
-KINDS = ("tp", "pp", "dp", "cp", "dp_cp", "ep", "etp", "edp")
+KINDS = ("tp", "pp", "dp", "cp", "dp-cp", "ep", "etp", "edp")
 
 
 def test_inverse_mapping_helper() -> None:
     logical_to_physical = [2, 3, 0, 1]
     groups = expected_groups(logical_to_physical, tp=2, pp=2, dp=1)
-    assert groups[2] == {"tp": [2, 3], "pp": [0, 2], "dp": [2], "cp": [2], "dp_cp": [2],
+    assert groups[2] == {"tp": [2, 3], "pp": [0, 2], "dp": [2], "cp": [2], "dp-cp": [2],
                          "ep": [2], "etp": [2, 3], "edp": [2]}
     assert groups[0]["tp"] == [0, 1] and groups[0]["pp"] == [0, 2] and groups[0]["dp"] == [0]
 
@@ -37,7 +37,7 @@ def test_context_and_expert_groups_by_hand() -> None:
     """tp2 cp2 dp2 on 8 ranks, identity placement: CP pairs ranks 2 apart, DP 4 apart; experts
     ep4 over etp2 (edp 1) span TP x CP x DP."""
     groups = expected_groups(list(range(8)), tp=2, pp=1, dp=2, cp=2, ep=4)
-    assert groups[1]["cp"] == [1, 3] and groups[1]["dp"] == [1, 5] and groups[1]["dp_cp"] == [1, 3, 5, 7]
+    assert groups[1]["cp"] == [1, 3] and groups[1]["dp"] == [1, 5] and groups[1]["dp-cp"] == [1, 3, 5, 7]
     assert groups[1]["ep"] == [1, 3, 5, 7] and groups[1]["etp"] == [0, 1] and groups[1]["edp"] == [1]
 
 
