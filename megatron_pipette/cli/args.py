@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
     LayerProfile,
@@ -232,7 +232,7 @@ def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, 
     overrides = [megatron_flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
     if overrides:
         raise PipetteError(f"{', '.join(overrides)} cannot override a measured --cluster file")
-    return cluster_from_json(read_json(source, "--cluster"), where=f"--cluster {source}")
+    return ClusterFile.from_json(read_json(source, "--cluster"), where=f"--cluster {source}").cluster
 
 
 def profile_from_args(ns: argparse.Namespace, workload: Workload, cluster: Cluster) -> LayerProfile | None:

@@ -202,7 +202,7 @@ def add_show_parser(sub) -> None:
 def cmd_probe_sim(ns: argparse.Namespace) -> int:
     from megatron_pipette.probe.schedule import node_pairs_met
     from megatron_pipette.probe.twin import compare_to_truth, run_twin
-    from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.cluster_file import ClusterFile
 
     check_args(ns.budget_s, "bf16", ns.small_bytes, ns.large_bytes, ns.repeats)
     if not 0 <= ns.noise <= MAX_NOISE:
@@ -211,7 +211,7 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--seed must be an integer from 0 to 2**63 - 1, got {ns.seed}")
     if problem := out_problem(ns.out):
         raise PipetteError(problem)
-    truth = cluster_from_json(read_json(ns.truth, "--truth"), where=f"--truth {ns.truth}")
+    truth = ClusterFile.from_json(read_json(ns.truth, "--truth"), where=f"--truth {ns.truth}").cluster
     if (ns.world_size, ns.gpus_per_node) != (truth.world_size, truth.gpus_per_node):
         raise PipetteError(f"--world-size {ns.world_size} --gpus-per-node {ns.gpus_per_node} do not match "
                            f"--truth {ns.truth} ({truth.num_nodes} nodes x {truth.gpus_per_node} = "
@@ -219,14 +219,12 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
     started = time.perf_counter()
     run = run_twin(truth, budget_s=ns.budget_s, small_bytes=ns.small_bytes, large_bytes=ns.large_bytes,
                    repeats=ns.repeats, noise=ns.noise, seed=ns.seed)
-    doc = run.doc
-    probed = cluster_from_json(doc, where="probe-sim")
-    write_cluster_file(doc, ns.out)
+    probed = ClusterFile.from_json(run.doc, where="probe-sim")
+    write_cluster_file(probed.to_json(), probed.cluster.world_size, ns.out)
     wall_s = time.perf_counter() - started
-    p = doc["probe"]
-    errors = compare_to_truth(probed, truth, node_pairs_met(truth.num_nodes, truth.gpus_per_node,
-                                                            p["inter_rounds_measured"]))
-    print(plans.twin_report(doc, run.simulated_s, wall_s, run.document_build_s, errors))
+    errors = compare_to_truth(probed.cluster, truth, node_pairs_met(truth.num_nodes, truth.gpus_per_node,
+                                                                    probed.probe.inter_rounds_measured))
+    print(plans.twin_report(probed, run.simulated_s, wall_s, run.document_build_s, errors))
     print(f"wrote {ns.out}")
     return 0
 
@@ -253,13 +251,12 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 def show_cluster(ns: argparse.Namespace) -> None:
     from megatron_pipette.report.cluster_report import summarize, write_heatmap
-    from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.cluster_file import ClusterFile
 
     if ns.heatmap and (problem := out_problem(ns.heatmap, "--heatmap")):
         raise PipetteError(problem)
-    doc = read_json(ns.file, "show")
-    cluster_from_json(doc, where=ns.file)  # the same validation `plan --cluster` applies
-    print(summarize(doc))
+    shown = ClusterFile.from_json(read_json(ns.file, "show"), where=ns.file)  # as `plan --cluster` reads it
+    print(summarize(shown))
     if ns.heatmap:
-        write_heatmap(doc, ns.heatmap)
+        write_heatmap(shown.cluster, ns.heatmap)
         print(f"heatmap written to {ns.heatmap}")

@@ -50,7 +50,7 @@ from megatron_pipette.plan.search import context_parallel_options
 from megatron_pipette.probe.document import gpus_per_node
 from megatron_pipette.probe.identity import node_name
 from megatron_pipette.report.plan_document import PlanRecord
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.layer_profile import profile_from_json
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.units import GiB, MiB
@@ -131,19 +131,19 @@ def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | N
     """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
     workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
-    cluster_doc = None
+    probed = None
     if probe:
         from megatron_pipette.probe import run_probe
 
-        cluster_doc = phases.run("probe", lambda: run_probe(
+        probed = phases.run("probe", lambda: run_probe(
             budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
             small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
-            timeout_s=timeout.total_seconds()))   # the document: rank 0 only
+            timeout_s=timeout.total_seconds()))   # rank 0 only
     else:
         phases.skip("probe", "cached")
 
     def plan() -> PlanRecord:
-        return _profile_and_plan(request, start, cluster_doc, entry, phases, on_gpu, budget)
+        return _profile_and_plan(request, start, probed, entry, phases, on_gpu, budget)
 
     if not profile:
         phases.skip("profile", "cached")
@@ -174,14 +174,14 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int, group: dist.Pro
     return result
 
 
-def _profile_and_plan(request: JobRequest, start: replan.Start, cluster_doc: dict | None, entry: Entry, phases: Phases,
-                      on_gpu: bool, budget: float) -> PlanRecord:
+def _profile_and_plan(request: JobRequest, start: replan.Start, probed: ClusterFile | None, entry: Entry,
+                      phases: Phases, on_gpu: bool, budget: float) -> PlanRecord:
     """Rank 0: the cluster (probed now, or cached), the layer profile (profiled now, or cached), the plan."""
     workload, constraints = request.workload, request.constraints
     new = {}
     cluster = start.cluster
-    if cluster_doc is not None:
-        cluster, new[CLUSTER] = cluster_from_json(cluster_doc, where="probe"), cluster_doc
+    if probed is not None:
+        cluster, new[CLUSTER] = probed.cluster, probed.to_json()
         log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s",
             0)
     profile = start.profile

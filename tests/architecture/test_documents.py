@@ -9,6 +9,7 @@ from test_layers import PACKAGE, modules
 
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.planner import plan
+from megatron_pipette.probe.twin import run_twin
 from megatron_pipette.report.plan_document import plan_json
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.workload import workload_from_preset
@@ -24,10 +25,18 @@ def _plan_keys() -> set[str]:
     return {*doc, "phases_s", "calibration", "self_check", *best, *best["memory"], *best["placement"]} - SHARED
 
 
-SHARED = {"schema", "version", "model", "cluster", "world_size", "gpus_per_node"}
-"""Keys other documents (the cluster file, the layer profile, a calibration) or Megatron's own arguments
-use too: a subscript of one of them does not say which document it reads."""
-CODECS = {"report.plan_document": _plan_keys()}
+def _cluster_keys() -> set[str]:
+    """The cluster file's keys and its probe report's, from a document the probe (its twin) wrote."""
+    doc = run_twin(preset_cluster("dgx-a100", num_nodes=2), budget_s=5, small_bytes=4096, large_bytes=2 ** 20,
+                   repeats=1).doc
+    return {*doc, *doc["probe"]} - SHARED
+
+
+SHARED = {"schema", "version", "model", "cluster", "world_size", "gpus_per_node", "name", "gpu", "num_nodes",
+          "device_name", "probe", "skipped"}
+"""Keys that other documents (the layer profile, a calibration, the catalog's presets), a rank's identity,
+the phase names or Megatron's own arguments use too: a subscript of one does not say which document it reads."""
+CODECS = {"report.plan_document": _plan_keys(), "spec.cluster_file": _cluster_keys()}
 """Codec module -> the keys of its document, which only it subscripts."""
 
 
