@@ -27,9 +27,9 @@ from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
     LayerProfile,
+    ProfileFile,
     check_profile_device,
     check_profile_matches,
-    profile_from_json,
 )
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced, flag_table
@@ -239,7 +239,7 @@ def profile_from_args(ns: argparse.Namespace, workload: Workload, cluster: Clust
     if not ns.layer_profile:
         return None
     where = f"--layer-profile {ns.layer_profile}"
-    profile = profile_from_json(read_json(ns.layer_profile, "--layer-profile"), where=where)
+    profile = ProfileFile.from_json(read_json(ns.layer_profile, "--layer-profile"), where=where).profile
     check_profile_matches(profile, workload, where=where)
     check_profile_device(profile, cluster, where=where)
     return profile

@@ -131,17 +131,16 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from megatron_pipette.profile import profile_layers
 
-    doc = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
+    profiled = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
                          sequence_parallel=sequence_parallel, device=ns.device, budget_s=ns.budget_s,
                          warmup=ns.warmup, iters=ns.iters, rank=ns.rank, cp_sizes=ns.cp)
     try:
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+        out.write_text(json.dumps(profiled.to_json(), indent=1) + "\n")
     except OSError as e:
         raise PipetteError(f"--out {out}: cannot write ({e.strerror})") from None
-    m = doc["measurement"]
-    print(f"{out}: {len(doc['layers'])} layer entries on {doc['device']['device_name']}, "
-          f"{len(m['measured'])} shapes measured, {len(m['skipped'])} skipped (budget or memory), "
-          f"{m['elapsed_s']:.1f} s")
+    print(f"{out}: {len(profiled.profile.layers)} layer entries on {profiled.profile.device_name}, "
+          f"{profiled.measured_shapes} shapes measured, {profiled.skipped_shapes} skipped (budget or memory), "
+          f"{profiled.elapsed_s:.1f} s")
     return 0
 
 
@@ -156,11 +155,12 @@ def add_compare_parser(sub) -> None:
 def cmd_compare(ns: argparse.Namespace) -> int:
     from megatron_pipette.report.profile_compare import compare, render
     from megatron_pipette.spec.hardware import gpu_catalog, lookup_gpu
+    from megatron_pipette.spec.layer_profile import ProfileFile
 
-    doc = read_json(ns.profile, "compare")
-    name = ns.gpu or (doc.get("device", {}).get("device_name", "") if isinstance(doc, dict) else "")
+    profiled = ProfileFile.from_json(read_json(ns.profile, "compare"), where="layer profile")
+    name = ns.gpu or profiled.profile.device_name
     gpu = lookup_gpu(ns.gpu) if ns.gpu else gpu_catalog().get(name.lower())
-    rows = compare(doc, gpu)
+    rows = compare(profiled, gpu)
     print(json.dumps(rows, indent=1) if ns.json else render(rows))
     if gpu is None:
         print(f"(device {name!r} is not a catalog GPU: times not compared; pass --gpu to force)")

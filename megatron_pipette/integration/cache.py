@@ -39,7 +39,7 @@ from megatron_pipette.files import write_atomic
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.workload import Workload
 
 FLAG = "--auto-parallel-cache-dir"
@@ -65,7 +65,7 @@ def _calibration(doc: Any, where: str) -> dict:
 
 PLAN = Document("plan.json", "planning again", PlanRecord.from_json)
 CLUSTER = Document("cluster.json", "probing again", ClusterFile.from_json)
-PROFILE = Document("layer_profile.json", "profiling again", profile_from_json)
+PROFILE = Document("layer_profile.json", "profiling again", ProfileFile.from_json)
 CALIBRATION = Document("calibration.json", "planning uncalibrated", _calibration)
 
 

@@ -51,7 +51,7 @@ from megatron_pipette.probe.document import gpus_per_node
 from megatron_pipette.probe.identity import node_name
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.units import GiB, MiB
 
@@ -197,10 +197,10 @@ def _profile_and_plan(request: JobRequest, start: replan.Start, probed: ClusterF
         # a budget cut drops these first); megatron_args pins CP 1 where Transformer Engine is missing.
         cp_sizes = ([constraints["context_parallel_size"]] if "context_parallel_size" in constraints
                     else context_parallel_options(workload, cluster.world_size))
-        profile_doc = phases.run("profile", lambda: profile_layers(
+        profiled: ProfileFile = phases.run("profile", lambda: profile_layers(
             workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
             budget_s=budget * PROFILE_SHARE, rank=0, cp_sizes=cp_sizes))
-        profile, new[PROFILE] = profile_from_json(profile_doc, where="layer profile"), profile_doc
+        profile, new[PROFILE] = profiled.profile, profiled.to_json()
     return replan.plan_measured(request, entry, phases, cluster, profile, new)
 
 

@@ -90,16 +90,16 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
         _mismatch(str(entry.file(PLAN)), problems)
     if switches.reprobe:
         return Start()
-    cluster, profile = _cached_cluster(entry), entry.read(PROFILE)
+    cluster, profile = _cached(entry)
     if cluster is None or profile is None:
         return Start(cluster=cluster, profile=profile)
     return Start(plan_from_cache(request, entry, cluster, profile, phases))
 
 
-def _cached_cluster(entry: Entry) -> Cluster | None:
-    """The cluster of the entry's probe, if it is cached."""
-    probed = entry.read(CLUSTER)
-    return None if probed is None else probed.cluster
+def _cached(entry: Entry) -> tuple[Cluster | None, LayerProfile | None]:
+    """The cluster of the entry's probe and its layer profile, each if it is cached."""
+    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+    return None if probed is None else probed.cluster, None if profiled is None else profiled.profile
 
 
 def _read_pinned(path: Path) -> PlanRecord | str:
@@ -188,7 +188,7 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
         log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
         phases.skip("plan", "cached")
         return cached
-    cluster, profile = _cached_cluster(entry), entry.read(PROFILE)
+    cluster, profile = _cached(entry)
     if cluster is None or profile is None:
         log(f"using the plan in {path} (allocation {entry.key}) uncalibrated: the probe or layer profile it was "
             "made from is not cached", 0)

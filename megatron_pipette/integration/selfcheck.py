@@ -337,12 +337,12 @@ def _record(entry: Entry, candidate: CandidateRecord, result: CheckResult) -> No
 def _calibrate(entry: Entry, plan: PlanRecord, result: CheckResult) -> Fit | None:
     """Fit the model's factors to the check and store them; the fit, or None without the allocation's
     probe and profile."""
-    probed, profile = entry.read(CLUSTER), entry.read(PROFILE)
-    if probed is None or profile is None:
+    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+    if probed is None or profiled is None:
         log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
         return None
     layout, placement = plan.best.layout, plan.best.placement
-    fitted = fit(plan.workload(str(entry.file(PLAN))), probed.cluster, profile, layout, placement, result)
+    fitted = fit(plan.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
     if entry.write(CALIBRATION, calibration_json(fitted, layout, placement, result)):
         log(fitted.line(), 0)
         log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)

@@ -32,11 +32,24 @@ def _cluster_keys() -> set[str]:
     return {*doc, *doc["probe"]} - SHARED
 
 
+def _profile_keys() -> set[str]:
+    """The layer profile's top-level keys, from the dict its writer, profile.profiler.profile_layers,
+    returns (read from the source: profiling needs torch)."""
+    tree = ast.parse((PACKAGE / "profile" / "profiler.py").read_text())
+    writer = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "profile_layers")
+    returned = [n.value for n in ast.walk(writer) if isinstance(n, ast.Return)]
+    documents = [v.args[0] if isinstance(v, ast.Call) and v.args else v for v in returned]   # a dict, or read back
+    keys = {k.value for d in documents if isinstance(d, ast.Dict) for k in d.keys if isinstance(k, ast.Constant)}
+    assert {"layers", "measurement"} <= keys, keys
+    return keys - SHARED
+
+
 SHARED = {"schema", "version", "model", "cluster", "world_size", "gpus_per_node", "name", "gpu", "num_nodes",
-          "device_name", "probe", "skipped"}
+          "device_name", "probe", "skipped", "device"}
 """Keys that other documents (the layer profile, a calibration, the catalog's presets), a rank's identity,
 the phase names or Megatron's own arguments use too: a subscript of one does not say which document it reads."""
-CODECS = {"report.plan_document": _plan_keys(), "spec.cluster_file": _cluster_keys()}
+CODECS = {"report.plan_document": _plan_keys(), "spec.cluster_file": _cluster_keys(),
+          "spec.layer_profile": _profile_keys()}
 """Codec module -> the keys of its document, which only it subscripts."""
 
 
