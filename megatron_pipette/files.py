@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megatron_pipette.errors import PipetteError
 
@@ -48,7 +50,8 @@ def write_atomic(path: str | os.PathLike, data: bytes, flag: str, mode: int | No
         raise PipetteError(f"{flag} {path}: cannot write: {e.strerror or e}") from None
 
 
-def write_cluster_file(doc: dict, path: str | os.PathLike, flag: str = "--out") -> None:
-    """Write a cluster document (the probe's, or its twin's) atomically; small ones indented for reading."""
-    indent = 1 if doc["num_nodes"] * doc["gpus_per_node"] <= 64 else None
+def write_cluster_file(doc: Mapping[str, Any], devices: int, path: str | os.PathLike, flag: str = "--out") -> None:
+    """Write a cluster document (the probe's, or its twin's: ClusterFile.to_json) of `devices` devices
+    atomically; small ones indented for reading."""
+    indent = 1 if devices <= 64 else None
     write_atomic(path, (json.dumps(doc, indent=indent) + "\n").encode(), flag)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_pipette.cost.memory import StageMemory
 from megatron_pipette.units import GiB, MiB
 
 MEMORY_MARGIN = 0.05
@@ -187,36 +188,37 @@ def gib(values: Sequence[int | None], unit: int = GiB) -> str:
     return "/".join("?" if v is None else f"{v / unit:.{decimals}f}" for v in values)
 
 
-def predicted_terms(stage: Mapping[str, Any]) -> dict[str, int]:
-    """A plan document's stage memory in MEMORY_TERMS."""
-    return {"model state": stage["weight_bytes"] + stage["gradient_bytes"] + stage["optimizer_bytes"],
-            "activations": stage["activation_bytes"] + stage["transient_bytes"],
-            "overheads": stage["overhead_bytes"]}
+def predicted_terms(stage: StageMemory) -> dict[str, int]:
+    """A stage's predicted memory in MEMORY_TERMS."""
+    return {"model state": stage.weight_bytes + stage.gradient_bytes + stage.optimizer_bytes,
+            "activations": stage.activation_bytes + stage.transient_bytes,
+            "overheads": stage.overhead_bytes}
 
 
-def predicted_tensors(stage: Mapping[str, Any]) -> dict[str, int]:
-    """A plan document's stage memory in TensorSample's terms (no transient or overhead bytes: a
+def predicted_tensors(stage: StageMemory) -> dict[str, int]:
+    """A stage's predicted memory in TensorSample's terms (no transient or overhead bytes: a
     tensor count sees neither the allocator nor what lives only inside one pass)."""
-    return {"model state": predicted_terms(stage)["model state"], "activations": stage["activation_bytes"]}
+    return {"model state": predicted_terms(stage)["model state"], "activations": stage.activation_bytes}
 
 
-def compare(candidate: Mapping[str, Any], samples: Sequence[RankSample], iterations: tuple[int, int],
-            missing_ranks: Sequence[int] = (), margin: float = MEMORY_MARGIN) -> CheckResult:
-    """Hold the plan's chosen candidate (a plan document's candidates[0]) against the samples."""
+def compare(predicted_s: float, memory: Sequence[StageMemory], samples: Sequence[RankSample],
+            iterations: tuple[int, int], missing_ranks: Sequence[int] = (),
+            margin: float = MEMORY_MARGIN) -> CheckResult:
+    """Hold the plan's chosen candidate (its predicted iteration time and stage memory) against the samples."""
     assert samples, "at least rank 0 reports"
     stages = []
-    for planned in candidate["memory"]["stages"]:
-        mine = [s for s in samples if s.stage == planned["stage"]]
+    for planned in memory:
+        mine = [s for s in samples if s.stage == planned.stage]
         worst = max((s.memory for s in mine if s.memory is not None), key=lambda m: m.peak_bytes, default=None)
         counted = [s.tensors.terms for s in mine if s.tensors is not None]
         stages.append(StageCheck(
-            stage=planned["stage"], ranks=len(mine),
+            stage=planned.stage, ranks=len(mine),
             compute_s=statistics.median(s.compute_s for s in mine) if mine else math.nan,
-            predicted_peak_bytes=planned["peak_bytes"], predicted_terms=predicted_terms(planned),
+            predicted_peak_bytes=planned.total_bytes, predicted_terms=predicted_terms(planned),
             measured_peak_bytes=None if worst is None else worst.peak_bytes,
             measured_terms=None if worst is None else worst.terms, predicted_tensors=predicted_tensors(planned),
             measured_tensors={t: max(c[t] for c in counted) for t in TENSOR_TERMS} if counted else None))
-    return CheckResult(iterations=iterations, predicted_s=candidate["iteration_time_s"],
+    return CheckResult(iterations=iterations, predicted_s=predicted_s,
                        measured_s=statistics.median(s.iteration_s for s in samples),
                        forward_backward_s=statistics.median(s.forward_backward_s for s in samples),
                        stages=tuple(stages), missing_ranks=tuple(missing_ranks), margin=margin)

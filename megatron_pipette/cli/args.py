@@ -23,13 +23,13 @@ from functools import cache
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
     LayerProfile,
+    ProfileFile,
     check_profile_device,
     check_profile_matches,
-    profile_from_json,
 )
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced, flag_table
@@ -232,14 +232,14 @@ def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, 
     overrides = [megatron_flag(n) for n in ("gpu", "num_nodes", "gpus_per_node") if getattr(ns, n) is not None]
     if overrides:
         raise PipetteError(f"{', '.join(overrides)} cannot override a measured --cluster file")
-    return cluster_from_json(read_json(source, "--cluster"), where=f"--cluster {source}")
+    return ClusterFile.from_json(read_json(source, "--cluster"), where=f"--cluster {source}").cluster
 
 
 def profile_from_args(ns: argparse.Namespace, workload: Workload, cluster: Cluster) -> LayerProfile | None:
     if not ns.layer_profile:
         return None
     where = f"--layer-profile {ns.layer_profile}"
-    profile = profile_from_json(read_json(ns.layer_profile, "--layer-profile"), where=where)
+    profile = ProfileFile.from_json(read_json(ns.layer_profile, "--layer-profile"), where=where).profile
     check_profile_matches(profile, workload, where=where)
     check_profile_device(profile, cluster, where=where)
     return profile

@@ -131,17 +131,16 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from megatron_pipette.profile import profile_layers
 
-    doc = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
+    profiled = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
                          sequence_parallel=sequence_parallel, device=ns.device, budget_s=ns.budget_s,
                          warmup=ns.warmup, iters=ns.iters, rank=ns.rank, cp_sizes=ns.cp)
     try:
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+        out.write_text(json.dumps(profiled.to_json(), indent=1) + "\n")
     except OSError as e:
         raise PipetteError(f"--out {out}: cannot write ({e.strerror})") from None
-    m = doc["measurement"]
-    print(f"{out}: {len(doc['layers'])} layer entries on {doc['device']['device_name']}, "
-          f"{len(m['measured'])} shapes measured, {len(m['skipped'])} skipped (budget or memory), "
-          f"{m['elapsed_s']:.1f} s")
+    print(f"{out}: {len(profiled.profile.layers)} layer entries on {profiled.profile.device_name}, "
+          f"{profiled.measured_shapes} shapes measured, {profiled.skipped_shapes} skipped (budget or memory), "
+          f"{profiled.elapsed_s:.1f} s")
     return 0
 
 
@@ -156,11 +155,12 @@ def add_compare_parser(sub) -> None:
 def cmd_compare(ns: argparse.Namespace) -> int:
     from megatron_pipette.report.profile_compare import compare, render
     from megatron_pipette.spec.hardware import gpu_catalog, lookup_gpu
+    from megatron_pipette.spec.layer_profile import ProfileFile
 
-    doc = read_json(ns.profile, "compare")
-    name = ns.gpu or (doc.get("device", {}).get("device_name", "") if isinstance(doc, dict) else "")
+    profiled = ProfileFile.from_json(read_json(ns.profile, "compare"), where="layer profile")
+    name = ns.gpu or profiled.profile.device_name
     gpu = lookup_gpu(ns.gpu) if ns.gpu else gpu_catalog().get(name.lower())
-    rows = compare(doc, gpu)
+    rows = compare(profiled, gpu)
     print(json.dumps(rows, indent=1) if ns.json else render(rows))
     if gpu is None:
         print(f"(device {name!r} is not a catalog GPU: times not compared; pass --gpu to force)")
@@ -202,7 +202,7 @@ def add_show_parser(sub) -> None:
 def cmd_probe_sim(ns: argparse.Namespace) -> int:
     from megatron_pipette.probe.schedule import node_pairs_met
     from megatron_pipette.probe.twin import compare_to_truth, run_twin
-    from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.cluster_file import ClusterFile
 
     check_args(ns.budget_s, "bf16", ns.small_bytes, ns.large_bytes, ns.repeats)
     if not 0 <= ns.noise <= MAX_NOISE:
@@ -211,7 +211,7 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--seed must be an integer from 0 to 2**63 - 1, got {ns.seed}")
     if problem := out_problem(ns.out):
         raise PipetteError(problem)
-    truth = cluster_from_json(read_json(ns.truth, "--truth"), where=f"--truth {ns.truth}")
+    truth = ClusterFile.from_json(read_json(ns.truth, "--truth"), where=f"--truth {ns.truth}").cluster
     if (ns.world_size, ns.gpus_per_node) != (truth.world_size, truth.gpus_per_node):
         raise PipetteError(f"--world-size {ns.world_size} --gpus-per-node {ns.gpus_per_node} do not match "
                            f"--truth {ns.truth} ({truth.num_nodes} nodes x {truth.gpus_per_node} = "
@@ -219,14 +219,12 @@ def cmd_probe_sim(ns: argparse.Namespace) -> int:
     started = time.perf_counter()
     run = run_twin(truth, budget_s=ns.budget_s, small_bytes=ns.small_bytes, large_bytes=ns.large_bytes,
                    repeats=ns.repeats, noise=ns.noise, seed=ns.seed)
-    doc = run.doc
-    probed = cluster_from_json(doc, where="probe-sim")
-    write_cluster_file(doc, ns.out)
+    probed = ClusterFile.from_json(run.doc, where="probe-sim")
+    write_cluster_file(probed.to_json(), probed.cluster.world_size, ns.out)
     wall_s = time.perf_counter() - started
-    p = doc["probe"]
-    errors = compare_to_truth(probed, truth, node_pairs_met(truth.num_nodes, truth.gpus_per_node,
-                                                            p["inter_rounds_measured"]))
-    print(plans.twin_report(doc, run.simulated_s, wall_s, run.document_build_s, errors))
+    errors = compare_to_truth(probed.cluster, truth, node_pairs_met(truth.num_nodes, truth.gpus_per_node,
+                                                                    probed.probe.inter_rounds_measured))
+    print(plans.twin_report(probed, run.simulated_s, wall_s, run.document_build_s, errors))
     print(f"wrote {ns.out}")
     return 0
 
@@ -253,13 +251,12 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 def show_cluster(ns: argparse.Namespace) -> None:
     from megatron_pipette.report.cluster_report import summarize, write_heatmap
-    from megatron_pipette.spec.cluster_file import cluster_from_json
+    from megatron_pipette.spec.cluster_file import ClusterFile
 
     if ns.heatmap and (problem := out_problem(ns.heatmap, "--heatmap")):
         raise PipetteError(problem)
-    doc = read_json(ns.file, "show")
-    cluster_from_json(doc, where=ns.file)  # the same validation `plan --cluster` applies
-    print(summarize(doc))
+    shown = ClusterFile.from_json(read_json(ns.file, "show"), where=ns.file)  # as `plan --cluster` reads it
+    print(summarize(shown))
     if ns.heatmap:
-        write_heatmap(doc, ns.heatmap)
+        write_heatmap(shown.cluster, ns.heatmap)
         print(f"heatmap written to {ns.heatmap}")

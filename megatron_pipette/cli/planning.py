@@ -27,10 +27,10 @@ from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
 from megatron_pipette.probe.options import out_problem
 from megatron_pipette.report import plans
-from megatron_pipette.report.plan_document import chosen_from_json, estimate_json, plan_json
+from megatron_pipette.report.plan_document import PlanRecord, estimate_json, plan_json
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout, check_user_layout
-from megatron_pipette.spec.workload import Workload, megatron_flag, workload_fields
+from megatron_pipette.spec.workload import megatron_flag, workload_fields
 from megatron_pipette.units import GiB
 
 EXIT_NOTHING_FITS = 3
@@ -141,12 +141,9 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
         [megatron_flag(name) for name in layout_constraints(ns)] + (["--model"] if hasattr(ns, "model") else [])
     if typed:
         raise PipetteError(f"--plan gives the model and the layout; drop {', '.join(typed)}")
-    doc = read_json(ns.plan, "--plan")
-    layout, placement = chosen_from_json(doc, where=f"--plan {ns.plan}")
-    try:
-        workload = Workload(**doc["model"])
-    except (KeyError, TypeError) as e:
-        raise PipetteError(f"--plan {ns.plan}: malformed model ({e!r})") from None
+    pinned = PlanRecord.from_json(read_json(ns.plan, "--plan"), where=f"--plan {ns.plan}")
+    layout, placement = pinned.best.layout, pinned.best.placement
+    workload = pinned.workload(f"--plan {ns.plan}")
     cluster = cluster_from_args(ns, workload.precision)
     nodes = len(placement.node_order)
     if nodes * placement.gpus_per_node != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:

@@ -37,9 +37,9 @@ from megatron_pipette.calibration.fit import factors_from_json
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import write_atomic
 from megatron_pipette.integration.common import log
-from megatron_pipette.report.plan_document import chosen_from_json
-from megatron_pipette.spec.cluster_file import cluster_from_json
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.report.plan_document import PlanRecord
+from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.workload import Workload
 
 FLAG = "--auto-parallel-cache-dir"
@@ -58,19 +58,14 @@ class Document[T]:
     decode: Callable[[Any, str], T]
 
 
-def _plan(doc: Any, where: str) -> dict:
-    chosen_from_json(doc, where)
-    return doc
-
-
 def _calibration(doc: Any, where: str) -> dict:
     factors_from_json(doc, where)
     return doc
 
 
-PLAN = Document("plan.json", "planning again", _plan)
-CLUSTER = Document("cluster.json", "probing again", cluster_from_json)
-PROFILE = Document("layer_profile.json", "profiling again", profile_from_json)
+PLAN = Document("plan.json", "planning again", PlanRecord.from_json)
+CLUSTER = Document("cluster.json", "probing again", ClusterFile.from_json)
+PROFILE = Document("layer_profile.json", "profiling again", ProfileFile.from_json)
 CALIBRATION = Document("calibration.json", "planning uncalibrated", _calibration)
 
 

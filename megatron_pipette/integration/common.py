@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,8 +47,3 @@ def log(message: str, rank: int) -> None:
     """Megatron-style rank-0 log line."""
     if rank == 0:
         print(f"> auto-parallel: {message}", flush=True)
-
-
-def candidate_digest(candidate: dict) -> str:
-    """Identifies a plan's chosen candidate: ranks agree on it, the self-check finds it again."""
-    return hashlib.sha256(json.dumps(candidate, sort_keys=True).encode()).hexdigest()

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
 from megatron_pipette.integration.cache import CLUSTER, PROFILE, Entry, cache_key
-from megatron_pipette.integration.common import Phases, candidate_digest, log
+from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
 from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
@@ -49,9 +49,9 @@ from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.search import context_parallel_options
 from megatron_pipette.probe.document import gpus_per_node
 from megatron_pipette.probe.identity import node_name
-from megatron_pipette.report.plan_document import chosen_from_json
-from megatron_pipette.spec.cluster_file import cluster_from_json
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.report.plan_document import PlanRecord
+from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.units import GiB, MiB
 
@@ -92,8 +92,8 @@ def _broadcast(obj: Any, rank: int, group: dist.ProcessGroup | None) -> Any:
 
 def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
                    timeout: timedelta, saved: Layout | None,
-                   group: dist.ProcessGroup | None) -> tuple[dict, Entry | None]:
-    """Collective: the plan document, identical on every rank, and the cache entry whose plan.json it
+                   group: dist.ProcessGroup | None) -> tuple[PlanRecord, Entry | None]:
+    """Collective: the plan, identical on every rank, and the cache entry whose plan.json it
     is (None when it is pinned with --auto-parallel-plan-file)."""
     identities: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(identities, _identity(), group=group)
@@ -108,42 +108,42 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     with contextlib.ExitStack() as held:   # rank 0 holds the entry's lock until the plan is made
         found: list[replan.Start] = []
 
-        def look_up() -> tuple[dict | None, bool, bool, bool]:
+        def look_up() -> tuple[PlanRecord | None, bool, bool, bool]:
             entry.open()
             waited = held.enter_context(entry.locked(LOCK_SHARE * budget))
             if waited >= 1:
                 log(f"waited {waited:.0f} s for another job to release {entry.path}", 0)
             start = replan.look_up(entry, request, switches, phases)
             found.append(start)
-            return start.doc, start.pinned, start.doc is None and start.cluster is None, \
-                start.doc is None and start.profile is None
+            return start.plan, start.pinned, start.plan is None and start.cluster is None, \
+                start.plan is None and start.profile is None
 
-        doc, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank, group)
-        if doc is not None:
-            return doc, None if pinned else entry
+        found_plan, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank, group)
+        if found_plan is not None:
+            return found_plan, None if pinned else entry
         return _measure_and_plan(request, entry, found[0] if found else None, probe, profile, rank, phases,
                                  budget, timeout, group), entry
 
 
 def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | None, probe: bool, profile: bool,
                       rank: int, phases: Phases, budget: float, timeout: timedelta,
-                      group: dist.ProcessGroup | None) -> dict:
+                      group: dist.ProcessGroup | None) -> PlanRecord:
     """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
     workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
-    cluster_doc = None
+    probed = None
     if probe:
         from megatron_pipette.probe import run_probe
 
-        cluster_doc = phases.run("probe", lambda: run_probe(
+        probed = phases.run("probe", lambda: run_probe(
             budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
             small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
-            timeout_s=timeout.total_seconds()))   # the document: rank 0 only
+            timeout_s=timeout.total_seconds()))   # rank 0 only
     else:
         phases.skip("probe", "cached")
 
-    def plan() -> dict:
-        return _profile_and_plan(request, start, cluster_doc, entry, phases, on_gpu, budget)
+    def plan() -> PlanRecord:
+        return _profile_and_plan(request, start, probed, entry, phases, on_gpu, budget)
 
     if not profile:
         phases.skip("profile", "cached")
@@ -174,14 +174,14 @@ def _on_rank0_then_broadcast(work: Callable[[], Any], rank: int, group: dist.Pro
     return result
 
 
-def _profile_and_plan(request: JobRequest, start: replan.Start, cluster_doc: dict | None, entry: Entry, phases: Phases,
-                      on_gpu: bool, budget: float) -> dict:
+def _profile_and_plan(request: JobRequest, start: replan.Start, probed: ClusterFile | None, entry: Entry,
+                      phases: Phases, on_gpu: bool, budget: float) -> PlanRecord:
     """Rank 0: the cluster (probed now, or cached), the layer profile (profiled now, or cached), the plan."""
     workload, constraints = request.workload, request.constraints
     new = {}
     cluster = start.cluster
-    if cluster_doc is not None:
-        cluster, new[CLUSTER] = cluster_from_json(cluster_doc, where="probe"), cluster_doc
+    if probed is not None:
+        cluster, new[CLUSTER] = probed.cluster, probed.to_json()
         log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s",
             0)
     profile = start.profile
@@ -197,10 +197,10 @@ def _profile_and_plan(request: JobRequest, start: replan.Start, cluster_doc: dic
         # a budget cut drops these first); megatron_args pins CP 1 where Transformer Engine is missing.
         cp_sizes = ([constraints["context_parallel_size"]] if "context_parallel_size" in constraints
                     else context_parallel_options(workload, cluster.world_size))
-        profile_doc = phases.run("profile", lambda: profile_layers(
+        profiled: ProfileFile = phases.run("profile", lambda: profile_layers(
             workload, tp_sizes=tp_sizes, micro_batch_sizes=mbs, device="cuda" if on_gpu else "cpu",
             budget_s=budget * PROFILE_SHARE, rank=0, cp_sizes=cp_sizes))
-        profile, new[PROFILE] = profile_from_json(profile_doc, where="layer profile"), profile_doc
+        profile, new[PROFILE] = profiled.profile, profiled.to_json()
     return replan.plan_measured(request, entry, phases, cluster, profile, new)
 
 
@@ -259,15 +259,15 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     try:
         saved = megatron_args.saved_layout(args)
         group = control_group(backend, probe_timeout)
-        doc, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved, group)
-        layout, placement = chosen_from_json(doc, where="plan")
+        chosen, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved, group)
+        layout, placement = chosen.best.layout, chosen.best.placement
         if placement.logical_to_physical.size != world:
             raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
-        status = f"ok:{candidate_digest(doc['candidates'][0])}"
+        status = f"ok:{chosen.best.digest()}"
     except Exception as e:  # any failure falls back (or stops) on every rank, together
         why = str(e) if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
         kind = "stop" if isinstance(e, UnrunnableFlags) else "failed"
-        doc, status = None, f"{kind}:{why}".replace("\n", " ")[:500]
+        chosen, status = None, f"{kind}:{why}".replace("\n", " ")[:500]
     if phases.elapsed() > opts.auto_parallel_budget_s:
         status = f"failed:budget of {opts.auto_parallel_budget_s:g} s exceeded ({phases.elapsed():.0f} s)"
     # Peers stuck in a collective with a failed rank give up after probe_timeout; wait longer.
@@ -294,20 +294,20 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         _log_groups(layout, placement, args.rank)
         if args.rank == 0 and getattr(args, "save", None) and not opts.auto_parallel_dry_run:
             try:
-                megatron_args.save_checkpoint_plan(args, doc)
+                megatron_args.save_checkpoint_plan(args, chosen)
             except PipetteError as e:
                 log(f"WARNING: {e}; a restart will not know the layout its checkpoints were saved under", 0)
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
-        best = doc["candidates"][0]
+        best = chosen.best
         tight = " (it fits by under 2%, within the memory model's error: it may not fit)" \
-            if best["memory"].get("tight") else ""
-        log(f"predicted {best['iteration_time_s']:.4f} s/iteration, peak "
-            f"{best['memory']['peak_bytes'] / GiB:.2f} GiB of {best['memory']['capacity_bytes'] / GiB:.2f} "
+            if best.memory.tight else ""
+        log(f"predicted {best.iteration_time_s:.4f} s/iteration, peak "
+            f"{best.memory.peak_bytes / GiB:.2f} GiB of {best.memory.capacity_bytes / GiB:.2f} "
             f"GiB per device{tight}", args.rank)
         if opts.auto_parallel_check_iterations > 0 and not opts.auto_parallel_dry_run:
             selfcheck.arm(selfcheck.CheckSetup(
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
-                plan=doc, record=record, concludes=rank == 0,
+                plan=chosen, record=record, concludes=rank == 0,
                 on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
     if saved is not None:
         now = (layout or fallback).describe()

@@ -18,7 +18,7 @@ from typing import Any
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.files import write_atomic
 from megatron_pipette.integration.plan_check import JobRequest
-from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.workload import Workload, megatron_flag
@@ -204,7 +204,7 @@ def saved_layout(args: Any) -> Layout | None:
         doc = json.loads((Path(load) / CHECKPOINT_PLAN).read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         raise PipetteError(f"{where}: cannot read ({e})") from None
-    return chosen_from_json(doc, where)[0]
+    return PlanRecord.from_json(doc, where).best.layout
 
 
 def checkpoint_constraints(saved: Layout | None) -> dict[str, Any]:
@@ -225,13 +225,13 @@ def overridden_by_checkpoint(request: JobRequest) -> str | None:
             "optimizer, which Megatron cannot convert; resuming without it")
 
 
-def save_checkpoint_plan(args: Any, doc: dict) -> None:
+def save_checkpoint_plan(args: Any, plan: PlanRecord) -> None:
     """The plan beside the checkpoints --save writes (PipetteError naming --save when it cannot be)."""
     try:
         Path(args.save).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise PipetteError(f"--save {args.save}: cannot create: {e.strerror or e}") from None
-    write_atomic(Path(args.save) / CHECKPOINT_PLAN, (json.dumps(doc, indent=1) + "\n").encode(), "--save")
+    write_atomic(Path(args.save) / CHECKPOINT_PLAN, (json.dumps(plan.to_json(), indent=1) + "\n").encode(), "--save")
 
 
 def transformer_engine_in_use(args: Any) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
-from megatron_pipette.report.plan_document import chosen_from_json
+from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
@@ -58,14 +58,11 @@ def _same(planned: Any, wanted: Any) -> bool:
     return norm(planned) == norm(wanted)
 
 
-def plan_problems(doc: Any, request: JobRequest, where: str) -> list[str]:
-    """Why the plan document cannot run this job, one reason each ([] when it can)."""
-    try:
-        layout, placement = chosen_from_json(doc, where)
-    except PipetteError as e:
-        return [str(e)]
+def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
+    """Why the plan cannot run this job, one reason each ([] when it can)."""
+    layout, placement = plan.best.layout, plan.best.placement
     problems = []
-    model, wanted = doc["model"], _model_fields(request.workload)
+    model, wanted = plan.model, _model_fields(request.workload)
     differ = [k for k in sorted(set(model) | set(wanted)) if k != "name" and model.get(k) != wanted.get(k)]
     for k in differ[:4]:
         name = "precision" if k == "precision" else megatron_flag(k)

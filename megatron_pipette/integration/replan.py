@@ -23,7 +23,6 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from megatron_pipette.calibration.fit import Factors, calibrated, factors_from_json
 from megatron_pipette.cost.memory import environment_overheads
@@ -33,7 +32,7 @@ from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFI
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
-from megatron_pipette.report.plan_document import chosen_from_json, plan_json
+from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
 from megatron_pipette.report.plans import plan_report
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
@@ -62,7 +61,7 @@ class Switches:
 class Start:
     """What the look-up found: a plan to use, or what there is to plan from once the rest is measured."""
 
-    doc: dict | None = None
+    plan: PlanRecord | None = None
     pinned: bool = False
     cluster: Cluster | None = None
     profile: LayerProfile | None = None
@@ -71,38 +70,49 @@ class Start:
 def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phases) -> Start:
     """Rank 0: the plan this start uses, or what it must measure first (module docstring)."""
     if switches.plan_file is not None:
-        doc = _read_pinned(switches.plan_file)
-        problems = plan_problems(doc, request, str(switches.plan_file))
+        pinned = _read_pinned(switches.plan_file)
+        problems = [pinned] if isinstance(pinned, str) else plan_problems(pinned, request)
         if not problems:
             log(f"using the plan in {switches.plan_file} (allocation {entry.key}); probe and profile skipped", 0)
             for name in ("probe", "profile", "plan"):
                 phases.skip(name, f"skipped ({PINNED_FLAG})")
-            return Start(doc, pinned=True)
+            return Start(pinned, pinned=True)
         _mismatch(str(switches.plan_file), problems)
-    doc = None
+    cached = None
     if switches.replan or switches.reprobe:
         log(f"planning again ({'--auto-parallel-reprobe' if switches.reprobe else '--auto-parallel-replan'})", 0)
     else:
-        doc = entry.read(PLAN)
-    if doc is not None:
-        problems = plan_problems(doc, request, str(entry.file(PLAN)))
+        cached = entry.read(PLAN)
+    if cached is not None:
+        problems = plan_problems(cached, request)
         if not problems:
-            return Start(cached_plan(doc, request, switches.replan_if_slower, entry, phases))
+            return Start(cached_plan(cached, request, switches.replan_if_slower, entry, phases))
         _mismatch(str(entry.file(PLAN)), problems)
     if switches.reprobe:
         return Start()
-    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
+    cluster, profile = _cached(entry)
     if cluster is None or profile is None:
         return Start(cluster=cluster, profile=profile)
     return Start(plan_from_cache(request, entry, cluster, profile, phases))
 
 
-def _read_pinned(path: Path) -> Any:
+def _cached(entry: Entry) -> tuple[Cluster | None, LayerProfile | None]:
+    """The cluster of the entry's probe and its layer profile, each if it is cached."""
+    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+    return None if probed is None else probed.cluster, None if profiled is None else profiled.profile
+
+
+def _read_pinned(path: Path) -> PlanRecord | str:
+    """The pinned plan, or why it is not one (a file that cannot be read is an error)."""
     try:
-        return json.loads(path.read_bytes())
+        doc = json.loads(path.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else f"not a JSON document ({type(e).__name__})"
         raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: {why}") from None
+    try:
+        return PlanRecord.from_json(doc, str(path))
+    except PipetteError as e:
+        return str(e)
 
 
 def _mismatch(where: str, problems: list[str]) -> None:
@@ -110,7 +120,7 @@ def _mismatch(where: str, problems: list[str]) -> None:
 
 
 def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
-                   calibration: dict | None = None) -> dict:
+                   calibration: dict | None = None) -> PlanRecord:
     """Plan, print the report, and cache the document (which names the calibration it used)."""
     result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
     if not result.candidates:
@@ -126,17 +136,16 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
     return _write_plan(result, entry, phases, calibration)
 
 
-def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: dict | None) -> dict:
+def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: dict | None) -> PlanRecord:
     print(plan_report(result), flush=True)
-    doc = {**plan_json(result), "phases_s": phases.seconds}
-    if calibration is not None:
-        doc["calibration"] = {"id": calibration["id"], "factors": calibration["factors"]}
-    entry.write(PLAN, doc)      # a plan that cannot be cached is still used
-    return doc
+    ref = None if calibration is None else CalibrationRef(calibration["id"], calibration["factors"])
+    record = PlanRecord.from_plan(result, phases_s=phases.seconds, calibration=ref)
+    entry.write(PLAN, record.to_json())      # a plan that cannot be cached is still used
+    return record
 
 
 def plan_measured(request: JobRequest, entry: Entry, phases: Phases, cluster: Cluster, profile: LayerProfile,
-                  new: dict[Document, dict]) -> dict:
+                  new: dict[Document, dict]) -> PlanRecord:
     """Plan after measuring: `new` maps each document measured by this start (CLUSTER, PROFILE) to its
     JSON, cached here. A calibration is relative to what it was fitted on, so it goes."""
     for doc, value in new.items():
@@ -158,7 +167,7 @@ def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: dict
 
 
 def plan_from_cache(request: JobRequest, entry: Entry, cluster: Cluster, profile: LayerProfile,
-                    phases: Phases) -> dict:
+                    phases: Phases) -> PlanRecord:
     """A plan from the cached probe and layer profile, calibrated if a calibration is cached."""
     log(f"planning from the probe and layer profile cached in {entry.path} (allocation {entry.key}); probe and "
         "profile skipped", 0)
@@ -168,33 +177,34 @@ def plan_from_cache(request: JobRequest, entry: Entry, cluster: Cluster, profile
     return plan_and_write(request, _calibrated_model(cluster, profile, calibration), entry, phases, calibration)
 
 
-def cached_plan(doc: dict, request: JobRequest, replan_if_slower: float | None, entry: Entry, phases: Phases) -> dict:
+def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float | None, entry: Entry,
+                phases: Phases) -> PlanRecord:
     """The cached plan (checked), planned again if a calibration was fitted since."""
     path = entry.file(PLAN)
     for name in ("probe", "profile"):
         phases.skip(name, "cached")
     calibration = entry.read(CALIBRATION)
-    if calibration is None or calibration["id"] == doc.get("calibration", {}).get("id"):
+    if calibration is None or (cached.calibration is not None and calibration["id"] == cached.calibration.id):
         log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
         phases.skip("plan", "cached")
-        return doc
-    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
+        return cached
+    cluster, profile = _cached(entry)
     if cluster is None or profile is None:
         log(f"using the plan in {path} (allocation {entry.key}) uncalibrated: the probe or layer profile it was "
             "made from is not cached", 0)
         phases.skip("plan", "cached")
-        return doc
+        return cached
     log(f"a self-check calibrated the model since {path} was made: planning again from the probe and "
         f"layer profile cached there (allocation {entry.key})", 0)
     model = _calibrated_model(cluster, profile, calibration)
     result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
-    layout, placement = chosen_from_json(doc, str(path))
+    layout, placement = cached.best.layout, cached.best.placement
     job = resolve_job(request.workload, layout)
     time, memory = evaluate(model, job, placement)
     kept = Candidate(layout=layout, placement=placement, time=time, memory=memory,
                      default_order_time_s=model.time(job).iteration_time_s)
     log(f"{layout.describe()}: predicted {time.iteration_time_s:.3g} s/iteration by the calibrated model, "
-        f"{doc['candidates'][0]['iteration_time_s']:.3g} s before", 0)
+        f"{cached.best.iteration_time_s:.3g} s before", 0)
     chosen = _choose(kept, result.best, replan_if_slower)
     others = [c for c in result.candidates if (c.layout, c.placement) != (chosen.layout, chosen.placement)]
     return _write_plan(replace(result, candidates=(chosen, *others)[:TOP_K]), entry, phases, calibration)

@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -46,10 +46,9 @@ from megatron_pipette.calibration.check import (
 from megatron_pipette.calibration.fit import Fit, calibration_json, fit
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
-from megatron_pipette.integration.common import candidate_digest, log
+from megatron_pipette.integration.common import log
 from megatron_pipette.profile.measure import LiveSavedBytes, live_tensor_bytes, storage_keys
-from megatron_pipette.report.plan_document import chosen_from_json
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.report.plan_document import CandidateRecord, PlanRecord
 
 CHECK_CHART = "self_check.png"
 """The check's chart, beside plan.json in the cache entry."""
@@ -75,8 +74,8 @@ class CheckSetup:
     """Store key prefix of this attempt's records."""
     iterations: int
     """Steps to time after the first."""
-    plan: dict
-    """The plan document in use (its candidates[0] is the chosen layout)."""
+    plan: PlanRecord
+    """The plan in use (its best candidate is the chosen layout)."""
     record: Entry | None
     """The cache entry whose plan.json is that plan (None: pinned with --auto-parallel-plan-file)."""
     concludes: bool
@@ -306,8 +305,9 @@ def _conclude(setup: CheckSetup, world: int) -> None:
     present = [k for k in keys if setup.store.check([k])]
     samples = [sample_from_json(json.loads(v)) for v in setup.store.multi_get(present)]
     missing = sorted(set(range(world)) - {s.rank for s in samples})
-    candidate = setup.plan["candidates"][0]
-    result = compare(candidate, samples, (SKIPPED + 1, SKIPPED + setup.iterations), missing)
+    candidate = setup.plan.best
+    result = compare(candidate.iteration_time_s, candidate.memory.stages, samples,
+                     (SKIPPED + 1, SKIPPED + setup.iterations), missing)
     for line in result.lines():
         log(line, 0)
     if setup.record is None:
@@ -321,28 +321,28 @@ def _conclude(setup: CheckSetup, world: int) -> None:
         log(f"self-check not recorded: {e}", 0)
 
 
-def _record(entry: Entry, candidate: dict, result: CheckResult) -> None:
+def _record(entry: Entry, candidate: CandidateRecord, result: CheckResult) -> None:
     """Write the check into the cached plan, fit the model's factors to it and store them for the
     next start (under the entry's lock)."""
-    doc = entry.read(PLAN)
-    if doc is None or candidate_digest(doc["candidates"][0]) != candidate_digest(candidate):
+    cached = entry.read(PLAN)
+    if cached is None or cached.best.digest() != candidate.digest():
         log(f"self-check not recorded: {entry.file(PLAN)} holds another plan now, or none", 0)
         return
-    if not entry.write(PLAN, {**doc, "self_check": result.as_json()}):
+    if not entry.write(PLAN, replace(cached, self_check=result.as_json()).to_json()):
         return
     log(f"self-check written to {entry.file(PLAN)}", 0)
-    _draw(entry, result, _calibrate(entry, doc, result))
+    _draw(entry, result, _calibrate(entry, cached, result))
 
 
-def _calibrate(entry: Entry, doc: dict, result: CheckResult) -> Fit | None:
+def _calibrate(entry: Entry, plan: PlanRecord, result: CheckResult) -> Fit | None:
     """Fit the model's factors to the check and store them; the fit, or None without the allocation's
     probe and profile."""
-    cluster, profile = entry.read(CLUSTER), entry.read(PROFILE)
-    if cluster is None or profile is None:
+    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+    if probed is None or profiled is None:
         log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
         return None
-    layout, placement = chosen_from_json(doc, where=str(entry.file(PLAN)))
-    fitted = fit(Workload(**doc["model"]), cluster, profile, layout, placement, result)
+    layout, placement = plan.best.layout, plan.best.placement
+    fitted = fit(plan.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
     if entry.write(CALIBRATION, calibration_json(fitted, layout, placement, result)):
         log(fitted.line(), 0)
         log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)

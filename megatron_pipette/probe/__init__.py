@@ -1,8 +1,8 @@
 """In-job cluster probe: links inside and between nodes, per-device compute, in a time budget.
 
     from megatron_pipette.probe import run_probe
-    doc = run_probe(budget_s=30, precision="bf16", small_bytes=4096,
-                    large_bytes=64 * 2**20, repeats=5, out="cluster.json")
+    probed = run_probe(budget_s=30, precision="bf16", small_bytes=4096,
+                       large_bytes=64 * 2**20, repeats=5, out="cluster.json")
 
 Standalone: `torchrun --nproc_per_node N -m megatron_pipette.probe --out cluster.json`.
 The torch-dependent entry points load lazily so that the pure parts

@@ -28,7 +28,7 @@ from megatron_pipette.probe.engine import run_engine
 from megatron_pipette.probe.identity import identify
 from megatron_pipette.probe.options import check_args, out_problem
 from megatron_pipette.probe.torch_transport import TorchTransport
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile
 
 log = logging.getLogger("megatron_pipette.probe")
 
@@ -48,11 +48,11 @@ def _raise(answer: object) -> None:
 
 def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precision: str, small_bytes: int,
               large_bytes: int, repeats: int, out: str | os.PathLike | None = None,
-              timeout_s: float | None = None) -> dict | None:
+              timeout_s: float | None = None) -> ClusterFile | None:
     """Probe the cluster formed by `group` (default: the world) within `budget_s` seconds.
 
     Collective: every rank of the group calls it with the same arguments. Returns the cluster
-    document (docs/cluster-schema.md) on rank 0 and None on the others; rank 0 also writes it
+    file (docs/cluster-schema.md), typed, on rank 0 and None on the others; rank 0 also writes it
     to `out` when given. `timeout_s` bounds each point-to-point wait (default 60 s + the
     budget) so a dead partner ends the probe with an error rather than a hang. Raises
     PipetteError on every rank for a user error (bad argument, unwritable --out, ranks not in
@@ -80,7 +80,7 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     transport = TorchTransport(group, device, gpus_per_node=int(gpn), precision=measured,
                                small_bytes=small_bytes, large_bytes=large_bytes, timeout=timeout)
     measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats)
-    doc: dict | None = None
+    probed: ClusterFile | None = None
     answer: object = None
     failure: BaseException | None = None
     if rank == 0:
@@ -91,10 +91,10 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
                                  small_bytes=small_bytes, large_bytes=large_bytes, max_repeats=repeats,
                                  probe_meta=meta, extra_skipped=[{"what": "gemm_precision", "reason": note}]
                                  if note and precision == "fp8" else ())
-            cluster_from_json(doc, where="probe")   # the planner must accept it unchanged
+            probed = ClusterFile.from_json(doc, where="probe")   # the planner must accept it unchanged
             if out is not None:
-                write_cluster_file(doc, out)
-            _log_outcome(doc, out, note)
+                write_cluster_file(doc, probed.cluster.world_size, out)
+            _log_outcome(probed, out, note)
         except PipetteError as e:
             answer = ("user", str(e))
         except Exception as e:   # a bug: still tell the other ranks, so that none waits for rank 0
@@ -103,22 +103,21 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     if failure is not None:
         raise failure
     _raise(answer)
-    return doc
+    return probed
 
 
-def _log_outcome(doc: dict, out: str | os.PathLike | None, note: str | None) -> None:
-    p = doc["probe"]
+def _log_outcome(probed: ClusterFile, out: str | os.PathLike | None, note: str | None) -> None:
+    p = probed.probe
     if note:
         log.info("probe: %s", note)
     log.info("probe: %d ranks on %d node(s): %d of %d intra-node and %d of %d inter-node rounds, %d node pairs "
-             "measured, %.2f s of a %.1f s budget%s", p["world_size"], doc["num_nodes"], p["intra_rounds_measured"],
-             p["intra_rounds"], p["inter_rounds_measured"], p["inter_rounds"], p["node_pairs_measured"],
-             p["duration_s"], p["budget_s"], f"; wrote {out}" if out is not None else "")
-    for finding in p["slow_nodes"] + p["slow_links"]:
-        log.warning("probe: slow: %s", finding["reason"])
-    if p["skipped"]:
-        log.warning("probe: skipped to fit the budget or the node layout: %s",
-                    "; ".join(s["reason"] for s in p["skipped"]))
+             "measured, %.2f s of a %.1f s budget%s", p.world_size, probed.cluster.num_nodes, p.intra_rounds_measured,
+             p.intra_rounds, p.inter_rounds_measured, p.inter_rounds, p.node_pairs_measured,
+             p.duration_s, p.budget_s, f"; wrote {out}" if out is not None else "")
+    for reason in p.slow_nodes + p.slow_links:
+        log.warning("probe: slow: %s", reason)
+    if p.skipped:
+        log.warning("probe: skipped to fit the budget or the node layout: %s", "; ".join(p.skipped))
 
 
 def run_standalone(*, backend: str | None, budget_s: float, precision: str, small_bytes: int,

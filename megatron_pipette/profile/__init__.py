@@ -4,8 +4,8 @@
 transformer layer (and the embedding and the output layer with its loss) with the
 per-rank shapes of each tensor-parallel size, on one GPU or CPU, and measures
 forward and backward time and the bytes each micro-batch keeps for backward. It
-returns the layer-profile document (`megatron_pipette.spec.layer_profile`) the
-planner uses in place of its roofline estimate. Standalone:
+returns the layer-profile file, typed (`megatron_pipette.spec.layer_profile.ProfileFile`),
+whose profile the planner uses in place of its roofline estimate. Standalone:
 `pipette profile --model gpt3-1.3b --tp 1 2 4 --mbs 1 2 4 --out layer_profile.json`.
 The torch-dependent entry point loads lazily so that the pure parts (`shapes`, `request`)
 import without torch.

@@ -19,7 +19,7 @@ from megatron_pipette.profile import build, measure
 from megatron_pipette.profile.request import check_request
 from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
-from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, profile_model_fields
+from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, ProfileFile, profile_model_fields
 from megatron_pipette.spec.workload import Workload
 
 REFERENCE_GEMM_WINDOW_S = 0.3
@@ -29,8 +29,9 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
                    recompute: Sequence[str | None] = (None, "selective", "full"),
                    sequence_parallel: Sequence[bool] = (False, True), device: str | torch.device | None = None,
                    budget_s: float = 300.0, warmup: int = 3, iters: int = 10, rank: int | None = None,
-                   cp_sizes: Sequence[int] = (1,)) -> dict:
-    """Measure per-rank compute time and activation memory for each TP size; return the schema document.
+                   cp_sizes: Sequence[int] = (1,)) -> ProfileFile:
+    """Measure per-rank compute time and activation memory for each TP size; return the layer-profile file
+    (its schema document, read back by its one reader: what the planner would read from the file).
 
     For each TP size the layer is built with that rank's shapes (see profile.build) and
     timed forward and backward; the smallest and largest micro-batch sizes are measured
@@ -70,7 +71,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
                 torch.cuda.empty_cache()
         elapsed = time.perf_counter() - start
         record = {**device_record(dev, env.rank if rank is None else rank), **reference}
-    return {
+    return ProfileFile.from_json({
         "schema": SCHEMA, "version": VERSION, "device": record,
         "model": {**profile_model_fields(workload), "vocab_size": workload.vocab_size,
                   "normalization": workload.normalization, "add_bias_linear": workload.add_bias_linear,
@@ -98,7 +99,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
             "measured": [{**m.shape.describe(), "wall_s": round(m.wall_s, 3)} for m in results],
             "skipped": skipped,
         },
-    }
+    }, where="layer profile")
 
 
 def reference_gemm_flops(precision: str, device: torch.device) -> dict:

@@ -15,7 +15,8 @@ import numpy as np
 
 from megatron_pipette.plan.placement import node_link_weakness
 from megatron_pipette.report.figures import figure, write_png
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.units import GiB
 
 STRAGGLER_FRACTION = 0.8
@@ -48,19 +49,19 @@ def _node(cluster, k: int) -> str:
     return f"node {k} ({cluster.hosts[k]})" if cluster.hosts else f"node {k}"
 
 
-def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
-    """A plain-text report of a cluster document; raises PipetteError when it is not one."""
-    cluster = cluster_from_json(cluster_doc, where=where)
+def summarize(shown: ClusterFile) -> str:
+    """A plain-text report of a cluster file."""
+    cluster, probe = shown.cluster, shown.probe
     n, gpn, nodes = cluster.world_size, cluster.gpus_per_node, cluster.num_nodes
-    probe = cluster_doc.get("probe") or {}
-    kind = cluster.gpu.name if cluster.gpu else cluster_doc.get("device_name", "unknown")
+    kind = cluster.gpu.name if cluster.gpu else (shown.device_name or "unknown")
     lines = [f"Cluster {cluster.name}: {n} devices, {nodes} node(s) x {gpn} ({kind}), "
-             f"precision {cluster_doc.get('precision', '?')}"]
-    if probe:
-        lines.append(f"Probed with {probe.get('backend', '?')} in {probe.get('duration_s', 0):.2f} s "
-                     f"(budget {probe.get('budget_s', 0):g} s): {probe.get('intra_rounds_measured', '?')} of "
-                     f"{probe.get('intra_rounds', '?')} intra-node and {probe.get('inter_rounds_measured', '?')} of "
-                     f"{probe.get('inter_rounds', '?')} inter-node rounds")
+             f"precision {shown.precision or '?'}"]
+    if probe is not None:
+        known = (lambda v: "?" if v is None else v)  # noqa: E731
+        lines.append(f"Probed with {known(probe.backend)} in {probe.duration_s or 0:.2f} s "
+                     f"(budget {probe.budget_s or 0:g} s): {known(probe.intra_rounds_measured)} of "
+                     f"{known(probe.intra_rounds)} intra-node and {known(probe.inter_rounds_measured)} of "
+                     f"{known(probe.inter_rounds)} inter-node rounds")
 
     flops = cluster.gemm_flops
     median = float(np.median(flops))
@@ -105,23 +106,22 @@ def summarize(cluster_doc: dict, where: str = "cluster file") -> str:
         if cluster.domain_of_node is not None:
             lines.append(f"  NVLink domains: {np.unique(cluster.domains).size} of "
                          f"{cluster.gpus_per_domain} GPUs (smallest)")
-    slow_links = probe.get("slow_links") or []
+    slow_links = probe.slow_links if probe is not None else ()
     if slow_links:
         lines += ["", "Slow links found by the probe (measured far below what their nodes' rates predict):"]
-        lines += [f"  - {s.get('reason', s)}" for s in slow_links]
+        lines += [f"  - {s}" for s in slow_links]
 
-    skipped = probe.get("skipped") or []
+    skipped = probe.skipped if probe is not None else ()
     lines += ["", "Skipped by the probe:" + ("" if skipped else " nothing")]
-    lines += [f"  - {s.get('reason', s.get('what', s))}" for s in skipped]
+    lines += [f"  - {s}" for s in skipped]
     return "\n".join(lines)
 
 
-def write_heatmap(cluster_doc: dict, path: str | os.PathLike, where: str = "cluster file") -> None:
+def write_heatmap(cluster: Cluster, path: str | os.PathLike) -> None:
     """Write a PNG of the node x node bandwidth (GB/s, rail to rail) beside the intra-node matrix of
     the first node class."""
     from matplotlib.ticker import MaxNLocator
 
-    cluster = cluster_from_json(cluster_doc, where=where)
     inter = np.array(cluster.inter_node.bandwidth_Bps, dtype=float) / 1e9
     intra = np.array(cluster.intra_node[0].bandwidth_Bps, dtype=float) / 1e9
     np.fill_diagonal(inter, np.nan)

@@ -1,4 +1,4 @@
-"""Plans and estimates as JSON documents (pure dicts; callers do the I/O).
+"""Plans and estimates as JSON documents, and the plan document's record (PlanRecord; callers do the I/O).
 
 The same document is what `pipette plan --json` prints, what the in-job hook
 writes beside the checkpoint, and what `--auto-parallel-plan-file` pins.
@@ -7,14 +7,19 @@ writes beside the checkpoint, and what `--auto-parallel-plan-file` pins.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from megatron_pipette.cost.memory import MemoryEstimate
+from megatron_pipette.cost.memory import MemoryEstimate, StageMemory
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
 
 SCHEMA = "megatron-pipette/plan"
 VERSION = 1
@@ -52,31 +57,114 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
 
 
 def plan_json(result: Plan) -> dict[str, Any]:
-    return {
-        "schema": SCHEMA, "version": VERSION,
-        "model": dataclasses.asdict(result.workload),
-        "cluster": result.cluster_name,
-        "world_size": result.world_size,
-        "considered": result.considered,
-        "out_of_memory": result.out_of_memory,
-        "candidates": [candidate_json(c) for c in result.candidates],
-    }
+    """What `pipette plan --json` prints: the plan's record, without a job's phases or calibration."""
+    return PlanRecord.from_plan(result).to_json()
 
 
-def chosen_from_json(doc: Any, where: str) -> tuple[Layout, Placement]:
-    """The best candidate's layout and placement from a plan document (to pin a plan), after checking
-    every part of the document its users read: the model, the best candidate's time and memory."""
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
-        raise PipetteError(f"{where}: not a megatron-pipette plan (schema {SCHEMA} version {VERSION})")
-    if not isinstance(doc.get("candidates"), list) or not doc["candidates"]:
-        raise PipetteError(f"{where}: the plan has no candidate")
-    if not isinstance(doc.get("model"), dict):
-        raise PipetteError(f"{where}: the plan has no model")
-    best = doc["candidates"][0]
+@dataclass(frozen=True)
+class CandidateRecord:
+    """A candidate of a plan document, as its readers use it. `document` is the candidate as written:
+    it is written back as it was, and identifies the candidate (`digest`)."""
+
+    layout: Layout
+    placement: Placement
+    iteration_time_s: float
+    memory: MemoryEstimate
+    document: Mapping[str, Any]
+
+    def digest(self) -> str:
+        """Identifies the candidate: ranks agree on it, the self-check finds it again."""
+        return hashlib.sha256(json.dumps(self.document, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CalibrationRef:
+    """The calibration a plan was made with (calibration.fit's document: its id and factors)."""
+
+    id: str
+    factors: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """A plan document (plan.json, the plan beside a checkpoint, `pipette plan --json`), typed. Its one
+    reader is `from_json`, its one writer `to_json`."""
+
+    model: Mapping[str, Any]
+    """The model's fields as written (a plan for another model is told apart field by field)."""
+    cluster: str
+    world_size: int
+    considered: int
+    out_of_memory: int
+    candidates: tuple[CandidateRecord, ...]
+    """Best first; never empty."""
+    phases_s: Mapping[str, float] | None = None
+    """Seconds per phase of the start that made it (the in-job hook's plans)."""
+    calibration: CalibrationRef | None = None
+    self_check: Mapping[str, Any] | None = None
+    """What a self-check measured of it (CheckResult.as_json)."""
+
+    @property
+    def best(self) -> CandidateRecord:
+        return self.candidates[0]
+
+    def workload(self, where: str) -> Workload:
+        try:
+            return Workload(**self.model)
+        except (TypeError, ValueError, PipetteError) as e:
+            raise PipetteError(f"{where}: malformed model ({e!r})") from None
+
+    @classmethod
+    def from_plan(cls, result: Plan, phases_s: Mapping[str, float] | None = None,
+                  calibration: CalibrationRef | None = None) -> PlanRecord:
+        candidates = tuple(CandidateRecord(c.layout, c.placement, c.time.iteration_time_s, c.memory, candidate_json(c))
+                           for c in result.candidates)
+        return cls(model=dataclasses.asdict(result.workload), cluster=result.cluster_name,
+                   world_size=result.world_size, considered=result.considered, out_of_memory=result.out_of_memory,
+                   candidates=candidates, phases_s=phases_s, calibration=calibration)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {"schema": SCHEMA, "version": VERSION, "model": dict(self.model), "cluster": self.cluster,
+               "world_size": self.world_size, "considered": self.considered, "out_of_memory": self.out_of_memory,
+               "candidates": [dict(c.document) for c in self.candidates]}
+        if self.phases_s is not None:
+            doc["phases_s"] = dict(self.phases_s)
+        if self.calibration is not None:
+            doc["calibration"] = {"id": self.calibration.id, "factors": dict(self.calibration.factors)}
+        if self.self_check is not None:
+            doc["self_check"] = dict(self.self_check)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> PlanRecord:
+        """The record of a plan document, checked whole (PipetteError naming `where` if it is not one)."""
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
+            raise PipetteError(f"{where}: not a megatron-pipette plan (schema {SCHEMA} version {VERSION})")
+        if not isinstance(doc.get("candidates"), list) or not doc["candidates"]:
+            raise PipetteError(f"{where}: the plan has no candidate")
+        if not isinstance(doc.get("model"), dict):
+            raise PipetteError(f"{where}: the plan has no model")
+        try:
+            calibration = None if doc.get("calibration") is None else \
+                CalibrationRef(str(doc["calibration"]["id"]), dict(doc["calibration"]["factors"]))
+            return cls(model=doc["model"], cluster=str(doc["cluster"]), world_size=int(doc["world_size"]),
+                       considered=int(doc["considered"]), out_of_memory=int(doc["out_of_memory"]),
+                       candidates=tuple(_candidate_from_json(c, where) for c in doc["candidates"]),
+                       phases_s=doc.get("phases_s"), calibration=calibration, self_check=doc.get("self_check"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PipetteError(f"{where}: malformed plan ({e!r})") from None
+
+
+_STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageMemory))
+
+
+def _candidate_from_json(doc: Any, where: str) -> CandidateRecord:
     try:
-        layout = Layout(**best["layout"])
-        placement = Placement(tuple(best["placement"]["node_order"]), int(best["placement"]["gpus_per_node"]))
-        figures = [best["iteration_time_s"], best["memory"]["peak_bytes"], best["memory"]["capacity_bytes"]]
+        layout = Layout(**doc["layout"])
+        placement = Placement(tuple(doc["placement"]["node_order"]), int(doc["placement"]["gpus_per_node"]))
+        memory = doc["memory"]
+        figures = [doc["iteration_time_s"], memory["peak_bytes"], memory["capacity_bytes"]]
+        stages = tuple(StageMemory(**{k: s[k] for k in _STAGE_FIELDS if k in s}) for s in memory["stages"])
     except (KeyError, TypeError, ValueError, PipetteError) as e:
         raise PipetteError(f"{where}: malformed candidate ({e})") from None
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in figures):
@@ -85,4 +173,5 @@ def chosen_from_json(doc: Any, where: str) -> tuple[Layout, Placement]:
             or placement.gpus_per_node <= 0:
         raise PipetteError(f"{where}: malformed candidate (node_order must list integers, gpus_per_node be "
                            f"positive)")
-    return layout, placement
+    return CandidateRecord(layout, placement, float(doc["iteration_time_s"]),
+                           MemoryEstimate(stages=stages, capacity_bytes=memory["capacity_bytes"]), doc)

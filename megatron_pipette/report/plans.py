@@ -6,6 +6,7 @@ from megatron_pipette.cost.memory import TIGHT_HEADROOM, MemoryEstimate, misfit_
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import Candidate, Plan
+from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.units import GiB
 
 
@@ -123,23 +124,23 @@ def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate
     return "\n".join([*lines, "", breakdown(time), "", stage_memory(memory)])
 
 
-def twin_report(doc: dict, simulated_s: float, wall_s: float, document_build_s: float,
+def twin_report(probed: ClusterFile, simulated_s: float, wall_s: float, document_build_s: float,
                 errors: dict[str, float]) -> str:
     """What `pipette probe-sim` found: the probe's simulated cost, its findings, its error against the truth."""
-    p = doc["probe"]
-    lines = [f"simulated probe time {simulated_s:.2f} s (budget {p['budget_s']:g} s), wall time {wall_s:.2f} s "
+    p, nodes = probed.probe, probed.cluster.num_nodes
+    lines = [f"simulated probe time {simulated_s:.2f} s (budget {p.budget_s:g} s), wall time {wall_s:.2f} s "
              f"(of it {document_build_s:.2f} s building the document)",
-             f"  {p['world_size']} ranks on {doc['num_nodes']} nodes x {doc['gpus_per_node']}: "
-             f"{p['intra_rounds_measured']} of {p['intra_rounds']} intra-node and {p['inter_rounds_measured']} of "
-             f"{p['inter_rounds']} inter-node rounds, {p['node_pairs_measured']} of "
-             f"{doc['num_nodes'] * (doc['num_nodes'] - 1) // 2} node pairs measured"]
-    findings = p["slow_nodes"] + p["slow_links"]
+             f"  {p.world_size} ranks on {nodes} nodes x {probed.cluster.gpus_per_node}: "
+             f"{p.intra_rounds_measured} of {p.intra_rounds} intra-node and {p.inter_rounds_measured} of "
+             f"{p.inter_rounds} inter-node rounds, {p.node_pairs_measured} of "
+             f"{nodes * (nodes - 1) // 2} node pairs measured"]
+    findings = p.slow_nodes + p.slow_links
     lines.append("slow: " + ("none found" if not findings else f"{len(findings)} found"))
-    lines += [f"  - {f['reason']}" for f in findings[:20]]
+    lines += [f"  - {f}" for f in findings[:20]]
     if len(findings) > 20:
         lines.append(f"  ... and {len(findings) - 20} more")
     if errors:
         lines.append(f"inter-node bandwidth against the truth: median error {errors['median']:.1%}, worst "
                      f"{errors['worst']:.1%} over all node pairs, {errors['worst_measured']:.1%} over measured ones")
-    lines += [f"skipped: {s['reason']}" for s in p["skipped"]]
+    lines += [f"skipped: {s}" for s in p.skipped]
     return "\n".join(lines)

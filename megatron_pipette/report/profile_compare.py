@@ -21,15 +21,14 @@ from megatron_pipette.cost.compute import roofline_layer
 from megatron_pipette.cost.memory import activation_bytes_per_layer
 from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import profile_from_json, workload_from_profile
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.units import MiB
 
 
-def compare(doc: dict, gpu: GPU | None) -> list[dict]:
+def compare(profiled: ProfileFile, gpu: GPU | None) -> list[dict]:
     """One row per layer entry: measured, model and measured/model for time and activations."""
-    profile = profile_from_json(doc, where="layer profile")
-    workload = workload_from_profile(doc)
+    profile, workload = profiled.profile, profiled.workload()
     rows = []
     for e in profile.layers:
         rc = e.recompute_granularity

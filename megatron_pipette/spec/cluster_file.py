@@ -28,6 +28,8 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -200,6 +202,60 @@ def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
                        "cross_rail_bandwidth_factor": cluster.cross_rail_bandwidth_factor,
                        "cross_rail_latency_s": cluster.cross_rail_latency_s},
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeReport:
+    """A probed file's "probe" block, as its readers use it: how it measured (None where a file leaves a
+    figure out) and, by their reasons, the slow nodes and links it found and what it skipped."""
+
+    backend: str | None
+    world_size: int | None
+    duration_s: float | None
+    budget_s: float | None
+    intra_rounds: int | None
+    intra_rounds_measured: int | None
+    inter_rounds: int | None
+    inter_rounds_measured: int | None
+    node_pairs_measured: int | None
+    slow_nodes: tuple[str, ...]
+    slow_links: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, block: Mapping[str, Any]) -> ProbeReport:
+        def reasons(key: str) -> tuple[str, ...]:
+            return tuple(str(x.get("reason", x.get("what", x))) if isinstance(x, dict) else str(x)
+                         for x in block.get(key) or ())
+
+        return cls(**{k: block.get(k) for k in ("backend", "world_size", "duration_s", "budget_s", "intra_rounds",
+                                                "intra_rounds_measured", "inter_rounds", "inter_rounds_measured",
+                                                "node_pairs_measured")},
+                   slow_nodes=reasons("slow_nodes"), slow_links=reasons("slow_links"), skipped=reasons("skipped"))
+
+
+@dataclass(frozen=True)
+class ClusterFile:
+    """A cluster document (the probe's, its twin's, a preset exported, a file given to --cluster), typed: the
+    Cluster the planner prices with and the probe's report. Its one reader is `from_json`; `document` is
+    the file as written, which `to_json` gives back unchanged (cluster_to_json writes presets')."""
+
+    cluster: Cluster
+    precision: str | None
+    device_name: str | None
+    probe: ProbeReport | None
+    document: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "--cluster") -> ClusterFile:
+        """Validate a cluster document (version 1 or 2): PipetteError naming `where` if it is not one."""
+        cluster = cluster_from_json(data, where)
+        probe = data.get("probe")
+        return cls(cluster, data.get("precision"), data.get("device_name"),
+                   ProbeReport.from_json(probe) if isinstance(probe, dict) and probe else None, data)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.document)
 
 
 def _from_version_1(data: dict, where: str) -> Cluster:

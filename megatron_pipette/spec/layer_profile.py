@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,20 +203,47 @@ def check_profile_matches(profile: LayerProfile, workload: Workload, where: str 
         raise PipetteError(f"{where}: profiled for another model: {details}")
 
 
-def workload_from_profile(doc: dict) -> Workload:
-    """The profiled model as a Workload (one layer; the batch does not matter here)."""
-    m = doc.get("model", {})
-    try:
-        gqa = m["num_query_groups"] != m["num_attention_heads"]
-        fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                                    "swiglu", "precision")}
-        optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
-                                      "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
-    except KeyError as e:
-        raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
-    workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
-                        num_query_groups=m["num_query_groups"] if gqa else None,
-                        kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
-    if doc.get("measurement", {}).get("layer_spec") == "local":
-        workload = dataclasses.replace(workload, attention_backend="unfused")
-    return workload
+@dataclass(frozen=True)
+class ProfileFile:
+    """A layer-profile document (the profiler's: `pipette profile`, the hook), typed: the LayerProfile the
+    cost model prices with and what the measurement covered. Its one reader is `from_json`; `document`
+    is the file as written, which `to_json` gives back unchanged."""
+
+    profile: LayerProfile
+    layer_spec: str | None
+    """"transformer_engine" or "local": the layer the times are of."""
+    measured_shapes: int
+    skipped_shapes: int
+    """Shapes the budget or the device's memory left out."""
+    elapsed_s: float | None
+    document: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "--layer-profile") -> ProfileFile:
+        """Validate a layer-profile document: PipetteError naming `where` if it is not one."""
+        profile = profile_from_json(data, where)
+        m = data.get("measurement")
+        m = m if isinstance(m, dict) else {}
+        return cls(profile, m.get("layer_spec"), len(m.get("measured") or ()), len(m.get("skipped") or ()),
+                   m.get("elapsed_s"), data)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.document)
+
+    def workload(self) -> Workload:
+        """The profiled model as a Workload (one layer; the batch does not matter here)."""
+        m = self.profile.model
+        try:
+            gqa = m["num_query_groups"] != m["num_attention_heads"]
+            fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                                        "swiglu", "precision")}
+            optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
+                                          "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
+        except KeyError as e:
+            raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
+        workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
+                            num_query_groups=m["num_query_groups"] if gqa else None,
+                            kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
+        if self.layer_spec == "local":
+            workload = dataclasses.replace(workload, attention_backend="unfused")
+        return workload

@@ -12,19 +12,19 @@ from megatron_pipette.calibration.check import (
     gib,
     sample_from_json,
 )
+from megatron_pipette.cost.memory import StageMemory
 
 
-def stage_memory(stage: int, weights: float, activations: float, overheads: float) -> dict:
-    """A plan document's stage entry, in GiB; weights, gradients and optimizer state split 1:1:2."""
+def stage_memory(stage: int, weights: float, activations: float, overheads: float) -> StageMemory:
+    """A stage's predicted memory, in GiB; weights, gradients and optimizer state split 1:1:2."""
     b = lambda x: int(x * GiB)  # noqa: E731
-    return {"stage": stage, "weight_bytes": b(weights / 4), "gradient_bytes": b(weights / 4),
-            "optimizer_bytes": b(weights / 2), "activation_bytes": b(activations * 0.75),
-            "transient_bytes": b(activations * 0.25), "overhead_bytes": b(overheads),
-            "peak_bytes": b(weights) + b(activations) + b(overheads)}
+    return StageMemory(stage=stage, parameters=0, weight_bytes=b(weights / 4), gradient_bytes=b(weights / 4),
+                       optimizer_bytes=b(weights / 2), activation_bytes=b(activations * 0.75),
+                       transient_bytes=b(activations * 0.25), overhead_bytes=b(overheads))
 
 
-CANDIDATE = {"iteration_time_s": 1.82,
-             "memory": {"stages": [stage_memory(0, 30.0, 25.0, 6.2), stage_memory(1, 28.0, 24.0, 6.0)]}}
+CANDIDATE = (1.82, (stage_memory(0, 30.0, 25.0, 6.2), stage_memory(1, 28.0, 24.0, 6.0)))
+"""A chosen candidate's predicted seconds per iteration and memory per stage."""
 
 
 def sample(rank: int, stage: int, seconds: float, memory: MemorySample | None = None) -> RankSample:
@@ -40,18 +40,18 @@ def gpu(state: float, activations: float, slack: float, outside: float) -> Memor
 
 
 def test_time_line_reads_as_the_issue_asks() -> None:
-    result = compare(CANDIDATE, [sample(r, r // 2, 1.95) for r in range(4)], (2, 6))
+    result = compare(*CANDIDATE, [sample(r, r // 2, 1.95) for r in range(4)], (2, 6))
     assert result.lines()[0] == "self-check, iterations 2-6: predicted 1.82 s/iteration, measured 1.95 s (+7.1%)"
     assert result.measured_s == 1.95 and abs(result.forward_backward_s - 1.755) < 1e-12
 
 
 def test_measured_time_is_the_median_over_ranks() -> None:
-    result = compare(CANDIDATE, [sample(0, 0, 1.0), sample(1, 0, 2.0), sample(2, 1, 9.0)], (2, 6))
+    result = compare(*CANDIDATE, [sample(0, 0, 1.0), sample(1, 0, 2.0), sample(2, 1, 9.0)], (2, 6))
     assert result.measured_s == 2.0
 
 
 def test_without_memory_figures_memory_is_not_measured() -> None:
-    lines = compare(CANDIDATE, [sample(0, 0, 1.9), sample(1, 1, 1.9)], (2, 6)).lines()
+    lines = compare(*CANDIDATE, [sample(0, 0, 1.9), sample(1, 1, 1.9)], (2, 6)).lines()
     assert lines[1] == "self-check: peak memory per stage predicted 61.2/58.0 GiB, not measured on CPU"
     assert len(lines) == 2
 
@@ -66,7 +66,7 @@ def test_counted_tensors_are_set_against_model_state_and_activations() -> None:
     samples = [sample_from_json(json.loads(json.dumps(RankSample(
         rank=r, stage=r // 2, iteration_s=1.9, forward_backward_s=1.7, compute_s=1.1, memory=None,
         tensors=t).as_json()))) for r, t in enumerate(counted)]
-    result = compare(CANDIDATE, samples, (2, 6))
+    result = compare(*CANDIDATE, samples, (2, 6))
     stage0, stage1 = result.stages
     assert stage0.measured_tensors == {"model state": int(30.5 * GiB), "activations": int(18.0 * GiB)}
     assert stage1.predicted_tensors == {"model state": int(28.0 * GiB), "activations": int(24.0 * 0.75 * GiB)}
@@ -79,7 +79,7 @@ def test_counted_tensors_are_set_against_model_state_and_activations() -> None:
 
 def test_memory_within_the_margin_is_no_warning() -> None:
     samples = [sample(0, 0, 1.9, gpu(29.0, 24.0, 1.0, 5.8)), sample(1, 1, 1.9, gpu(28.5, 23.0, 0.8, 4.8))]
-    result = compare(CANDIDATE, samples, (2, 6))
+    result = compare(*CANDIDATE, samples, (2, 6))
     assert result.lines()[1] == "self-check: peak memory per stage predicted 61.2/58.0 GiB, measured 59.8/57.1 GiB"
     assert result.over_memory() == [] and len(result.lines()) == 2
 
@@ -89,7 +89,7 @@ def test_a_stage_over_its_prediction_names_the_term() -> None:
     the worst of the stage's ranks is the one compared."""
     samples = [sample(0, 0, 1.9, gpu(29.0, 24.0, 1.0, 5.8)), sample(1, 1, 1.9, gpu(28.0, 24.0, 0.5, 5.5)),
                sample(2, 1, 1.9, gpu(28.0, 32.0, 0.5, 5.5))]
-    result = compare(CANDIDATE, samples, (2, 6))
+    result = compare(*CANDIDATE, samples, (2, 6))
     (stage, term), = result.over_memory()
     assert (stage.stage, term) == (1, "activations")
     assert stage.measured_peak_bytes == samples[2].memory.peak_bytes
@@ -100,12 +100,12 @@ def test_a_stage_over_its_prediction_names_the_term() -> None:
 
 def test_overheads_outside_the_allocator_are_their_own_term() -> None:
     samples = [sample(0, 0, 1.9, gpu(29.0, 24.0, 0.5, 12.0)), sample(1, 1, 1.9, gpu(28.0, 23.0, 0.5, 5.0))]
-    (stage, term), = compare(CANDIDATE, samples, (2, 6)).over_memory()
+    (stage, term), = compare(*CANDIDATE, samples, (2, 6)).over_memory()
     assert (stage.stage, term) == (0, "overheads")
 
 
 def test_ranks_that_did_not_report_are_named() -> None:
-    result = compare(CANDIDATE, [sample(0, 0, 1.9, gpu(29.0, 24.0, 1.0, 5.8))], (2, 6), missing_ranks=[1, 3])
+    result = compare(*CANDIDATE, [sample(0, 0, 1.9, gpu(29.0, 24.0, 1.0, 5.8))], (2, 6), missing_ranks=[1, 3])
     lines = result.lines()
     assert lines[1] == "self-check: peak memory per stage predicted 61.2/58.0 GiB, measured 59.8/? GiB"
     assert lines[-1] == "self-check: rank(s) 1, 3 did not report; compared without them"

@@ -13,8 +13,7 @@ from megatron_pipette.calibration.fit import Factors, calibrated, calibration_js
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.placement import Placement
-from megatron_pipette.plan.planner import Candidate, evaluate, plan
-from megatron_pipette.report.plan_document import candidate_json
+from megatron_pipette.plan.planner import evaluate, plan
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -27,10 +26,8 @@ def check_of(cluster, layout: Layout, truth_factors: Factors, memory_excess: int
     job = resolve_job(TINY, layout)
     placement = Placement(tuple(range(cluster.num_nodes)), cluster.gpus_per_node)
     time, memory = evaluate(CostModel(cluster), job, placement)
-    candidate = candidate_json(Candidate(layout=layout, placement=placement, time=time, memory=memory,
-                                         default_order_time_s=time.iteration_time_s))
     samples = samples_where(calibrated(cluster, None, truth_factors), job, placement, memory_excess)
-    return compare(candidate, samples, (2, 6)), placement
+    return compare(time.iteration_time_s, memory.stages, samples, (2, 6)), placement
 
 
 LAYOUTS = {
@@ -75,13 +72,12 @@ def test_links_a_layout_barely_waits_on_are_left_as_probed() -> None:
     job = resolve_job(workload, layout)
     placement = Placement((0,), 8)
     time, memory = evaluate(CostModel(cluster), job, placement)
-    candidate = candidate_json(Candidate(layout=layout, placement=placement, time=time, memory=memory,
-                                         default_order_time_s=time.iteration_time_s))
     est = calibrated(cluster, None, Factors(compute_rate=0.8)).time(job, placement.logical_to_physical)
     samples = [RankSample(rank=0, stage=0, iteration_s=est.iteration_time_s,
                           forward_backward_s=est.iteration_time_s - est.breakdown.optimizer_s,
                           compute_s=sum(est.stage_times[0]) * job.num_microbatches, memory=None)]
-    fitted = fit(workload, cluster, None, layout, placement, compare(candidate, samples, (2, 6)))
+    check = compare(time.iteration_time_s, memory.stages, samples, (2, 6))
+    fitted = fit(workload, cluster, None, layout, placement, check)
     assert fitted.factors.link_bandwidth == {}
     assert fitted.factors.compute_rate == pytest.approx(0.8, rel=0.01)
     assert fitted.notes == ("halving or doubling the link rates moves this layout's schedule by under 1%: "

@@ -9,12 +9,14 @@ a deliberate model change regenerates them and the diff is reviewed with it:
 
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from megatron_pipette.cli.main import main
+from megatron_pipette.report.plan_document import PlanRecord
 
 HERE = Path(__file__).parent
 CASES = {
@@ -52,3 +54,10 @@ def test_output_matches_golden(name):
         path.write_text(got)
     assert path.exists(), f"no golden file {path.name}; regenerate with PIPETTE_REGENERATE_GOLDEN=1"
     assert got == path.read_text(), f"{name}: the plan changed; diff it against {path.name}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if n.startswith("plan-")))
+def test_a_plan_document_reads_and_writes_back_unchanged(name: str) -> None:
+    """Plans written before the typed record (these files) keep their format through its reader and writer."""
+    doc = json.loads((HERE / f"{name}.json").read_text())
+    assert PlanRecord.from_json(doc, name).to_json() == doc

@@ -55,7 +55,7 @@ def test_the_catalog_peaks_bound_what_the_probe_measures():
 @pytest.fixture(scope="module")
 def cuda_profile() -> dict:
     return profile_layers(WORKLOAD, tp_sizes=(1, 2), micro_batch_sizes=(1, 2), recompute=(None,),
-                          sequence_parallel=(False,), device="cuda", warmup=2, iters=5)
+                          sequence_parallel=(False,), device="cuda", warmup=2, iters=5).to_json()
 
 
 def test_a_cuda_profile_plans_on_the_preset_of_its_device(cuda_profile, tmp_path):
@@ -77,7 +77,7 @@ def test_a_cuda_profile_in_bf16():
     """Without Transformer Engine the layer's torch LayerNorm must be cast to bf16 as Megatron's
     Float16Module does (it failed with fp32 weights under a bf16 input until 2026-11-23)."""
     doc = profile_layers(dataclasses.replace(WORKLOAD, precision="bf16"), tp_sizes=(1,), micro_batch_sizes=(1,),
-                         recompute=(None,), sequence_parallel=(False,), device="cuda", warmup=0, iters=1)
+                         recompute=(None,), sequence_parallel=(False,), device="cuda", warmup=0, iters=1).to_json()
     assert profile_from_json(doc).layer(1, 1, False, None).forward_s > 0
 
 

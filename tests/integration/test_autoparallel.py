@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers.plans import chosen
 from helpers.processes import free_port, kill_tree
 from megatron_pipette.integration.groups import expected_groups, group_sizes
-from megatron_pipette.report.plan_document import chosen_from_json
 
 WORKER = Path(__file__).with_name("autoparallel_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def two_node_torchrun(args: list[str], timeout: float = 240) -> str:
 
 
 def check_groups(output: str, doc: dict) -> tuple:
-    layout, placement = chosen_from_json(doc, "plan")
+    layout, placement = chosen(doc)
     got = groups_of(output)
     want = expected_groups(placement.logical_to_physical.tolist(), **group_sizes(layout))
     assert sorted(got) == sorted(want)
@@ -130,7 +130,7 @@ def test_a_restart_reuses_its_plan_and_a_plan_for_another_job_is_not_applied(run
         r"WARNING: the plan in \S+other.json cannot run this job \(--global-batch-size 48 in the plan, 16 here; "
         r"--micro-batch-size is 3 in the plan, 1 fixed here\): planning again", said), said
     assert f"using the plan in {cached_plan(cache)}" in again and "probed" not in again
-    layout = chosen_from_json(doc, "plan")[0].describe()
+    layout = chosen(doc)[0].describe()
     assert f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {layout}, under the same layout" in again
     assert "> auto-parallel: phases: probe, profile and plan cached; total" in again, said
     check_groups(again, doc)

@@ -35,7 +35,7 @@ CALIBRATION_DOC = {"schema": "megatron-pipette/calibration", "version": 1, "id":
                                "memory_overhead_bytes": 0},
                    "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1}}
 DOCS = {"plan": (PLAN, {**plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=4)),
-                        "calibration": {"id": "c0ffee"}}),    # made with that calibration
+                        "calibration": {"id": "c0ffee", "factors": CALIBRATION_DOC["factors"]}}),  # made with it
         "cluster": (CLUSTER, cluster_to_json(cpu_like(), "fp32")),
         "profile": (PROFILE, PROFILE_DOC),
         "calibration": (CALIBRATION, CALIBRATION_DOC)}
@@ -240,7 +240,7 @@ def test_a_start_redoes_only_what_a_bad_file_held(entry: Entry, kind: str, capsy
     entry.file(doc).write_bytes(b"\x00garbage")
     found = start(entry)
     out = capsys.readouterr().out
-    assert found.doc is not None
+    assert found.plan is not None
     if kind == "plan":
         assert "planning from the probe and layer profile cached in" in out and entry.read(PLAN) is not None
     else:
@@ -254,19 +254,19 @@ def test_a_start_redoes_only_what_a_bad_file_held(entry: Entry, kind: str, capsy
     found = start(entry)
     out = capsys.readouterr().out
     if kind in ("cluster", "profile"):
-        assert found.doc is None and (found.cluster is None) == (kind == "cluster")
+        assert found.plan is None and (found.cluster is None) == (kind == "cluster")
         assert (found.profile is None) == (kind == "profile")
     else:
-        assert found.doc is not None and entry.read(PLAN) is not None
+        assert found.plan is not None and entry.read(PLAN) is not None
         assert ("calibrated model:" in out) == (kind != "calibration")
-        assert ("calibration" in found.doc) == (kind != "calibration")
+        assert (found.plan.calibration is not None) == (kind != "calibration")
 
 
 def test_a_plan_that_cannot_be_saved_is_still_used(entry: Entry, monkeypatch, capsys) -> None:
     fill(entry, "cluster", "profile")
     monkeypatch.setattr(files, "_write_all", failing_write(errno.ENOSPC))
     found = start(entry)
-    assert found.doc is not None and not entry.file(PLAN).exists()
+    assert found.plan is not None and not entry.file(PLAN).exists()
     assert "WARNING: --auto-parallel-cache-dir" in capsys.readouterr().out
 
 
@@ -280,7 +280,7 @@ def test_a_cached_plan_for_another_job_warns_and_plans_again(entry: Entry, capsy
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1
     assert "cannot run this job (--global-batch-size 48 in the plan, 16 here): planning again" in out
-    assert found.doc is not None and found.doc["model"]["global_batch_size"] == 16
+    assert found.plan is not None and found.plan.model["global_batch_size"] == 16
 
 
 def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: Entry, tmp_path: Path,
@@ -289,12 +289,12 @@ def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: En
     pinned = tmp_path / "pinned.json"
     pinned.write_text(json.dumps(plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=2))))
     found = start(entry, plan_file=pinned)
-    assert found.pinned and found.doc == json.loads(pinned.read_text())
+    assert found.pinned and found.plan.to_json() == json.loads(pinned.read_text())
     assert "WARNING" not in capsys.readouterr().out
     pinned.write_text(json.dumps(plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=3))))
     found = start(entry, plan_file=pinned)
     out = capsys.readouterr().out
-    assert not found.pinned and found.doc["candidates"][0]["layout"]["micro_batch_size"] != 3
+    assert not found.pinned and found.plan.best.layout.micro_batch_size != 3
     assert f"WARNING: the plan in {pinned} cannot run this job (Megatron would reject its layout: " \
            "--global-batch-size 16 is not divisible by" in out
     assert out.count("WARNING") == 1 and "planning again" in out
@@ -309,7 +309,7 @@ def test_replan_and_reprobe_switches(entry: Entry, capsys) -> None:
     found = start(entry, replan=True)
     out = capsys.readouterr().out
     assert "planning again (--auto-parallel-replan)" in out and "planning from the probe" in out
-    assert found.doc["candidates"][0]["layout"]["micro_batch_size"] == 4
+    assert found.plan.best.layout.micro_batch_size == 4
     found = start(entry, reprobe=True)
     assert found == replan.Start() and "planning again (--auto-parallel-reprobe)" in capsys.readouterr().out
 
@@ -327,17 +327,17 @@ def test_a_restart_from_a_checkpoint_reuses_the_plan_it_saved_under(entry: Entry
     """The checkpoint's choice of optimizer is not in the key: a restart finds the plan it was saved under
     and uses it; a plan the checkpoint cannot load is planned again with its choice."""
     fill(entry, "cluster", "profile")
-    first = start(entry).doc
-    saved = first["candidates"][0]["layout"]["use_distributed_optimizer"]
+    first = start(entry).plan
+    saved = first.best.layout.use_distributed_optimizer
     capsys.readouterr()
     again = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
-                                    checkpoint={"use_distributed_optimizer": saved})).doc
-    assert again == first and "using the plan in" in capsys.readouterr().out
+                                    checkpoint={"use_distributed_optimizer": saved})).plan
+    assert again.to_json() == json.loads(json.dumps(first.to_json())) and "using the plan in" in capsys.readouterr().out
     other = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
-                                    checkpoint={"use_distributed_optimizer": not saved})).doc
+                                    checkpoint={"use_distributed_optimizer": not saved})).plan
     out = capsys.readouterr().out
     assert f"--use-distributed-optimizer is {saved} in the plan, {not saved} fixed here by the checkpoint" in out
-    assert other["candidates"][0]["layout"]["use_distributed_optimizer"] is (not saved)
+    assert other.best.layout.use_distributed_optimizer is (not saved)
 
 
 def test_phase_lines_say_what_a_start_did() -> None:

@@ -7,6 +7,7 @@ import pytest
 from helpers.plans import plan_doc
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import megatron_args as ma
+from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -195,7 +196,7 @@ def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
     distributed optimizer, and a typed --use-distributed-optimizer it overrides is said to be."""
     args = megatron_namespace(load=str(tmp_path), save=str(tmp_path))
     saved = Layout(data_parallel_size=4, use_distributed_optimizer=False)
-    ma.save_checkpoint_plan(args, plan_doc(workload_from_preset("tiny-gpt"), saved))
+    ma.save_checkpoint_plan(args, PlanRecord.from_json(plan_doc(workload_from_preset("tiny-gpt"), saved), "plan"))
     assert ma.saved_layout(args) is None     # no checkpoint yet (Megatron's tracker file)
     (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
     assert ma.saved_layout(args) == saved and ma.checkpoint_constraints(saved) == {"use_distributed_optimizer": False}

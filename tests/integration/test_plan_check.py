@@ -5,7 +5,9 @@ import dataclasses
 import pytest
 
 from helpers.plans import plan_doc
+from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
+from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -17,10 +19,14 @@ def request(**kw) -> JobRequest:
     return JobRequest(**{"workload": TINY, "world_size": 4, "gpus_per_node": 4, **kw})
 
 
+def record(doc: dict) -> PlanRecord:
+    return PlanRecord.from_json(doc, "p.json")
+
+
 def test_a_plan_for_this_job_passes() -> None:
-    assert plan_problems(plan_doc(TINY, DP4), request(), "p.json") == []
+    assert plan_problems(record(plan_doc(TINY, DP4)), request()) == []
     pinned = plan_doc(dataclasses.replace(TINY, name="from pipette plan"), DP4)
-    assert plan_problems(pinned, request(), "p.json") == []     # the model's name is a label
+    assert plan_problems(record(pinned), request()) == []     # the model's name is a label
 
 
 @pytest.mark.parametrize("doc, req, problem", [
@@ -49,13 +55,27 @@ def test_a_plan_for_this_job_passes() -> None:
      "--eval-global-batch-size 12 is not divisible by --eval-micro-batch-size 2 x data-parallel size 4"),
     (plan_doc(TINY, DP4), request(eval_micro_batch_size=8),
      "--eval-global-batch-size 16 is not divisible by --eval-micro-batch-size 8 x data-parallel size 4"),
-    ({**plan_doc(TINY, DP4), "version": 0}, request(), "p.json: not a megatron-pipette plan"),
-    ({**plan_doc(TINY, DP4), "model": None}, request(), "p.json: the plan has no model"),
-    ({**plan_doc(TINY, DP4), "candidates": [{"layout": {"tensor_model_parallel_size": "x"}}]}, request(),
-     "p.json: malformed candidate"),
 ], ids=["global batch", "precision", "world size", "processes per node", "node order", "typed flag",
-        "checkpoint", "batch rule", "heads rule", "eval batch", "eval micro-batch", "old version", "no model",
-        "malformed"])
+        "checkpoint", "batch rule", "heads rule", "eval batch", "eval micro-batch"])
 def test_a_plan_that_cannot_run_this_job_says_why(doc, req, problem: str) -> None:
-    problems = plan_problems(doc, req, "p.json")
+    problems = plan_problems(record(doc), req)
     assert any(p.startswith(problem) or problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("doc, problem", [
+    ({**plan_doc(TINY, DP4), "version": 0}, "p.json: not a megatron-pipette plan"),
+    ({**plan_doc(TINY, DP4), "model": None}, "p.json: the plan has no model"),
+    ({**plan_doc(TINY, DP4), "candidates": [{"layout": {"tensor_model_parallel_size": "x"}}]},
+     "p.json: malformed candidate"),
+    ({**plan_doc(TINY, DP4), "world_size": None}, "p.json: malformed plan"),
+], ids=["old version", "no model", "malformed", "malformed header"])
+def test_a_document_that_is_not_a_plan_is_refused_by_its_reader(doc, problem: str) -> None:
+    with pytest.raises(PipetteError, match=problem):
+        record(doc)
+
+
+def test_the_record_writes_back_the_document_it_read() -> None:
+    """Old cached plans keep their format: read and written again, a document is unchanged."""
+    doc = {**plan_doc(TINY, DP4), "phases_s": {"plan": 0.5}, "calibration": {"id": "c1", "factors": {"compute": 1.1}},
+           "self_check": {"measured_s": 0.2}}
+    assert record(doc).to_json() == doc

@@ -8,13 +8,13 @@ import pytest
 
 from helpers.checks import samples_where
 from helpers.clusters import cpu_like
+from helpers.plans import chosen
 from megatron_pipette.calibration.check import compare
 from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, fit
 from megatron_pipette.integration import replan
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
 from megatron_pipette.integration.common import Phases
 from megatron_pipette.integration.plan_check import JobRequest
-from megatron_pipette.report.plan_document import chosen_from_json
 from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
@@ -43,17 +43,17 @@ def cache(tmp_path: Path) -> Entry:
 def start(cache: Entry, request: JobRequest = REQUEST, **switches) -> dict:
     """What a start of the job plans with (rank 0's look-up), when nothing needs measuring."""
     found = replan.look_up(cache, request, replan.Switches(**switches), Phases())
-    assert found.doc is not None
-    return found.doc
+    assert found.plan is not None
+    return found.plan.to_json()
 
 
 def self_check(cache: Entry) -> dict:
     """What the self-check of the cached plan stores: the truth's times, fitted."""
-    doc = cache.read(PLAN)
-    layout, placement = chosen_from_json(doc, "plan")
+    cached = cache.read(PLAN)
+    layout, placement = cached.best.layout, cached.best.placement
     cluster, profile = cpu_like(), profile_from_json(PROFILE_DOC)
     samples = samples_where(calibrated(cluster, profile, TRUTH), resolve_job(TINY, layout), placement)
-    check = compare(doc["candidates"][0], samples, (2, 6))
+    check = compare(cached.best.iteration_time_s, cached.best.memory.stages, samples, (2, 6))
     fitted = fit(TINY, cluster, profile, layout, placement, check)
     calibration = calibration_json(fitted, layout, placement, check)
     cache.write(CALIBRATION, calibration)
@@ -61,13 +61,13 @@ def self_check(cache: Entry) -> dict:
 
 
 def describe(doc: dict) -> str:
-    return chosen_from_json(doc, "plan")[0].describe()
+    return chosen(doc)[0].describe()
 
 
 def test_a_cached_probe_is_planned_from_without_probing(cache: Entry, capsys) -> None:
     doc = start(cache)
     assert "planning from the probe and layer profile cached in" in capsys.readouterr().out
-    assert cache.read(PLAN) == json.loads(json.dumps(doc)) and "calibration" not in doc
+    assert cache.read(PLAN).to_json() == json.loads(json.dumps(doc)) and "calibration" not in doc
     assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
 
 
@@ -98,8 +98,8 @@ def test_replan_if_slower_switches_past_its_threshold(cache: Entry, capsys, pct:
     best = calibrated(cpu_like(), profile_from_json(PROFILE_DOC), TRUTH)
     if switched:
         assert describe(doc).startswith("tp1 pp4 dp1") and f"(--auto-parallel-replan-if-slower {pct:g})" in out
-        job = resolve_job(TINY, chosen_from_json(doc, "plan")[0])
-        truth_s = best.time(job, chosen_from_json(doc, "plan")[1].logical_to_physical).iteration_time_s
+        job = resolve_job(TINY, chosen(doc)[0])
+        truth_s = best.time(job, chosen(doc)[1].logical_to_physical).iteration_time_s
         assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(truth_s)
     else:
         assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"

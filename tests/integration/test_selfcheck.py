@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pipette.report.plan_document import chosen_from_json
+from helpers.plans import chosen, plan_doc
+from megatron_pipette.cost.memory import StageMemory
+from megatron_pipette.report.plan_document import PlanRecord
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import workload_from_preset
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 GPU_LINE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -55,7 +59,7 @@ def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
     assert check["iterations"] == [2, 4] and check["missing_ranks"] == []
     assert f"{check['predicted_s']:.3g}" == line[0] and f"{check['measured_s']:.3g}" == line[1]
     assert error == pytest.approx(100 * (check["measured_s"] / check["predicted_s"] - 1), abs=0.06)
-    layout, _ = chosen_from_json(doc, "plan")
+    layout, _ = chosen(doc)
     assert [s["stage"] for s in check["stages"]] == list(range(layout.pp))
     assert sum(s["ranks"] for s in check["stages"]) == 2
     for stage in check["stages"]:
@@ -81,7 +85,7 @@ def test_the_next_start_plans_with_the_calibrated_model(run_torchrun, checked_jo
     again = run_torchrun(EXAMPLE, auto_parallel(directory.parent, "--train-iters", "6", "--auto-parallel-dry-run",
                                                 "--auto-parallel-replan-if-slower", "0"), nproc=2, timeout=180)
     assert "a self-check calibrated the model since" in again and "probed" not in again
-    layout = chosen_from_json(first, "plan")[0].describe()
+    layout = chosen(first)[0].describe()
     fitted = calibration["fitted_on"]
     assert (f"> auto-parallel: {layout}: predicted {fitted['calibrated_s']:.3g} s/iteration by the calibrated "
             f"model, {first['candidates'][0]['iteration_time_s']:.3g} s before") in again
@@ -105,11 +109,10 @@ def test_a_rank_that_never_reports_holds_the_check_only_briefly(monkeypatch, cap
 
     monkeypatch.setattr(selfcheck, "REPORT_WAIT_S", 0.5)
     store = dist.HashStore()
-    candidate = {"iteration_time_s": 1.0, "memory": {"stages": [
-        {"stage": 0, "weight_bytes": 1, "gradient_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1,
-         "transient_bytes": 1, "overhead_bytes": 1, "peak_bytes": 6}]}}
-    setup = selfcheck.CheckSetup(store=store, prefix="pipette/0/check/", iterations=3, plan={"candidates": [candidate]},
-                                 record=None, concludes=True, on_gpu=False)
+    doc = plan_doc(workload_from_preset("tiny-gpt"), Layout(data_parallel_size=4))
+    doc["candidates"][0]["iteration_time_s"] = 1.0
+    setup = selfcheck.CheckSetup(store=store, prefix="pipette/0/check/", iterations=3,
+                                 plan=PlanRecord.from_json(doc, "plan"), record=None, concludes=True, on_gpu=False)
     mine = RankSample(rank=0, stage=0, iteration_s=1.2, forward_backward_s=1.1, compute_s=0.9, memory=None)
     store.set("pipette/0/check/0", json.dumps(mine.as_json()))
     start = time.monotonic()
@@ -130,10 +133,9 @@ def test_the_chart_is_drawn_beside_the_json_and_a_failure_to_draw_is_one_warning
 
     entry = Entry(tmp_path / "cache", "k")
     entry.open()
-    candidate = {"iteration_time_s": 1.0, "memory": {"stages": [
-        {"stage": 0, "weight_bytes": 1, "gradient_bytes": 1, "optimizer_bytes": 1, "activation_bytes": 1,
-         "transient_bytes": 1, "overhead_bytes": 1, "peak_bytes": 6}]}}
-    result = compare(candidate, [RankSample(rank=0, stage=0, iteration_s=1.2, forward_backward_s=1.1, compute_s=0.9,
+    stage = StageMemory(stage=0, parameters=1, weight_bytes=1, gradient_bytes=1, optimizer_bytes=1, activation_bytes=1,
+                        transient_bytes=1, overhead_bytes=1)
+    result = compare(1.0, (stage,), [RankSample(rank=0, stage=0, iteration_s=1.2, forward_backward_s=1.1, compute_s=0.9,
                                             memory=None)], (2, 4))
     selfcheck._draw(entry, result, None)
     chart = entry.path / selfcheck.CHECK_CHART

@@ -2,12 +2,13 @@ from dataclasses import replace
 
 import pytest
 
+from helpers.plans import chosen
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.placement import default_placement
 from megatron_pipette.plan.planner import least_recompute, misfit_advice, plan
 from megatron_pipette.plan.search import enumerate_layouts
-from megatron_pipette.report.plan_document import chosen_from_json, plan_json
+from megatron_pipette.report.plan_document import plan_json
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -68,7 +69,7 @@ def test_plan_document_round_trips_the_choice(slow_node_cluster):
     w = workload_from_preset("gpt3-1.3b", global_batch_size=64)
     result = plan(w, CostModel(slow_node_cluster(num_nodes=4)), constraints={"pipeline_model_parallel_size": 4})
     doc = plan_json(result)
-    layout, placement = chosen_from_json(doc, "plan")
+    layout, placement = chosen(doc)
     assert layout == result.candidates[0].layout and placement == result.candidates[0].placement
     first = doc["candidates"][0]
     assert {"iteration_time_s", "tflops_per_gpu", "memory", "placement", "megatron_args"} <= set(first)

@@ -49,9 +49,9 @@ def main() -> None:
         threading.Timer(delay, os._exit, args=(3,)).start()
     if os.environ.get("PIPETTE_PROBE_TEST_SLOW_RANK") == os.environ["RANK"]:
         _slow_down_this_process()   # after the imports, which it would slow to a crawl
-    doc = run_probe(**kwargs)
+    probed = run_probe(**kwargs)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(doc, f)
+        json.dump(None if probed is None else probed.to_json(), f)
     dist.destroy_process_group()
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.report import summarize, write_heatmap
-from megatron_pipette.spec.cluster_file import cluster_to_json
+from megatron_pipette.spec.cluster_file import ClusterFile, cluster_to_json
 from megatron_pipette.spec.hardware import preset_cluster
 
 
@@ -22,7 +22,7 @@ def synthetic_doc() -> dict:
 
 
 def test_summarize_names_the_weak_spots():
-    text = summarize(synthetic_doc())
+    text = summarize(ClusterFile.from_json(synthetic_doc()))
     assert "32 devices, 4 node(s) x 8 (H100-80GB)" in text
     assert "slowest device: rank 13 (node1, local 5)" in text
     assert "stragglers (below 80% of the median): rank 13" in text
@@ -35,20 +35,21 @@ def test_summarize_names_the_weak_spots():
     assert "budget: 1 of 3 rounds not run" in text
 
 
-def test_summarize_is_pure_and_rejects_non_cluster_documents():
+def test_the_file_reads_without_changing_and_rejects_non_cluster_documents():
     doc = synthetic_doc()
     before = repr(doc)
-    summarize(doc)
-    assert repr(doc) == before
+    shown = ClusterFile.from_json(doc)
+    summarize(shown)
+    assert repr(doc) == before and shown.to_json() == doc      # written back as it was read
     with pytest.raises(PipetteError, match="not a megatron-pipette cluster file"):
-        summarize({"schema": "other"})
+        ClusterFile.from_json({"schema": "other"})
 
 
 def test_heatmap_png(tmp_path):
     out = tmp_path / "bw.png"
-    write_heatmap(synthetic_doc(), out)
+    write_heatmap(ClusterFile.from_json(synthetic_doc()).cluster, out)
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
     assert [p.name for p in tmp_path.iterdir()] == ["bw.png"]      # no temporary left behind
     with pytest.raises(PipetteError, match="cannot write"):
-        write_heatmap(synthetic_doc(), tmp_path / "missing" / "bw.png")
+        write_heatmap(ClusterFile.from_json(synthetic_doc()).cluster, tmp_path / "missing" / "bw.png")

@@ -14,7 +14,7 @@ import torch
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.profile import profile_layers
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import check_profile_matches, profile_from_json
+from megatron_pipette.spec.layer_profile import ProfileFile, check_profile_matches, profile_from_json
 from megatron_pipette.spec.workload import Workload
 
 S, H, A, V = 32, 64, 4, 1000
@@ -26,7 +26,7 @@ TPS, MBS = (1, 2), (1, 2, 4)
 @pytest.fixture(scope="module")
 def doc():
     return profile_layers(WORKLOAD, tp_sizes=TPS, micro_batch_sizes=MBS, device="cpu", budget_s=300,
-                          warmup=2, iters=5)
+                          warmup=2, iters=5).to_json()
 
 
 def entry(doc, tp, mbs, rc=None, sp=False):
@@ -130,7 +130,7 @@ def test_measured_activations_match_the_korthikanti_count(doc, tp, sp):
 
 def test_budget_cuts_shapes_and_lists_what_was_measured():
     doc = profile_layers(WORKLOAD, tp_sizes=(1, 2), micro_batch_sizes=(1, 4), device="cpu", budget_s=1e-3,
-                         warmup=1, iters=2)
+                         warmup=1, iters=2).to_json()
     m = doc["measurement"]
     # The first layer shape is always measured; every other one would overrun the budget.
     assert [(s["part"], s["tensor_model_parallel_size"], s["micro_batch_size"]) for s in m["measured"]] == [
@@ -148,7 +148,7 @@ def test_a_context_parallel_shard_is_the_layer_over_its_share_of_the_sequence():
     spec's unfused scores (fp32 softmax output, CPU float dropout mask, dropout output: 12 bytes
     an element); the planner reads it for a CP-2 job."""
     doc = profile_layers(WORKLOAD, tp_sizes=(1,), micro_batch_sizes=(1,), recompute=(None,),
-                         sequence_parallel=(False,), device="cpu", warmup=1, iters=2, cp_sizes=(1, 2))
+                         sequence_parallel=(False,), device="cpu", warmup=1, iters=2, cp_sizes=(1, 2)).to_json()
     profile = profile_from_json(doc)
     whole, shard = profile.layer(1, 1, False, None), profile.layer(1, 1, False, None, cp=2)
     assert shard.context_parallel_size == 2 and shard.measured
@@ -187,7 +187,7 @@ def test_a_shape_out_of_device_memory_is_skipped_and_the_rest_measured(monkeypat
 
     monkeypatch.setattr(profiler, "_measure", small_only)
     doc = profile_layers(WORKLOAD, tp_sizes=(1,), micro_batch_sizes=(1, 2), recompute=(None,),
-                         sequence_parallel=(False,), device="cpu", warmup=0, iters=1)
+                         sequence_parallel=(False,), device="cpu", warmup=0, iters=1).to_json()
     m = doc["measurement"]
     assert {s["micro_batch_size"] for s in m["measured"]} == {1}
     assert {s["reason"] for s in m["skipped"]} == {"out of memory"} and len(m["skipped"]) == 3
@@ -229,14 +229,14 @@ def test_compare_with_the_planner_formula(doc, tmp_path, capsys):
     from megatron_pipette.report.profile_compare import compare
     from megatron_pipette.spec.hardware import lookup_gpu
 
-    rows = compare(doc, None)
+    rows = compare(ProfileFile.from_json(doc), None)
     assert len(rows) == len(doc["layers"]) and "forward_ratio" not in rows[0]
     for r in rows:
         if r["recompute"] == "full":
             assert r["activation_ratio"] == 1.0  # only the layer input: no masks, no norm statistics
         else:
             assert 1.0 < r["activation_ratio"] < 1.2
-    timed = compare(doc, lookup_gpu("H100-80GB"))
+    timed = compare(ProfileFile.from_json(doc), lookup_gpu("H100-80GB"))
     assert all(r["model_forward_s"] > 0 and r["backward_ratio"] > 0 for r in timed)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
@@ -256,7 +256,7 @@ def test_llama_style_layer_gqa_swiglu_rmsnorm_rope():
     w = workload_from_preset("llama3-8b", hidden_size=128, num_attention_heads=8, num_query_groups=2,
                              ffn_hidden_size=256, seq_length=64, vocab_size=1000, precision="fp32")
     doc = profile_layers(w, tp_sizes=(1, 2), micro_batch_sizes=(1,), recompute=(None,), sequence_parallel=(False,),
-                         device="cpu", warmup=0, iters=1)
+                         device="cpu", warmup=0, iters=1).to_json()
     profile = profile_from_json(doc)
     check_profile_matches(profile, w)
     for tp in (1, 2):

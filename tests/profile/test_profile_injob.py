@@ -35,7 +35,7 @@ def _rank(rank: int, port: int, tmp: str) -> None:
         result: dict = {}
         if rank == 0:
             result["doc"] = profile_layers(WORKLOAD, tp_sizes=(1, 2), micro_batch_sizes=(1,), recompute=(None,),
-                                           sequence_parallel=(False,), device="cpu", warmup=0, iters=1)
+                                           sequence_parallel=(False,), device="cpu", warmup=0, iters=1).to_json()
             result["tp_after"] = parallel_state.get_tensor_model_parallel_world_size()
         dist.barrier()
         t = torch.ones(1)
