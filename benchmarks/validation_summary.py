@@ -34,7 +34,8 @@ def rows() -> list[list[str]]:
         ["NVIDIA's published H100 runs, the development set (19: NeMo 24.07, Megatron-Bridge 25.09-26.04, "
          "Megatron-LM README), published layouts with their recipes",
          f"mean \\|error\\| {s['mean_abs_error']:.1%}, signed {s['mean_error']:+.1%}, worst {s['worst_error']:+.1%}; "
-         f"{s['predicted_not_to_fit']} of {s['runs']} predicted not to fit; MoE free-search median gain "
+         f"{s['priced']} of {s['runs']} priced, {s['predicted_not_to_fit']} of them predicted not to fit; "
+         f"MoE free-search median gain "
          f"{s['moe_median_search_gain']:+.0%}",
          "`python benchmarks/published_runs_h100.py`", f"{h100['date']}, `published_runs_h100-2026-11-26`"],
         ["Published A100 runs (18: Narayanan et al. 2021, Korthikanti et al. 2022, transcribed from memory)",
