@@ -5,7 +5,7 @@ PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || 
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint test-fast test-random test-gpu clean
+.PHONY: venv demo test lint test-fast test-slow test-random test-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -32,8 +32,14 @@ demo: venv
 FAST := -m "not torchrun and not slow and not gpu and not megatron" tests/spec tests/cost tests/plan tests/cli \
         tests/golden tests/probe tests/twin tests/architecture tests/calibration tests/report
 
+# `make test` is the suite CI runs (about 7 minutes of tests on 2 cores); the three tests marked
+# slow (a resume on a smaller allocation, a hung rank, a lost elastic node: about 2.6 minutes) run
+# with `make test-slow`.
 test: venv lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
 
 # Style and correctness checks (pyproject.toml's ruff settings), part of `make test`.
 lint: venv
