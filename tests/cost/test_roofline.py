@@ -162,3 +162,12 @@ def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
                                  layout)).breakdown.tp_comm_s
     # forward: 2 of 4 collectives halve; backward: 2 re-gathers of 4 exposed-or-hidden ones
     assert 0.6 * bf16 < fp8 < 0.85 * bf16
+
+
+def test_the_measured_tables_hold_no_efficiency_above_the_large_gemm_rate():
+    """data/gemm_efficiency.json itself is clamped (benchmarks/gemm_table.py writes it so): it had
+    539 nodes above 1.0, at shapes HBM cannot feed."""
+    from megatron_pipette.cost.gemm import _gemm_data
+    for gpu in _gemm_data()["gpus"].values():
+        for table in gpu.get("tables", {}).values():
+            assert np.max(table) <= 1.0
