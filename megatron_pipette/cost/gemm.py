@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.spec.hardware import DEFAULT_GEMM_EFFICIENCY, GPU
+from megatron_pipette.spec.hardware import GPU
 from megatron_pipette.spec.workload import Workload
 
 TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
@@ -138,17 +138,12 @@ def _gpu_entry(gpu: GPU | None) -> dict | None:
     return _gemm_data()["gpus"][entry["same_as"]] if entry is not None and "same_as" in entry else entry
 
 
-def large_gemm_rate(gpu: GPU, precision: str) -> float:
-    """The catalog's 8192^3 GEMM rate of this GPU in this dtype (what the probe measures)."""
-    return gpu.peak(precision) * gpu.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)
-
-
 # Module-level memo (cost.model lists them): package data, read once per GPU and precision.
 @cache
 def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     """The GEMM efficiency curve of this GPU (None: no catalog GPU) at this training precision."""
     data, dtype, entry = _gemm_data(), TABLE_DTYPES[precision], _gpu_entry(gpu)
-    ridge = (large_gemm_rate(gpu, precision) / gpu.attained_memory_bandwidth_Bps if gpu and precision in gpu.peak_flops
+    ridge = (gpu.large_gemm_rate(precision) / gpu.attained_memory_bandwidth_Bps if gpu and precision in gpu.peak_flops
              else 0.0)
     width = 4.0 if precision == "fp32" else 2.0
     if entry is None or dtype not in entry["tables"]:
@@ -170,10 +165,11 @@ def fp8_curve(gpu: GPU | None, precision: str) -> GemmCurve:
     if gpu is not None:
         if "fp8" not in gpu.peak_flops:
             raise PipetteError(f"--fp8-format: {gpu.name} has no FP8 tensor cores")
-        speedup = large_gemm_rate(gpu, "fp8") / large_gemm_rate(gpu, precision)
+        speedup = gpu.large_gemm_rate("fp8") / gpu.large_gemm_rate(precision)
     # Transformer Engine's FP8 GEMMs read 1-byte operands and write the 16-bit training dtype.
-    return dataclasses.replace(gemm_curve(gpu, precision), log_table=gemm_curve(gpu, "fp8").log_table,
-                               half_dim=gemm_curve(gpu, "fp8").half_dim, speedup=speedup, operand_bytes=1.0)
+    fp8 = gemm_curve(gpu, "fp8")
+    return dataclasses.replace(gemm_curve(gpu, precision), log_table=fp8.log_table, half_dim=fp8.half_dim,
+                               speedup=speedup, operand_bytes=1.0)
 
 
 FP8_CAST_BYTES = 3

@@ -66,11 +66,18 @@ class RuntimeOverheads:
 
 DEFAULT_OVERHEADS = RuntimeOverheads(cuda_context_bytes=1 * GiB, comm_buffer_bytes_per_group=512 * MiB,
                                      fragmentation=0.15)
+"""Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
+lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
+NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
+and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator; NVLS allocates
+2 x NCCL_BUFFSIZE per NVLS channel and local rank (nvls.cc: nvlsPerRankSize x nHeads), reported at
+about 1.6 GB for a communicator of 8 GPUs, hence 200 MB a local rank;
+PyTorch's caching allocator without expandable segments typically reserves 5-15% more than it uses."""
 EXPANDABLE_SEGMENTS_FRAGMENTATION = 0.05
 """The allocator's loss with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what NVIDIA's
 Megatron-Bridge recipes set): freed blocks of a stream's one growing segment coalesce, so what is
 lost is rounding to its 2 MiB pages and blocks pinned between live tensors. Assumed, not measured
-(bound: a few percent); the default allocator's 0.15 is the one measured (docs/memory-model.md)."""
+(bound: a few percent), as the default allocator's 0.15 is (DEFAULT_OVERHEADS)."""
 
 
 def environment_overheads(env: Mapping[str, str]) -> RuntimeOverheads:
@@ -291,7 +298,6 @@ def in_flight_microbatches(job: Job) -> tuple[int, ...]:
     return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
 
 
-# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 class InFlight(NamedTuple):
     """Model chunks one pipeline rank holds activations of, after one forward step."""
 
@@ -302,6 +308,7 @@ class InFlight(NamedTuple):
     """Of them, the last chunk's (the last stage's holds the output layer's)."""
 
 
+# Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
 def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[InFlight]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.

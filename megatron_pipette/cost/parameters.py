@@ -55,6 +55,11 @@ def expert_layer_parameters(workload: Workload, ep: int, etp: int) -> int:
     return workload.num_experts // ep * workload.mlp_parameters(workload.moe_ffn) // etp
 
 
+def word_embedding_per_rank(workload: Workload, tp: int) -> int:
+    """The word embedding's parameters on one TP rank (vocab-parallel, the vocabulary padded by TP)."""
+    return workload.padded_vocab_size(tp) * workload.hidden_size // tp
+
+
 def stage_parameters(job: Job) -> StageParameters:
     """Per stage: its layers, plus the word (vocab-parallel) and learned position (replicated)
     embeddings on stage 0, and the final norm and output layer on the last stage (a second copy
@@ -70,7 +75,7 @@ def stage_parameters(job: Job) -> StageParameters:
         dense += moe * dense_layer_parameters(workload, tp, moe=True)
         expert = moe * expert_layer_parameters(workload, layout.ep, layout.etp)
     in_layers = dense.copy()
-    words = workload.padded_vocab_size(tp) * h // tp
+    words = word_embedding_per_rank(workload, tp)
     dense[0] += words + workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
     dense[-1] += workload.norm_parameters()
     if workload.untie_embeddings_and_output_weights or pp > 1:

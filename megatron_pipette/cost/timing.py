@@ -29,7 +29,7 @@ from megatron_pipette.cost.comm import GroupLinks
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
-from megatron_pipette.cost.parameters import StageParameters, stage_parameters
+from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
@@ -41,6 +41,8 @@ def optimizer_bytes_per_param(workload: Workload) -> int:
     update (12 in fp32), the 16-bit model param written (2) and the grad buffer zeroed (2,
     amortised): 40 by default, less with the precision-aware optimizer's narrower state."""
     return 2 * workload.optimizer_state_bytes + 3 * workload.grad_bytes + 2 * workload.bytes_per_element
+
+
 DDP_MIN_BUCKET_PARAMS = 40_000_000
 """Megatron's default bucket: max(40M, 1M x DP) parameters, first pipeline stage only."""
 
@@ -293,8 +295,7 @@ def edge_bucket_share(job: Job, params: StageParameters, buckets: int) -> float:
     an even share of its buckets, or the word embedding's, which a bucket cannot split and whose
     gradient is complete only when the backward ends (param_and_grad_buffer builds buckets in
     backward order, whole parameters each)."""
-    words = job.workload.padded_vocab_size(job.layout.tp) * job.workload.hidden_size // job.layout.tp
-    return max(1 / buckets, words / params.total[0])
+    return max(1 / buckets, word_embedding_per_rank(job.workload, job.layout.tp) / params.total[0])
 
 
 def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, first: float,
@@ -409,8 +410,14 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
+    return _estimate(job, cluster, links, *_pipeline(job, work, links, execution, simulate), execution, simulate)
+
+
+def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, name: str,
+              pipe: schedules.PipelineTime, crit: int, execution: Execution, simulate: bool) -> TimeEstimate:
+    """The iteration around the pipeline's pass (_pipeline): data-parallel reduction and gather,
+    the tied embedding's all-reduce, the optimizer step, and the breakdown."""
     workload, layout = job.workload, job.layout
-    stages, name, pipe, crit = _pipeline(job, work, links, execution, simulate)
     m = job.num_microbatches
     t_pipe = float(pipe.total_s[crit])
     params = stage_parameters(job)
@@ -423,7 +430,7 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     t_dp = max(t_pipe, float(done.max()))
     t_sync = t_dp
     if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
-        words = workload.padded_vocab_size(layout.tp) * workload.hidden_size / layout.tp * workload.grad_bytes
+        words = word_embedding_per_rank(workload, layout.tp) * workload.grad_bytes
         t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding_groups.all_reduce_s(words).max()))
     optimizer = float(optimizer_s.max())
     total = t_sync + gather + optimizer
@@ -467,8 +474,9 @@ class Timeline:
 def iteration_timeline(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
                        execution: Execution = DEFAULT_EXECUTION) -> Timeline:
     """iteration_time's prediction with the event-driven simulator's trace of its critical replica."""
-    stages, name, _, crit = _pipeline(job, work, links, execution, simulate=False)
+    stages, name, pipe, crit = _pipeline(job, work, links, execution, simulate=False)
     trace = schedules.trace_pipeline(name, stages.times, job.num_microbatches, crit)
-    return Timeline(estimate=iteration_time(job, cluster, work, links, execution=execution), events=trace.events,
+    estimate = _estimate(job, cluster, links, stages, name, pipe, crit, execution, simulate=False)
+    return Timeline(estimate=estimate, events=trace.events,
                     recompute_s=stages.recompute[crit], pipeline_s=float(trace.total_s),
                     microbatches=job.num_microbatches)

@@ -76,6 +76,11 @@ class GPU:
         """The HBM rate a memory-bound kernel attains: the measured copy rate, else the datasheet's."""
         return self.copy_bandwidth_Bps or self.memory_bandwidth_Bps
 
+    def large_gemm_rate(self, precision: str) -> float:
+        """The rate of an 8192^3 GEMM in this dtype (what the probe measures): the measured fraction
+        of the dense peak, DEFAULT_GEMM_EFFICIENCY where none was measured."""
+        return self.peak(precision) * self.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)
+
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
             raise PipetteError(f"--gpu {self.name} has no {precision} peak in the catalog")
@@ -311,6 +316,6 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     return make_cluster(
         name=f"{name}x{num_nodes}", num_nodes=num_nodes, gpus_per_node=gpus_per_node, gpu=device,
         memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.attained_memory_bandwidth_Bps,
-        gemm_flops=device.peak(precision) * device.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY),
+        gemm_flops=device.large_gemm_rate(precision),
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
         inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False))
