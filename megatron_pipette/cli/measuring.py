@@ -132,8 +132,8 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     from megatron_pipette.profile import profile_layers
 
     profiled = profile_layers(workload, tp_sizes=ns.tp, micro_batch_sizes=ns.mbs, recompute=recompute,
-                         sequence_parallel=sequence_parallel, device=ns.device, budget_s=ns.budget_s,
-                         warmup=ns.warmup, iters=ns.iters, rank=ns.rank, cp_sizes=ns.cp)
+                              sequence_parallel=sequence_parallel, device=ns.device, budget_s=ns.budget_s,
+                              warmup=ns.warmup, iters=ns.iters, rank=ns.rank, cp_sizes=ns.cp)
     try:
         out.write_text(json.dumps(profiled.to_json(), indent=1) + "\n")
     except OSError as e:

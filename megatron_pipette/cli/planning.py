@@ -28,7 +28,9 @@ from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
 from megatron_pipette.probe.options import out_problem
 from megatron_pipette.report import plans
 from megatron_pipette.report.plan_document import PlanRecord, estimate_json, plan_json
+from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
+from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Layout, check_user_layout
 from megatron_pipette.spec.workload import megatron_flag, workload_fields
 from megatron_pipette.units import GiB
@@ -70,7 +72,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     check_picture_path(ns.timeline, "--timeline")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
-    model = CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
+    model = _cost_model(cluster, profile)
     result = plan(workload, model, constraints=constraints, top_k=ns.top,
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
     if ns.json:
@@ -92,6 +94,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         draw_timeline(model, job, best.placement, ns.timeline, f"{workload.name} on {cluster.name}: "
                       f"{best.layout.describe()}", sys.stderr if ns.json else sys.stdout)
     return 0
+
+
+def _cost_model(cluster: Cluster, profile: LayerProfile | None) -> CostModel:
+    """The cost model of `cluster`, with the memory overheads of this shell's environment (the job's,
+    when pipette runs in its launch script: PYTORCH_CUDA_ALLOC_CONF)."""
+    return CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
 
 
 def check_picture_path(path: str | None, flag: str) -> None:
@@ -126,7 +134,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
-    time, memory = evaluate(CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ)), job)
+    time, memory = evaluate(_cost_model(cluster, profile), job)
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
@@ -149,7 +157,7 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
     if nodes * placement.gpus_per_node != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:
         raise PipetteError(f"--plan {ns.plan} places {nodes} nodes of "
                            f"{placement.gpus_per_node}; --cluster has {cluster.num_nodes} of {cluster.gpus_per_node}")
-    if sorted(placement.node_order) != list(range(nodes)):
+    if not placement.is_permutation:
         raise PipetteError(f"--plan {ns.plan}: its node order {list(placement.node_order)} is not an order of its "
                            f"{nodes} nodes")
     profile = profile_from_args(ns, workload, cluster)
@@ -157,7 +165,7 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
         job = resolve_job(workload, layout, cluster.world_size)
     except Infeasible as e:
         raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
-    return job, placement, CostModel(cluster, profile=profile, overheads=environment_overheads(os.environ))
+    return job, placement, _cost_model(cluster, profile)
 
 
 def _placed(job: Job, placement: Placement) -> str:

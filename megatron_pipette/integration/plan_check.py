@@ -73,7 +73,7 @@ def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
     if nodes * gpn != request.world_size or gpn != request.gpus_per_node:
         problems.append(f"the plan is for {nodes} node(s) of {gpn} processes, this job has "
                         f"{request.world_size // request.gpus_per_node} of {request.gpus_per_node}")
-    elif sorted(placement.node_order) != list(range(nodes)):
+    elif not placement.is_permutation:
         problems.append(f"the plan's node order {list(placement.node_order)} is not an order of its {nodes} nodes")
     for name, value in sorted(request.constraints.items()):
         if not _same(getattr(layout, name), value):

@@ -68,6 +68,11 @@ class Placement:
         return inverse
 
     @property
+    def is_permutation(self) -> bool:
+        """Every one of its nodes runs exactly one logical node (a plan document may say otherwise)."""
+        return sorted(self.node_order) == list(range(len(self.node_order)))
+
+    @property
     def is_default(self) -> bool:
         return self.node_order == tuple(range(len(self.node_order)))
 

@@ -24,17 +24,17 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
+"""--moe-token-dispatcher-type values the cost model prices (flex: the backends below)."""
 FLEX_BACKENDS = ("deepep", "hybridep")
 """--moe-flex-dispatcher-backend values modelled: both send a token once to each remote node that
 holds one of its experts and fan it out there over NVLink (ncclep is not modelled)."""
-"""--moe-token-dispatcher-type values the cost model prices (flex runs DeepEP-style kernels it does not)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
+"""--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
+per-block scales and kernels of their own)."""
 OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 """Dtypes --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
 (megatron/training/arguments.py) and their bytes per element."""
-"""--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
-per-block scales and kernels of their own)."""
 FLAGS = {"fp8": "--fp8-format"}
 """Argument names whose Megatron flag is not the name with dashes."""
 
@@ -273,8 +273,8 @@ class Workload:
         groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
         if (groups is None) != (chosen is None):
             raise PipetteError("--moe-router-num-groups and --moe-router-group-topk go together")
-        if groups is not None:
-            if not (isinstance(groups, int) and isinstance(chosen, int) and 0 < chosen <= groups):
+        if groups is not None:      # both positive integers (__post_init__'s check_count)
+            if chosen > groups:
                 raise PipetteError(f"--moe-router-group-topk {chosen} must be in 1..--moe-router-num-groups {groups}")
             if self.num_experts % groups or self.moe_router_topk % chosen:
                 raise PipetteError(f"--moe-router-num-groups {groups} must divide --num-experts {self.num_experts} "
