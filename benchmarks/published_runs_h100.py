@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in json.loads(DATA.read_text())["rows"]:
         plain, recipe = pinned(row, recipe=False), pinned(row, recipe=True)
         search = {} if ns.no_search else searched(row, recipe.get("predicted_s"))
+        flags, not_priced = recipe_flags(row)
         rows.append({"id": row["id"], "measured_s": row["iteration_time_s"], "moe": is_moe(row), "plain": plain,
-                     "recipe": recipe, "search": search, "recipe_flags": recipe_flags(row)[0],
-                     "recipe_not_priced": recipe_flags(row)[1]})
+                     "recipe": recipe, "search": search, "recipe_flags": flags, "recipe_not_priced": not_priced})
         if "error" not in recipe:
             print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f}  {recipe['error_message']}")
             continue
