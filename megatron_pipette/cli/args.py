@@ -33,7 +33,14 @@ from megatron_pipette.spec.layer_profile import (
 )
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced, flag_table
-from megatron_pipette.spec.workload import Workload, megatron_flag, model_presets, workload_fields, workload_from_preset
+from megatron_pipette.spec.workload import (
+    Workload,
+    attention_backend_built,
+    megatron_flag,
+    model_presets,
+    workload_fields,
+    workload_from_preset,
+)
 
 DEFAULT_MODEL = "gpt3-13b"
 DEFAULT_CLUSTER = "dgx-a100"
@@ -123,6 +130,8 @@ def workload_from_args(ns: argparse.Namespace, default_model: str | None,
     """The model the flags describe: a --model preset they override, or the flags alone (then
     `required` must all be given; `fallbacks` fill fields the caller does not need)."""
     given = {f.name: getattr(ns, f.name) for f in workload_fields() if hasattr(ns, f.name)}
+    if getattr(ns, "transformer_impl", "transformer_engine") != "transformer_engine":
+        given["attention_backend"] = attention_backend_built(given.get("attention_backend", "auto"), False)
     model = getattr(ns, "model", None)
     if model is None:
         typed = [n for n in required if n in given]

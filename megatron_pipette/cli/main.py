@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         check_megatron_flags(megatron)
+        if megatron.get("transformer_impl"):   # Megatron's layer spec decides the attention built
+            ns.transformer_impl = megatron["transformer_impl"][0]
         return ns.run(ns)
     except PipetteError as e:
         print(f"pipette {ns.command}: error: {one_line(str(e))}", file=sys.stderr)

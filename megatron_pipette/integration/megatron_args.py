@@ -21,7 +21,7 @@ from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
-from megatron_pipette.spec.workload import Workload, megatron_flag
+from megatron_pipette.spec.workload import Workload, attention_backend_built, megatron_flag
 
 LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
                 if f.name != "data_parallel_size"}
@@ -80,9 +80,9 @@ def workload_from_args(args: Any) -> Workload:
 
 
 def _attention_backend(args: Any) -> str:
-    """--attention-backend, except that without Transformer Engine's layer spec Megatron builds its
-    local DotProductAttention, which keeps the s x s scores whatever the flag says."""
-    return _enum_name(getattr(args, "attention_backend", "auto")) if transformer_engine_in_use(args) else "local"
+    """--attention-backend as Megatron builds it (spec.workload.attention_backend_built)."""
+    requested = _enum_name(getattr(args, "attention_backend", "auto"))
+    return attention_backend_built(requested, transformer_engine_in_use(args))
 
 
 def _attention_fields(args: Any) -> dict[str, Any]:

@@ -60,6 +60,13 @@ def check_count(field: str, value: object) -> None:
         raise PipetteError(f"{megatron_flag(field)} must be at most {limit}, got {shown(value)}")
 
 
+def attention_backend_built(attention_backend: str, transformer_engine: bool) -> str:
+    """The attention Megatron builds: without Transformer Engine's layer spec (--transformer-impl
+    local, or TE not installed) it is the local DotProductAttention, which keeps the s x s scores
+    whatever --attention-backend says."""
+    return attention_backend if transformer_engine else "local"
+
+
 def megatron_flag(field: str) -> str:
     """The Megatron-LM flag of an argument name: hidden_size -> --hidden-size."""
     return FLAGS.get(field, "--" + field.replace("_", "-"))

@@ -43,6 +43,20 @@ def test_estimate_accepts_tensor_parallel_across_nodes(capsys):
     assert doc["breakdown_s"]["tp_comm_s"] > 0 and len(doc["memory"]["stages"]) == 1
 
 
+@pytest.mark.parametrize("impl", [["--transformer-impl", "local"],
+                                  ["--transformer-impl=local", "--attention-backend", "flash"]])
+def test_estimate_local_layers_price_the_unfused_attention(capsys, impl):
+    """Megatron's local layer spec builds DotProductAttention, which keeps the s x s scores whatever
+    --attention-backend says: the estimate prices what the in-job plan prices (measured on an H200:
+    docs/validation.md, "The planner's prices on one GPU")."""
+    def estimate(*extra):
+        code, out, _ = run(capsys, "estimate", *SMALL, "--json", *extra)
+        assert code == 0
+        return json.loads(out)["memory"]["stages"][0]["activation_bytes"]
+    fused = estimate("--transformer-impl", "transformer_engine")
+    assert estimate(*impl) == estimate("--attention-backend", "local") > 2 * fused
+
+
 def test_estimate_text_reports_stages(capsys):
     code, out, _ = run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2",
                        "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "6")
@@ -94,7 +108,8 @@ def test_megatron_flags_the_planner_cannot_price_are_one_line_errors(capsys, arg
 
 def test_a_pasted_launch_line_plans_as_its_model_flags(capsys):
     launch = ["--context-parallel-size", "1", "--moe-router-topk", "2", "--lr", "1e-4", "--adam-eps", "-1e-8",
-              "--save=/ckpt", "--transformer-impl", "local", "--no-masked-softmax-fusion", "--optimizer", "adam"]
+              "--save=/ckpt", "--transformer-impl", "transformer_engine", "--no-masked-softmax-fusion",
+              "--optimizer", "adam"]   # --transformer-impl local is not neutral (the local attention)
     code, out, err = run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2", *launch)
     assert code == 0 and err == ""
     assert (code, out) == run(capsys, "estimate", *SMALL, "--tensor-model-parallel-size", "2")[:2]
