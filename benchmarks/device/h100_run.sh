@@ -55,10 +55,11 @@ step() {
 main() {
     say "start; dry run: $DRY; parts: $PARTS"
     if [[ $DRY == 1 ]]; then
-        DEVICE=cpu QUICK=--quick
+        DEVICE=cpu QUICK=--quick GPU_NAME=H100-80GB   # the catalog GPU the CPU profile is compared as
         export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     else
         DEVICE=cuda QUICK=
+        GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)   # "NVIDIA H200": its catalog entry
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit \
             --format=csv || true
         if compgen -G ".whl/*.whl" >/dev/null; then
@@ -113,8 +114,8 @@ EOF
             step $((budget + PROFILE_SETUP_S + 60)) "$PYTHON" -m megatron_pipette profile --model "$model" $flags \
                 --device "$DEVICE" --budget-s "$budget" --out "$OUT/profile_$model.json"
             [[ -f $OUT/profile_$model.json ]] || continue
-            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu H100-80GB
-            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu H100-80GB --json \
+            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu "$GPU_NAME"
+            "$PYTHON" -m megatron_pipette compare "$OUT/profile_$model.json" --gpu "$GPU_NAME" --json \
                 >"$cmp/$model.json"
         done
         "$PYTHON" - "$cmp" "$OUT/compare.json" <<'EOF'
