@@ -3,7 +3,7 @@
     python benchmarks/fit_execution.py [--out benchmarks/results/fit_execution-DATE]
 
 Why: three costs of a real training step have no kernel table to read them from (cost.execution):
-the GEMM rate an H100 sustains under its power limit (GPU.sustained_gemm_fraction), the compute an
+the share of the GEMM tables' rate a step's GEMMs get (GPU.step_gemm_fraction), the compute an
 overlapped NCCL collective takes (Execution.nccl_compute_share), and an MoE layer's fixed cost
 (Execution.moe_layer_fixed_s). Each is scanned over its physical range only (cost.execution gives
 the bounds: a collective holds at least its channels' SMs, an MoE layer at least its small collectives), by grid
@@ -26,7 +26,7 @@ from published_runs_h100 import DATA, is_moe, pinned
 
 from megatron_pipette.cost.execution import Execution
 
-SUSTAINED = [round(0.80 + 0.02 * i, 2) for i in range(11)]        # 0.80-1.00: H100 clocks under 700 W
+SUSTAINED = [round(0.80 + 0.02 * i, 2) for i in range(11)]        # 0.80-1.00: at most the tables' rate
 SHARE = [round(0.10 + 0.05 * i, 2) for i in range(5)]               # 0.10-0.30: NCCL's SMs and HBM traffic
 HOST_S = [round(1e-4 * i, 4) for i in (1, 2, 3, 5, 7, 10, 13, 16, 20)]  # 0.1-2 ms a layer
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(
-            {"date": datetime.date.today().isoformat(), "sustained_gemm_fraction": sustained,
+            {"date": datetime.date.today().isoformat(), "step_gemm_fraction": sustained,
              "execution": dataclasses.asdict(execution), "trace": trace,
              "errors": {r["id"]: e for r, e in zip(rows, errors)}}, indent=1) + "\n")
     return 0

@@ -145,10 +145,10 @@ def build(argv: list[str], env: dict[str, str] | None = None) -> Priced:
 
 
 def with_execution(cluster: Cluster, sustained: float | None) -> Cluster:
-    """The cluster with its GPU's sustained GEMM fraction replaced (for fitting it)."""
+    """The cluster with its GPU's step GEMM fraction replaced (for fitting it)."""
     if sustained is None:
         return cluster
-    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, sustained_gemm_fraction=sustained))
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, step_gemm_fraction=sustained))
 
 
 def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,

@@ -270,7 +270,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
 
     return GroupLinks(
         tp=tp, pp=pp, dp=dp, cp=cp, devices=dev,
-        gemm_flops=cluster.sustained_gemm_flops[dev].min(axis=2),
+        gemm_flops=cluster.step_gemm_flops[dev].min(axis=2),
         tp_groups=rings(dev, cluster),
         dp_cp_groups=rings(logical[grid.array("pp", "tp", "dp-cp")], cluster),
         cp_groups=per_replica(rings(by_cp, cluster)),

@@ -1,12 +1,14 @@
 """What running a layer costs beyond its kernels' own work: constants with a physical reading.
 
-The roofline and the measured kernel tables price each kernel alone, on an idle GPU, in a short
-burst. A training step differs in three ways, each priced by one named constant here (their values,
+The roofline and the measured kernel tables price each kernel alone, on an otherwise idle GPU. A
+training step differs in three ways, each priced by one named constant here (their values,
 the data they were fitted on and their physical bounds: docs/time-model.md, "Execution constants";
 benchmarks/fit_execution.py refits them on the development set of published H100 runs only):
 
-- GEMMs run for minutes, not milliseconds: the GPU settles at the clock its power limit allows
-  (GPU.sustained_gemm_fraction in data/gpus.json, per GPU, since it is a property of the part).
+- Its GEMMs take longer than the tables say, by a share fitted on published runs and not yet
+  attributed (GPU.step_gemm_fraction in data/gpus.json, per GPU). It was first read as the clock
+  settling under the power limit; a GPU run showed the tables already hold that clock (an
+  8192^3 GEMM held 60 s on an H200: 0.995 of its table price).
 - A collective that overlaps compute is not free: NCCL's kernels hold SMs (one CTA per channel)
   and move its bytes through HBM while the GEMMs beside them run, so the compute stretches by a
   share of the time the collective runs hidden (`nccl_compute_share`).

@@ -89,7 +89,7 @@ class CostModel:
         fill and drain). The rest of the iteration only adds. `recompute` False leaves
         recomputation out: a bound for the job under any recomputation."""
         work = self.work(job)
-        rate = float(self.cluster.sustained_gemm_flops.max())
+        rate = float(self.cluster.step_gemm_flops.max())
         parts = (work.forward, work.backward) + ((work.recompute,) if recompute else ())
         per_chunk = sum(part.seconds(rate) for part in parts)                    # (p, v)
         fill_and_drain = np.concatenate(([0.0], np.cumsum(per_chunk[:-1, 0])))   # stages before k, chunk 0

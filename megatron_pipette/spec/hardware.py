@@ -66,10 +66,11 @@ class GPU:
     """Other names for it (device names as torch reports them)."""
     large_gemm_efficiency: dict[str, float] = field(default_factory=dict, hash=False)
     """Measured rate of an 8192^3 GEMM over the dense peak, per precision (where measured)."""
-    sustained_gemm_fraction: float = 1.0
-    """The GEMM rate a training step sustains (clocks settled under the power limit) over the short
-    burst the large-GEMM figure, the GEMM tables and the probe measure; 1 where the catalog rate
-    already is a sustained one (calibrated on training runs) or nothing is known."""
+    step_gemm_fraction: float = 1.0
+    """The share of its GEMM tables' rate a training step's GEMMs get, fitted on published runs
+    (data/gpus.json says on which): time real steps take beyond their kernels' isolated prices,
+    not attributed to a cause. Not the power-limited clock, which the tables already hold
+    (docs/validation.md, "The planner's prices on one GPU"); 1 where nothing was fitted."""
 
     @property
     def attained_memory_bandwidth_Bps(self) -> float:
@@ -100,7 +101,7 @@ def gpu_catalog() -> dict[str, GPU]:
                   peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
                   aliases=tuple(entry.get("aliases", ())),
                   large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()},
-                  sustained_gemm_fraction=float(entry.get("sustained_gemm_fraction", 1.0)))
+                  step_gemm_fraction=float(entry.get("step_gemm_fraction", 1.0)))
         for name in (gpu.name, *gpu.aliases):
             catalog[name.lower()] = gpu
     return catalog
@@ -212,10 +213,10 @@ class Cluster:
         assert self.domain_of_node is None or self.domain_of_node.shape == (self.num_nodes,)
 
     @property
-    def sustained_gemm_flops(self) -> np.ndarray:
-        """(N,) the GEMM rate each device holds through a training step (GPU.sustained_gemm_fraction
-        of the burst rate gemm_flops)."""
-        return self.gemm_flops * (1.0 if self.gpu is None else self.gpu.sustained_gemm_fraction)
+    def step_gemm_flops(self) -> np.ndarray:
+        """(N,) the GEMM rate each device gets in a training step (GPU.step_gemm_fraction of
+        gemm_flops)."""
+        return self.gemm_flops * (1.0 if self.gpu is None else self.gpu.step_gemm_fraction)
 
     @property
     def world_size(self) -> int:

@@ -128,7 +128,7 @@ def test_scaled_compute_scales_profiled_layers_too() -> None:
     base = calibrated(cluster, profile, Factors()).time(job).stage_times[0]
     half = calibrated(cluster, profile, Factors(compute_rate=0.5)).time(job).stage_times[0]
     profiled = (TINY.num_layers + 2) * (entry.forward_s + entry.backward_s) * cluster.gemm_flops[0] \
-        / cluster.sustained_gemm_flops.min()
+        / cluster.step_gemm_flops.min()
     assert sum(base) == pytest.approx(profiled) and sum(half) == pytest.approx(2 * profiled)
 
 

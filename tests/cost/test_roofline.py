@@ -103,13 +103,13 @@ def test_precision_aware_optimizer_and_fp8_param_gather_shrink_the_state():
 
 
 def test_sustained_rate_and_overlap_slow_an_h100_step():
-    """The sustained GEMM fraction and the compute an overlapped collective takes both lengthen a
+    """The step GEMM fraction and the compute an overlapped collective takes both lengthen a
     step; with neither (an idealised GPU) the same job is faster."""
     import dataclasses
 
     from megatron_pipette.cost.execution import Execution
     cluster = preset_cluster("dgx-h100", num_nodes=2)
-    ideal = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, sustained_gemm_fraction=1.0))
+    ideal = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, step_gemm_fraction=1.0))
     job = resolve_job(workload_from_preset("llama3-8b", global_batch_size=64),
                       Layout(data_parallel_size=16, use_distributed_optimizer=True, overlap_grad_reduce=True,
                              overlap_param_gather=True))
