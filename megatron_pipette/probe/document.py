@@ -15,9 +15,7 @@ import numpy as np
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.probe import fit
 from megatron_pipette.probe.engine import Measurements, PhaseResult
-from megatron_pipette.spec.cluster_file import SCHEMA, VERSION, encode_matrix
-
-LEVEL_KEYS = ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps", "exchange_latency_s")
+from megatron_pipette.spec.cluster_file import cluster_document
 
 
 def gpus_per_node(hosts: Sequence[str]) -> int:
@@ -39,10 +37,6 @@ def gpus_per_node(hosts: Sequence[str]) -> int:
         raise PipetteError(f"probe: ranks must sit on nodes in equal blocks of consecutive ranks "
                            f"(as torchrun places them); host of each rank: {layout}")
     return size
-
-
-def _level(f: fit.Figures) -> dict:
-    return {key: encode_matrix(getattr(f, key)) for key in LEVEL_KEYS}
 
 
 def _devices(identities: Sequence[dict], m: Measurements) -> dict:
@@ -91,33 +85,26 @@ def build_document(m: Measurements, identities: Sequence[dict], *, name: str, pr
     # has no NVLink, and its loopback inside and between emulated nodes runs alike.
     on_gpu = any(ident.get("device_name", "cpu") != "cpu" for ident in identities)
     domain = fit.domains(inter, classes, node_class) if on_gpu else None
-    gpn = m.gpus_per_node
-    hosts = [identities[k * gpn]["host"] for k in range(m.num_nodes)]
+    hosts = [identities[k * m.gpus_per_node]["host"] for k in range(m.num_nodes)]
     gpus = {ident.get("gpu") for ident in identities}
     skipped = (_skips(m.intra, "intra-node", max_repeats, "the median of the node's measured links")
                + _skips(m.inter, "inter-node", max_repeats, "filled from the per-node fit") + list(extra_skipped))
-    return {
-        "schema": SCHEMA, "version": VERSION, "name": name, "precision": precision,
-        "num_nodes": m.num_nodes, "gpus_per_node": gpn,
-        "gpu": gpus.pop() if len(gpus) == 1 else None,
-        "device_name": identities[0].get("device_name", "unknown"),
-        "nodes": [{"host": hosts[k], "class": int(node_class[k]),
-                   "domain": int(domain[k]) if domain is not None else k} for k in range(m.num_nodes)],
-        "devices": _devices(identities, m),
-        "intra_node": [_level(c) for c in classes],
-        "inter_node": {**_level(inter.figures), "cross_rail_bandwidth_factor": inter.cross_rail_bandwidth_factor,
-                       "cross_rail_latency_s": inter.cross_rail_latency_s},
-        "probe": {**probe_meta, "world_size": m.world_size, "duration_s": round(m.duration_s, 4),
-                  "intra_rounds": len(m.intra.rounds), "intra_rounds_measured": m.intra.measured,
-                  "inter_rounds": len(m.inter.rounds), "inter_rounds_measured": m.inter.measured,
-                  "node_pairs_measured": int(inter.measured.sum()) // 2,
-                  "round_times_s": {"intra": [round(t, 6) for t in m.intra.round_times_s],
-                                    "inter": [round(t, 6) for t in m.inter.round_times_s]},
-                  "small_bytes": int(small_bytes), "large_bytes": int(large_bytes),
-                  "exchange_bytes": [fit.medium_bytes(small_bytes, large_bytes), int(large_bytes)],
-                  "repeats": int(max_repeats), "skipped": skipped,
-                  "slow_links": inter.slow_links, "slow_nodes": inter.slow_nodes,
-                  "fit": None if m.num_nodes == 1 else {
-                      "fabric_Bps": inter.fabric_Bps, "node_out_rate_Bps": inter.out_rate_Bps.tolist(),
-                      "node_in_rate_Bps": inter.in_rate_Bps.tolist()}},
-    }
+    return cluster_document(
+        name=name, precision=precision, gpu=gpus.pop() if len(gpus) == 1 else None,
+        device_name=identities[0].get("device_name", "unknown"), hosts=hosts, node_class=node_class,
+        domains=domain if domain is not None else range(m.num_nodes), devices=_devices(identities, m),
+        intra_node=classes, inter_node=inter.figures, cross_rail_bandwidth_factor=inter.cross_rail_bandwidth_factor,
+        cross_rail_latency_s=inter.cross_rail_latency_s,
+        probe={**probe_meta, "world_size": m.world_size, "duration_s": round(m.duration_s, 4),
+               "intra_rounds": len(m.intra.rounds), "intra_rounds_measured": m.intra.measured,
+               "inter_rounds": len(m.inter.rounds), "inter_rounds_measured": m.inter.measured,
+               "node_pairs_measured": int(inter.measured.sum()) // 2,
+               "round_times_s": {"intra": [round(t, 6) for t in m.intra.round_times_s],
+                                 "inter": [round(t, 6) for t in m.inter.round_times_s]},
+               "small_bytes": int(small_bytes), "large_bytes": int(large_bytes),
+               "exchange_bytes": [fit.medium_bytes(small_bytes, large_bytes), int(large_bytes)],
+               "repeats": int(max_repeats), "skipped": skipped,
+               "slow_links": inter.slow_links, "slow_nodes": inter.slow_nodes,
+               "fit": None if m.num_nodes == 1 else {
+                   "fabric_Bps": inter.fabric_Bps, "node_out_rate_Bps": inter.out_rate_Bps.tolist(),
+                   "node_in_rate_Bps": inter.in_rate_Bps.tolist()}})

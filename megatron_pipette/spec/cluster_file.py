@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +114,7 @@ def _level(data: Any, n: int, where: str) -> LinkLevel:
     return LinkLevel(**m)
 
 
-def _level_json(level: LinkLevel) -> dict:
+def _level_json(level: Any) -> dict:
     return {key: encode_matrix(getattr(level, key)) for key in LEVEL_KEYS if getattr(level, key) is not None}
 
 
@@ -183,25 +183,40 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
                    gpu=gpu, hosts=tuple(str(x.get("host", f"node{k}")) for k, x in enumerate(nodes)))
 
 
+def cluster_document(*, name: str, precision: str, gpu: str | None, device_name: str, hosts: Sequence[str],
+                     node_class: Sequence[int], domains: Sequence[int], devices: Mapping[str, list],
+                     intra_node: Sequence[Any], inter_node: Any, cross_rail_bandwidth_factor: float,
+                     cross_rail_latency_s: float, probe: Mapping[str, Any] | None = None) -> dict:
+    """The one writer of the schema (version 2), for the probe's measurements and for a Cluster alike:
+    `devices` holds the per-device lists, each level of `intra_node` and `inter_node` has the
+    LEVEL_KEYS figures as attributes (a LinkLevel, the probe's fitted figures); `probe` is the
+    probe's report block, absent from files not probed."""
+    doc = {
+        "schema": SCHEMA, "version": VERSION, "name": name, "precision": precision,
+        "num_nodes": len(hosts), "gpus_per_node": len(devices["gemm_flops"]) // len(hosts),
+        "gpu": gpu, "device_name": device_name,
+        "nodes": [{"host": host, "class": int(c), "domain": int(d)} for host, c, d in zip(hosts, node_class, domains)],
+        "devices": dict(devices),
+        "intra_node": [_level_json(level) for level in intra_node],
+        "inter_node": {**_level_json(inter_node), "cross_rail_bandwidth_factor": cross_rail_bandwidth_factor,
+                       "cross_rail_latency_s": cross_rail_latency_s},
+    }
+    return doc if probe is None else {**doc, "probe": dict(probe)}
+
+
 def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
     """The schema document for a Cluster (presets exported for editing, the probe twin's truth)."""
-    hosts = cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes))
     n = cluster.world_size
-    return {
-        "schema": SCHEMA, "version": VERSION, "name": cluster.name, "precision": precision,
-        "num_nodes": cluster.num_nodes, "gpus_per_node": cluster.gpus_per_node,
-        "gpu": cluster.gpu.name if cluster.gpu else None,
-        "device_name": cluster.gpu.name if cluster.gpu else "unknown",
-        "nodes": [{"host": hosts[k], "class": int(cluster.node_class[k]), "domain": int(cluster.domains[k])}
-                  for k in range(cluster.num_nodes)],
-        "devices": {"memory_bytes": [cluster.memory_bytes] * n,
-                    "memory_bandwidth_Bps": [cluster.memory_bandwidth_Bps] * n,
-                    "gemm_flops": cluster.gemm_flops.tolist()},
-        "intra_node": [_level_json(level) for level in cluster.intra_node],
-        "inter_node": {**_level_json(cluster.inter_node),
-                       "cross_rail_bandwidth_factor": cluster.cross_rail_bandwidth_factor,
-                       "cross_rail_latency_s": cluster.cross_rail_latency_s},
-    }
+    return cluster_document(
+        name=cluster.name, precision=precision, gpu=cluster.gpu.name if cluster.gpu else None,
+        device_name=cluster.gpu.name if cluster.gpu else "unknown",
+        hosts=cluster.hosts or tuple(f"node{k}" for k in range(cluster.num_nodes)),
+        node_class=cluster.node_class, domains=cluster.domains,
+        devices={"memory_bytes": [cluster.memory_bytes] * n, "memory_bandwidth_Bps": [cluster.memory_bandwidth_Bps] * n,
+                 "gemm_flops": cluster.gemm_flops.tolist()},
+        intra_node=cluster.intra_node, inter_node=cluster.inter_node,
+        cross_rail_bandwidth_factor=cluster.cross_rail_bandwidth_factor,
+        cross_rail_latency_s=cluster.cross_rail_latency_s)
 
 
 @dataclass(frozen=True, kw_only=True)
