@@ -28,12 +28,9 @@ itself is unchanged. They are always relative to those files, never to an earlie
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,7 +39,6 @@ from megatron_pipette.cost.compute import profiled_rate
 from megatron_pipette.cost.memory import DEFAULT_OVERHEADS, RuntimeOverheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.timing import TimeEstimate
-from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.spec.hardware import Cluster, LinkLevel
 from megatron_pipette.spec.job import Job, resolve_job
@@ -51,8 +47,6 @@ from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB
 
-SCHEMA = "megatron-pipette/calibration"
-VERSION = 1
 LINK_KINDS = ("intra_node", "inter_node")
 FACTOR_RANGE = 1000.0
 """Factors are searched within [1/1000, 1000] of the probed figures. Wide, because on CPU a tiny
@@ -85,29 +79,6 @@ class Factors:
         if self.memory_overhead_bytes:
             parts.append(f"memory overhead {self.memory_overhead_bytes / GiB:+.2f} GiB per device")
         return ", ".join(parts) + " of the modelled rates"
-
-
-def factors_from_json(doc: Any, where: str) -> Factors:
-    """The factors of a calibration document, checked whole (its id and what it was fitted on too, which
-    the replanning reports); a malformed one names the file."""
-    try:
-        if doc["schema"] != SCHEMA or doc["version"] != VERSION:
-            raise ValueError(f"not a {SCHEMA} version {VERSION} document")
-        if not isinstance(doc["id"], str):
-            raise ValueError("its id is not a string")
-        for key in ("measured_s", "predicted_s"):
-            float(doc["fitted_on"][key])
-        f = doc["factors"]
-        links = {str(k): float(v) for k, v in f["link_bandwidth"].items()}
-        factors = Factors(compute_rate=float(f["compute_rate"]), memory_rate=float(f["memory_rate"]),
-                          link_bandwidth=links, memory_overhead_bytes=int(f["memory_overhead_bytes"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PipetteError(f"{where}: malformed calibration ({e})") from None
-    if not all(k in LINK_KINDS for k in factors.link_bandwidth) or \
-            not all(v > 0 and math.isfinite(v) for v in (factors.compute_rate, factors.memory_rate,
-                                                        *factors.link_bandwidth.values())):
-        raise PipetteError(f"{where}: calibration factors must be positive, and links one of {', '.join(LINK_KINDS)}")
-    return factors
 
 
 def _times(a: np.ndarray, k: float) -> np.ndarray:
@@ -274,14 +245,3 @@ def _root(error, lo: float, hi: float, notes: list[str]) -> float | None:
         else:
             a, fa = mid, fm
     return math.exp((a + b) / 2)
-
-
-def calibration_json(fit_: Fit, layout: Layout, placement: Placement, check: CheckResult) -> dict[str, Any]:
-    """The document stored by allocation fingerprint; its id tells a plan made with it."""
-    body = {"schema": SCHEMA, "version": VERSION,
-            "factors": {**asdict(fit_.factors), "link_bandwidth": dict(fit_.factors.link_bandwidth)},
-            "fitted_on": {"layout": asdict(layout), "node_order": list(placement.node_order),
-                          "iterations": list(check.iterations), "measured_s": fit_.measured_s,
-                          "predicted_s": fit_.predicted_s, "calibrated_s": fit_.calibrated_s,
-                          "notes": list(fit_.notes)}}
-    return {**body, "id": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]}

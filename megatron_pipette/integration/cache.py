@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_pipette import __version__
-from megatron_pipette.calibration.fit import factors_from_json
+from megatron_pipette.calibration.document import CalibrationRecord
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import write_atomic
 from megatron_pipette.integration.common import log
@@ -58,15 +58,10 @@ class Document[T]:
     decode: Callable[[Any, str], T]
 
 
-def _calibration(doc: Any, where: str) -> dict:
-    factors_from_json(doc, where)
-    return doc
-
-
 PLAN = Document("plan.json", "planning again", PlanRecord.from_json)
 CLUSTER = Document("cluster.json", "probing again", ClusterFile.from_json)
 PROFILE = Document("layer_profile.json", "profiling again", ProfileFile.from_json)
-CALIBRATION = Document("calibration.json", "planning uncalibrated", _calibration)
+CALIBRATION = Document("calibration.json", "planning uncalibrated", CalibrationRecord.from_json)
 
 
 def cache_key(identities: list[dict], workload: Workload, typed: Mapping[str, Any]) -> str:

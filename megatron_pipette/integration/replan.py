@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatron_pipette.calibration.fit import Factors, calibrated, factors_from_json
+from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.fit import Factors, calibrated
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
@@ -120,7 +121,7 @@ def _mismatch(where: str, problems: list[str]) -> None:
 
 
 def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
-                   calibration: dict | None = None) -> PlanRecord:
+                   calibration: CalibrationRecord | None = None) -> PlanRecord:
     """Plan, print the report, and cache the document (which names the calibration it used)."""
     result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
     if not result.candidates:
@@ -136,9 +137,9 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
     return _write_plan(result, entry, phases, calibration)
 
 
-def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: dict | None) -> PlanRecord:
+def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: CalibrationRecord | None) -> PlanRecord:
     print(plan_report(result), flush=True)
-    ref = None if calibration is None else CalibrationRef(calibration["id"], calibration["factors"])
+    ref = None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
     record = PlanRecord.from_plan(result, phases_s=phases.seconds, calibration=ref)
     entry.write(PLAN, record.to_json())      # a plan that cannot be cached is still used
     return record
@@ -156,13 +157,13 @@ def plan_measured(request: JobRequest, entry: Entry, phases: Phases, cluster: Cl
                           entry, phases)
 
 
-def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: dict | None) -> CostModel:
+def _calibrated_model(cluster: Cluster, profile: LayerProfile, calibration: CalibrationRecord | None) -> CostModel:
     """The cached probe and profile, with the cached calibration's factors when there is one."""
-    factors = Factors() if calibration is None else factors_from_json(calibration, CALIBRATION.name)
+    factors = Factors() if calibration is None else calibration.factors
     if calibration is not None:
-        fitted = calibration["fitted_on"]
-        log(f"calibrated model: {factors.describe()} (fitted on a self-check that measured {fitted['measured_s']:.3g} "
-            f"s/iteration against {fitted['predicted_s']:.3g} s predicted)", 0)
+        fitted = calibration.fitted_on
+        log(f"calibrated model: {factors.describe()} (fitted on a self-check that measured {fitted.measured_s:.3g} "
+            f"s/iteration against {fitted.predicted_s:.3g} s predicted)", 0)
     return calibrated(cluster, profile, factors, overheads=environment_overheads(os.environ))
 
 
@@ -184,7 +185,7 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
     for name in ("probe", "profile"):
         phases.skip(name, "cached")
     calibration = entry.read(CALIBRATION)
-    if calibration is None or (cached.calibration is not None and calibration["id"] == cached.calibration.id):
+    if calibration is None or (cached.calibration is not None and calibration.id == cached.calibration.id):
         log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
         phases.skip("plan", "cached")
         return cached

@@ -43,7 +43,8 @@ from megatron_pipette.calibration.check import (
     compare,
     sample_from_json,
 )
-from megatron_pipette.calibration.fit import Fit, calibration_json, fit
+from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.fit import Fit, fit
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
 from megatron_pipette.integration.common import log
@@ -343,7 +344,7 @@ def _calibrate(entry: Entry, plan: PlanRecord, result: CheckResult) -> Fit | Non
         return None
     layout, placement = plan.best.layout, plan.best.placement
     fitted = fit(plan.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
-    if entry.write(CALIBRATION, calibration_json(fitted, layout, placement, result)):
+    if entry.write(CALIBRATION, CalibrationRecord.of(fitted, layout, placement, result).to_json()):
         log(fitted.line(), 0)
         log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)
     return fitted

@@ -3,15 +3,20 @@ holds its typed record, so a raw subscript of the document (`doc["candidates"][0
 codec's `*_from_json` functions fails here, the way a wrong import fails test_layers."""
 
 import ast
+from types import SimpleNamespace
 
 import pytest
 from test_layers import PACKAGE, modules
 
+from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.fit import Factors, Fit
 from megatron_pipette.cost.model import CostModel
+from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import plan
 from megatron_pipette.probe.twin import run_twin
 from megatron_pipette.report.plan_document import plan_json
 from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
 
@@ -44,12 +49,23 @@ def _profile_keys() -> set[str]:
     return keys - SHARED
 
 
+def _calibration_keys() -> set[str]:
+    """The calibration document's keys, its factors' and what it was fitted on, from its writer; less
+    those the plan document has too (it carries a calibration's id and factors, its candidates a
+    layout and node order), which its codec reads."""
+    fitted = Fit(factors=Factors(link_bandwidth={"intra_node": 1.0}), predicted_s=1.0, calibrated_s=1.0,
+                 measured_s=1.0, predicted_passes_s=(), calibrated_passes_s=())
+    check = SimpleNamespace(iterations=(2, 6))
+    doc = CalibrationRecord.of(fitted, Layout(), Placement(node_order=(0,), gpus_per_node=1), check).to_json()
+    return {*doc, *doc["factors"], *doc["fitted_on"]} - SHARED - _plan_keys() - {"id", "factors"}
+
+
 SHARED = {"schema", "version", "model", "cluster", "world_size", "gpus_per_node", "name", "gpu", "num_nodes",
           "device_name", "probe", "skipped", "device"}
 """Keys that other documents (the layer profile, a calibration, the catalog's presets), a rank's identity,
 the phase names or Megatron's own arguments use too: a subscript of one does not say which document it reads."""
 CODECS = {"report.plan_document": _plan_keys(), "spec.cluster_file": _cluster_keys(),
-          "spec.layer_profile": _profile_keys()}
+          "spec.layer_profile": _profile_keys(), "calibration.document": _calibration_keys()}
 """Codec module -> the keys of its document, which only it subscripts."""
 
 

@@ -9,7 +9,8 @@ import pytest
 from helpers.checks import samples_where
 from helpers.clusters import cpu_like
 from megatron_pipette.calibration.check import GiB, RankSample, compare
-from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, factors_from_json, fit
+from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.fit import Factors, calibrated, fit
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.placement import Placement
@@ -136,14 +137,16 @@ def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     cluster = cpu_like()
     check, placement = check_of(cluster, LAYOUTS["dp4"], Factors(compute_rate=0.4, link_bandwidth={"intra_node": 2}))
     fitted = fit(TINY, cluster, None, LAYOUTS["dp4"], placement, check)
-    doc = json.loads(json.dumps(calibration_json(fitted, LAYOUTS["dp4"], placement, check)))
-    assert factors_from_json(doc, "c.json") == fitted.factors
-    assert doc["fitted_on"]["measured_s"] == check.measured_s and len(doc["id"]) == 16
+    record = CalibrationRecord.of(fitted, LAYOUTS["dp4"], placement, check)
+    doc = json.loads(json.dumps(record.to_json()))
+    read = CalibrationRecord.from_json(doc, "c.json")
+    assert read == record and read.to_json() == doc and read.factors == fitted.factors
+    assert read.fitted_on.measured_s == check.measured_s and len(read.id) == 16
     doc["factors"]["compute_rate"] = -1
     with pytest.raises(PipetteError, match="^c.json: calibration factors must be positive"):
-        factors_from_json(doc, "c.json")
+        CalibrationRecord.from_json(doc, "c.json")
     with pytest.raises(PipetteError, match="^c.json: malformed calibration"):
-        factors_from_json({"schema": "megatron-pipette/calibration", "version": 1}, "c.json")
+        CalibrationRecord.from_json({"schema": "megatron-pipette/calibration", "version": 1}, "c.json")
 
 
 def test_a_plan_with_calibrated_factors_prefers_what_they_favour() -> None:

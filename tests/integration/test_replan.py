@@ -10,7 +10,8 @@ from helpers.checks import samples_where
 from helpers.clusters import cpu_like
 from helpers.plans import chosen
 from megatron_pipette.calibration.check import compare
-from megatron_pipette.calibration.fit import Factors, calibrated, calibration_json, fit
+from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.fit import Factors, calibrated, fit
 from megatron_pipette.integration import replan
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
 from megatron_pipette.integration.common import Phases
@@ -47,7 +48,7 @@ def start(cache: Entry, request: JobRequest = REQUEST, **switches) -> dict:
     return found.plan.to_json()
 
 
-def self_check(cache: Entry) -> dict:
+def self_check(cache: Entry) -> CalibrationRecord:
     """What the self-check of the cached plan stores: the truth's times, fitted."""
     cached = cache.read(PLAN)
     layout, placement = cached.best.layout, cached.best.placement
@@ -55,8 +56,8 @@ def self_check(cache: Entry) -> dict:
     samples = samples_where(calibrated(cluster, profile, TRUTH), resolve_job(TINY, layout), placement)
     check = compare(cached.best.iteration_time_s, cached.best.memory.stages, samples, (2, 6))
     fitted = fit(TINY, cluster, profile, layout, placement, check)
-    calibration = calibration_json(fitted, layout, placement, check)
-    cache.write(CALIBRATION, calibration)
+    calibration = CalibrationRecord.of(fitted, layout, placement, check)
+    cache.write(CALIBRATION, calibration.to_json())
     return calibration
 
 
@@ -81,10 +82,10 @@ def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Entry
     out = capsys.readouterr().out
     assert "calibrated model: compute x0.5, memory-bound work x1, intra-node links x0.01 of the modelled rates" in out
     assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
-    assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(calibration["fitted_on"]["measured_s"])
+    assert doc["candidates"][0]["iteration_time_s"] == pytest.approx(calibration.fitted_on.measured_s)
     assert "the calibrated model's best is tp1 pp4 dp1" in out
     assert "keeping the cached layout; --auto-parallel-replan-if-slower PCT switches" in out
-    assert doc["calibration"]["id"] == calibration["id"]
+    assert doc["calibration"]["id"] == calibration.id
     again = start(cache)
     assert again == json.loads(json.dumps(doc)) and "using the plan in" in capsys.readouterr().out
 
