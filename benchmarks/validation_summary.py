@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,7 +21,11 @@ BEGIN, END = "<!-- validation table: benchmarks/validation_summary.py -->", "<!-
 
 
 def _load(folder: str) -> dict:
-    return json.loads((RESULTS / folder / "results.json").read_text())
+    return _load_part(folder, "results")
+
+
+def _load_part(folder: str, name: str) -> dict:
+    return json.loads((RESULTS / folder / f"{name}.json").read_text())
 
 
 def rows() -> list[list[str]]:
@@ -30,6 +35,10 @@ def rows() -> list[list[str]]:
     emulated = [_load(f"emulated_cluster-2026-11-23-held-out-22-run{n}") for n in (3, 4)]
     held = [e["predictions_held_out"] for e in emulated]
     ratios = [e["placement_4nodes"]["ratio"] for e in emulated]
+    gpu = "h200-2026-11-26"
+    sustained = {r["dtype"]: r["ratio"] for r in _load_part(f"{gpu}-cost-check", "sustained")["rows"]}
+    loop = statistics.median(r["ratio"]["loop"] for r in _load_part(f"{gpu}-cost-check", "grouped")["rows"])
+    step = {r["what"]: r["ratio"] for r in _load_part(f"{gpu}-profiles", "train")["rows"]}
     return [
         ["NVIDIA's published H100 runs, the development set (19: NeMo 24.07, Megatron-Bridge 25.09-26.04, "
          "Megatron-LM README), published layouts with their recipes",
@@ -47,6 +56,13 @@ def rows() -> list[list[str]]:
          f"{held[1]['kendall_tau']:.2f}; placement {ratios[0]:.2f}x / {ratios[1]:.2f}x faster than Megatron's order",
          "`python benchmarks/emulated_cluster.py` (root)",
          "2026-11-23 (the model of that day), `emulated_cluster-2026-11-23-held-out-22-run3`, `-run4`"],
+        ["One H200, no Transformer Engine: kernels held against their prices, and a 1.28B GPT's training step "
+         "(Megatron's local layers)",
+         f"GEMM held 60 s: rate x{sustained['bf16']:.3f} of its price in bf16, x{sustained['fp8']:.3f} in fp8; "
+         f"MoE expert GEMMs (a per-expert loop) median time x{loop:.2f}; the step's peak memory "
+         f"x{step['max_allocated_bytes']:.3f}, its time x{step['step_s']:.2f}",
+         "`bash benchmarks/device/cost_check.sh` on the GPU (benchmarks/device/README.md)",
+         f"2026-11-26, `{gpu}-cost-check`, `{gpu}-profiles`"],
     ]
 
 
