@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     scores = {h: score(moe, sustained, dataclasses.replace(execution, moe_layer_fixed_s=h))[0] for h in HOST_S}
     execution = dataclasses.replace(execution, moe_layer_fixed_s=min(scores, key=scores.get))
     trace = {"dense_grid": {f"{su} {c}": v for (su, c), v in grid.items()}, "moe_layer_fixed_s": scores}
-    print(f"sustained {sustained}, {execution}", flush=True)
+    print(f"step GEMM fraction {sustained}, {execution}", flush=True)
     total, errors = score(rows, sustained, execution)
     print(f"all {len(rows)} rows: mean |error| {total:.1%}, signed {np.nanmean(errors):+.1%}")
     for r, e in zip(rows, errors):

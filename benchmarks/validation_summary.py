@@ -29,9 +29,9 @@ def _load_part(folder: str, name: str) -> dict:
 
 
 def rows() -> list[list[str]]:
-    h100 = _load("published_runs_h100-2026-11-26")
+    h100 = _load("published_runs_h100-2026-11-26-cross-entropy")
     s = h100["summary"]["recipe"]
-    a100 = _load("published_runs-2026-11-26")["summary"]
+    a100 = _load("published_runs-2026-11-26-cross-entropy")["summary"]
     emulated = [_load(f"emulated_cluster-2026-11-23-held-out-22-run{n}") for n in (3, 4)]
     held = [e["predictions_held_out"] for e in emulated]
     ratios = [e["placement_4nodes"]["ratio"] for e in emulated]
@@ -46,11 +46,12 @@ def rows() -> list[list[str]]:
          f"{s['priced']} of {s['runs']} priced, {s['predicted_not_to_fit']} of them predicted not to fit; "
          f"MoE free-search median gain "
          f"{s['moe_median_search_gain']:+.0%}",
-         "`python benchmarks/published_runs_h100.py`", f"{h100['date']}, `published_runs_h100-2026-11-26`"],
+         "`python benchmarks/published_runs_h100.py`",
+         f"{h100['date']}, `published_runs_h100-2026-11-26-cross-entropy`"],
         ["Published A100 runs (18: Narayanan et al. 2021, Korthikanti et al. 2022, transcribed from memory)",
          f"mean \\|error\\| {a100['all']['mean_abs_error']:.1%}, worst {a100['all']['worst_error']:+.1%}; held-out "
          f"half {a100['held-out']['mean_abs_error']:.1%}", "`python benchmarks/published_runs.py`",
-         "2026-11-26, `published_runs-2026-11-26`"],
+         "2026-11-26, `published_runs-2026-11-26-cross-entropy`"],
         ["Emulated 4-node cluster (network namespaces, shaped links, CPU training), 22 held-out layouts, two runs",
          f"MAPE {held[0]['mape']:.1%} / {held[1]['mape']:.1%}, Kendall tau {held[0]['kendall_tau']:.2f} / "
          f"{held[1]['kendall_tau']:.2f}; placement {ratios[0]:.2f}x / {ratios[1]:.2f}x faster than Megatron's order",

@@ -229,9 +229,25 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
-    fwd = (2 * e * n * h / sp + (16 + e) * n * vocab) / memory_bandwidth_Bps   # norm; logits in fp32, 4 passes
-    bwd = (2 * e * n * h / sp + (8 + e) * n * vocab) / memory_bandwidth_Bps
+    ce_forward, ce_backward = cross_entropy_bytes(e, w.cross_entropy_loss_fusion)
+    fwd = (2 * e * n * h / sp + ce_forward * n * vocab) / memory_bandwidth_Bps   # the final norm, the loss
+    bwd = (2 * e * n * h / sp + ce_backward * n * vocab) / memory_bandwidth_Bps
     return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
+
+
+def cross_entropy_bytes(e: int, fused: bool) -> tuple[int, int]:
+    """Bytes the vocab-parallel cross-entropy moves per logit of `e` bytes, (forward, backward).
+
+    megatron-core 0.19, tensor_parallel/cross_entropy.py: `.float()` (read e, write 4; none in
+    fp32), the max (read 4), the in-place subtract and exp (8 each), the sum (4), the divide that
+    leaves the softmax for backward (8); backward the in-place multiply (8) and autograd's cast back
+    to the logits' dtype (4 + e; none in fp32). With --cross-entropy-loss-fusion
+    (fusions/fused_cross_entropy.py, torch.compile'd) the cast and the max are one kernel, the
+    subtract, exp and sum one, then the divide; backward one multiply-and-cast to bf16 (4 + 2)."""
+    cast = 0 if e == 4 else e + 4
+    if fused:
+        return (cast or 4) + 8 + 8, 4 + 2
+    return cast + 4 + 8 + 8 + 4 + 8, 8 + (0 if e == 4 else 4 + e)
 
 
 def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
