@@ -25,6 +25,11 @@ Parts:
              bytes / HBM bandwidth).
   skinny     GEMMs with K of 64-256 and large M, N, and with M of 16-256: measured against the
              roofline and the planner's price.
+  loss       megatron-core's vocab-parallel cross-entropy, plain and --cross-entropy-loss-fusion
+             (torch.compile'd), forward and backward over bf16 logits of 8192 and 16384 tokens x
+             one rank's vocabulary (16384-128256): against the planner's price, its bytes
+             (cost.compute.cross_entropy_bytes) over the cluster's memory bandwidth, and the price
+             of the bytes it used before 2026-11-26 (18 forward, 10 backward).
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
              2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
              Megatron falls back to without Apex or TE, mock data) through
@@ -63,6 +68,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
 
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
+from megatron_pipette.cost.compute import cross_entropy_bytes  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
@@ -79,8 +85,12 @@ EXPERTS, ROWS = (8, 32, 4), (512, 2048, 128)
 SKINNY = [(m, m, k) for m in (8192, 16384) for k in (64, 128, 256)] + \
          [(m, n, k) for m in (16, 64, 256) for n, k in ((8192, 8192), (14336, 4096))]
 """(m, n, k): small K with large M and N, then small M (one weight read for few rows)."""
+LOSS = [(t, v) for t in (8192, 16384) for v in (16384, 32000, 64000, 128256)]
+"""(tokens, one rank's vocabulary): 128256 is Llama 3's at TP 1, 16384 at TP 8; 64000 Nemotron's 256000 at TP 4."""
+LOSS_BEFORE = (18, 10)
+"""The bytes per bf16 logit the planner priced the cross-entropy at before 2026-11-26."""
 QUICK = dict(n=256, moe_shapes=((64, 24), (128, 48)), experts=(4, 2), rows=(16, 32),
-             skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3))
+             skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3), loss=[(64, 1000)])
 """The dry run's shapes, and its (warm-up, timed) training iterations."""
 TRAIN_MODEL = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
                "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8")
@@ -295,6 +305,58 @@ def part_skinny(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dic
         write_json(Path(ns.out), doc)
 
 
+# -- the cross-entropy -----------------------------------------------------------------------------
+
+def one_rank_group(device: torch.device):
+    """A process group of this one rank (what the cross-entropy all-reduces over)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                store=dist.HashStore())
+    return dist.group.WORLD
+
+
+def part_loss(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    group, timer, deadline = one_rank_group(device), Timer(device), time.monotonic() + ns.budget_s
+    bandwidth = preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name).memory_bandwidth_Bps
+    kernels = {"plain": lambda x, y: vocab_parallel_cross_entropy(x, y, tp_group=group),
+               "fused": lambda x, y: fused_vocab_parallel_cross_entropy(x, y, group)}
+    shapes = QUICK["loss"] if ns.dry_run else LOSS
+    doc["planned"] = len(shapes) * len(kernels)
+    for tokens, vocab in shapes:
+        logits = torch.randn(tokens // 2, 2, vocab, device=device, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (tokens // 2, 2), device=device)
+        for name, loss_of in kernels.items():
+            if time.monotonic() > deadline:
+                return
+            row = {"kernel": name, "tokens": tokens, "vocab": vocab}
+
+            def step(mark, loss_of=loss_of, logits=logits, target=target) -> None:
+                logits.grad = None
+                mark()
+                loss = loss_of(logits, target)
+                mark()
+                loss.sum().backward()
+                mark()
+
+            try:
+                forward, backward = timer.measure(step, phases=2)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                forward = backward = None
+            now, before = cross_entropy_bytes(2, name == "fused"), LOSS_BEFORE
+            for i, (pass_, t) in enumerate((("forward", forward), ("backward", backward))):
+                predicted = now[i] * tokens * vocab / bandwidth
+                row[pass_] = {"measured_s": t, "predicted_s": predicted, "ratio": ratio(t, predicted),
+                              "ratio_before": ratio(t, before[i] * tokens * vocab / bandwidth),
+                              "bytes_per_logit_attained": sig(t * bandwidth / (tokens * vocab)) if t else None}
+            doc["rows"].append(row)
+            write_json(Path(ns.out), doc)
+
+
 # -- one training step -----------------------------------------------------------------------------
 
 def train_flags(dry_run: bool, iterations: int) -> list[str]:
@@ -406,6 +468,18 @@ def skinny_lines(doc: dict) -> list[str]:
     return lines
 
 
+def loss_lines(doc: dict) -> list[str]:
+    lines = ["loss: measured / the planner's price (/ the price before 2026-11-26), median [min, max]"]
+    for kernel in ("plain", "fused"):
+        for pass_ in ("forward", "backward"):
+            rows = [r[pass_] for r in doc["rows"] if r["kernel"] == kernel and r[pass_]["ratio"]]
+            if rows:
+                now, before = [r["ratio"] for r in rows], [r["ratio_before"] for r in rows]
+                lines.append(f"  {kernel} {pass_:>8}: {statistics.median(now):.3g} [{min(now):.3g}, {max(now):.3g}]"
+                             f" (before {statistics.median(before):.3g})")
+    return lines
+
+
 def train_lines(doc: dict) -> list[str]:
     if "error" in doc.get("estimate", {}):
         return [f"train: the estimate failed: {doc['estimate']['error']}"]
@@ -414,7 +488,8 @@ def train_lines(doc: dict) -> list[str]:
         for r in doc["rows"])]
 
 
-RECAP = {"sustained": sustained_lines, "grouped": grouped_lines, "skinny": skinny_lines, "train": train_lines}
+RECAP = {"sustained": sustained_lines, "grouped": grouped_lines, "skinny": skinny_lines, "loss": loss_lines,
+         "train": train_lines}
 
 
 def recap(out: Path) -> list[str]:
@@ -426,7 +501,8 @@ def recap(out: Path) -> list[str]:
     return lines
 
 
-PARTS = {"sustained": part_sustained, "grouped": part_grouped, "skinny": part_skinny, "train": part_train}
+PARTS = {"sustained": part_sustained, "grouped": part_grouped, "skinny": part_skinny, "loss": part_loss,
+         "train": part_train}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     p.add_argument("--gpu", help="catalog GPU to price for (default: this device's name)")
     p.add_argument("--budget-s", type=float, default=40.0,
-                   help="grouped, skinny: stop starting GEMMs after this long; train: kill Megatron after it")
+                   help="grouped, skinny, loss: stop starting kernels after this long; train: kill Megatron after it")
     p.add_argument("--duration-s", type=float, default=60.0, help="sustained: seconds per dtype")
     p.add_argument("--window-s", type=float, default=5.0, help="sustained: rate and nvidia-smi window")
     p.add_argument("--burst-s", type=float, default=1.0, help="sustained: the short burst")

@@ -12,8 +12,8 @@
 # PARTS (default "gemm attention profile") picks parts; GEMM_BUDGET_S, ATTENTION_BUDGET_S
 # and PROFILE_SCALE (multiplies each profile's budget) trade them off; GEMM_TOKENS (e.g.
 # "2048 16384") picks the GEMM table's token counts, to finish one a first run cut short.
-# The cost-check parts (sustained grouped skinny train) take SUSTAIN_S (per dtype),
-# GROUPED_BUDGET_S, SKINNY_BUDGET_S and TRAIN_LIMIT_S.
+# The cost-check parts (sustained grouped skinny loss train) take SUSTAIN_S (per dtype),
+# GROUPED_BUDGET_S, SKINNY_BUDGET_S, LOSS_BUDGET_S and TRAIN_LIMIT_S.
 set -u -o pipefail
 
 START=$(date +%s)
@@ -27,6 +27,7 @@ PROFILE_SETUP_S=25  # per profile beyond its budget: imports, process group, fir
 SUSTAIN_S=${SUSTAIN_S:-60}
 GROUPED_S=${GROUPED_BUDGET_S:-40}
 SKINNY_S=${SKINNY_BUDGET_S:-20}
+LOSS_S=${LOSS_BUDGET_S:-40}
 TRAIN_S=${TRAIN_LIMIT_S:-150}
 CHECK_SETUP_S=30    # per cost-check part beyond its budget: imports, operands, the JSON
 PYTHON=${PYTHON:-python3}
@@ -141,6 +142,11 @@ EOF
         say "skinny GEMMs (budget ${SKINNY_S} s)"
         step $((SKINNY_S + CHECK_SETUP_S)) "$PYTHON" $check skinny $dry_flag --budget-s "$SKINNY_S" \
             --out "$OUT/skinny.json"
+    fi
+    if wants loss; then
+        say "cross-entropy (budget ${LOSS_S} s)"
+        step $((LOSS_S + CHECK_SETUP_S + 60)) "$PYTHON" $check loss $dry_flag --budget-s "$LOSS_S" \
+            --out "$OUT/loss.json"
     fi
     if wants train; then
         local limit=$TRAIN_S room=$(($(left) - 20))   # 20 s for the recap

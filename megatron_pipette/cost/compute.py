@@ -229,10 +229,18 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
-    ce_forward, ce_backward = cross_entropy_bytes(e, w.cross_entropy_loss_fusion)
+    ce_forward, ce_backward = (b / CROSS_ENTROPY_BANDWIDTH_SHARE for b in
+                               cross_entropy_bytes(e, w.cross_entropy_loss_fusion))
     fwd = (2 * e * n * h / sp + ce_forward * n * vocab) / memory_bandwidth_Bps   # the final norm, the loss
     bwd = (2 * e * n * h / sp + ce_backward * n * vocab) / memory_bandwidth_Bps
     return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
+
+
+CROSS_ENTROPY_BANDWIDTH_SHARE = 0.715
+"""The share of the measured copy rate the cross-entropy's passes attain: row reductions 16k-128k
+wide and in-place read-modify-writes run slower per byte than a copy. MEASURED on an H200
+(benchmarks/results/h200-2026-11-26-loss: 32 passes, plain and fused, forward and backward, 8192
+and 16384 tokens x 16384-128256 logits a rank; median 0.715, range 0.59-0.80), not fitted."""
 
 
 def cross_entropy_bytes(e: int, fused: bool) -> tuple[int, int]:
@@ -243,11 +251,13 @@ def cross_entropy_bytes(e: int, fused: bool) -> tuple[int, int]:
     leaves the softmax for backward (8); backward the in-place multiply (8) and autograd's cast back
     to the logits' dtype (4 + e; none in fp32). With --cross-entropy-loss-fusion
     (fusions/fused_cross_entropy.py, torch.compile'd) the cast and the max are one kernel, the
-    subtract, exp and sum one, then the divide; backward one multiply-and-cast to bf16 (4 + 2)."""
+    subtract, exp and sum one, then the divide; its backward costs what the plain one does (the
+    H200 timed it so: the in-place multiply on the saved softmax is not merged with the cast)."""
     cast = 0 if e == 4 else e + 4
+    backward = 8 + (0 if e == 4 else 4 + e)
     if fused:
-        return (cast or 4) + 8 + 8, 4 + 2
-    return cast + 4 + 8 + 8 + 4 + 8, 8 + (0 if e == 4 else 4 + e)
+        return (cast or 4) + 8 + 8, backward
+    return cast + 4 + 8 + 8 + 4 + 8, backward
 
 
 def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
