@@ -28,8 +28,10 @@ Parts:
   loss       megatron-core's vocab-parallel cross-entropy, plain and --cross-entropy-loss-fusion
              (torch.compile'd), forward and backward over bf16 logits of 8192 and 16384 tokens x
              one rank's vocabulary (16384-128256): against the planner's price, its bytes
-             (cost.compute.cross_entropy_bytes) over the cluster's memory bandwidth, and the price
-             of the bytes it used before 2026-11-26 (18 forward, 10 backward).
+             (cost.compute.cross_entropy_bytes) over the share of the cluster's memory bandwidth
+             these kernels attain (CROSS_ENTROPY_BANDWIDTH_SHARE, measured by this part), and the
+             price of the bytes it used before 2026-11-26 (18 forward, 10 backward, full rate);
+             `bytes_per_logit_attained` is the time in bytes at the full rate.
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
              2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
              Megatron falls back to without Apex or TE, mock data) through
@@ -68,7 +70,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
 
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
-from megatron_pipette.cost.compute import cross_entropy_bytes  # noqa: E402
+from megatron_pipette.cost.compute import CROSS_ENTROPY_BANDWIDTH_SHARE, cross_entropy_bytes  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
@@ -349,7 +351,7 @@ def part_loss(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict)
                 forward = backward = None
             now, before = cross_entropy_bytes(2, name == "fused"), LOSS_BEFORE
             for i, (pass_, t) in enumerate((("forward", forward), ("backward", backward))):
-                predicted = now[i] * tokens * vocab / bandwidth
+                predicted = now[i] * tokens * vocab / (CROSS_ENTROPY_BANDWIDTH_SHARE * bandwidth)
                 row[pass_] = {"measured_s": t, "predicted_s": predicted, "ratio": ratio(t, predicted),
                               "ratio_before": ratio(t, before[i] * tokens * vocab / bandwidth),
                               "bytes_per_logit_attained": sig(t * bandwidth / (tokens * vocab)) if t else None}

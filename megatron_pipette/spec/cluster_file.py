@@ -253,7 +253,7 @@ class ProbeReport:
 class ClusterFile:
     """A cluster document (the probe's, its twin's, a preset exported, a file given to --cluster), typed: the
     Cluster the planner prices with and the probe's report. Its one reader is `from_json`; `document` is
-    the file as written, which `to_json` gives back unchanged (cluster_to_json writes presets')."""
+    the file as written, which `to_json` gives back unchanged (`cluster_document` writes every one)."""
 
     cluster: Cluster
     precision: str | None
