@@ -349,7 +349,7 @@ def part_loss(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 forward = backward = None
-            now, before = cross_entropy_bytes(2, name == "fused"), LOSS_BEFORE
+            now, before = cross_entropy_bytes(2, "native" if name == "fused" else None), LOSS_BEFORE
             for i, (pass_, t) in enumerate((("forward", forward), ("backward", backward))):
                 predicted = now[i] * tokens * vocab / (CROSS_ENTROPY_BANDWIDTH_SHARE * bandwidth)
                 row[pass_] = {"measured_s": t, "predicted_s": predicted, "ratio": ratio(t, predicted),

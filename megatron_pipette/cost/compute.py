@@ -230,7 +230,7 @@ def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | Non
     vocab = w.padded_vocab_size(layout.tp) // layout.tp
     forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
     ce_forward, ce_backward = (b / CROSS_ENTROPY_BANDWIDTH_SHARE for b in
-                               cross_entropy_bytes(e, w.cross_entropy_loss_fusion))
+                               cross_entropy_bytes(e, w.cross_entropy_fusion))
     fwd = (2 * e * n * h / sp + ce_forward * n * vocab) / memory_bandwidth_Bps   # the final norm, the loss
     bwd = (2 * e * n * h / sp + ce_backward * n * vocab) / memory_bandwidth_Bps
     return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
@@ -243,8 +243,9 @@ wide and in-place read-modify-writes run slower per byte than a copy. MEASURED o
 and 16384 tokens x 16384-128256 logits a rank; median 0.715, range 0.59-0.80), not fitted."""
 
 
-def cross_entropy_bytes(e: int, fused: bool) -> tuple[int, int]:
-    """Bytes the vocab-parallel cross-entropy moves per logit of `e` bytes, (forward, backward).
+def cross_entropy_bytes(e: int, fusion: str | None) -> tuple[int, int]:
+    """Bytes the vocab-parallel cross-entropy moves per logit of `e` bytes, (forward, backward), for
+    the plain one (`fusion` None) and the fused ones (Workload.cross_entropy_fusion).
 
     megatron-core 0.19, tensor_parallel/cross_entropy.py: `.float()` (read e, write 4; none in
     fp32), the max (read 4), the in-place subtract and exp (8 each), the sum (4), the divide that
@@ -252,10 +253,15 @@ def cross_entropy_bytes(e: int, fused: bool) -> tuple[int, int]:
     to the logits' dtype (4 + e; none in fp32). With --cross-entropy-loss-fusion
     (fusions/fused_cross_entropy.py, torch.compile'd) the cast and the max are one kernel, the
     subtract, exp and sum one, then the divide; its backward costs what the plain one does (the
-    H200 timed it so: the in-place multiply on the saved softmax is not merged with the cast)."""
+    H200 timed it so: the in-place multiply on the saved softmax is not merged with the cast).
+    Transformer Engine's (te, common/triton/cross_entropy.py in TE 2.20, as Megatron calls it:
+    the input not overwritten) reads the logits once forward with an online softmax and copies
+    them for the backward (e + e), which reads the copy and writes the gradient into it (e + e)."""
+    if fusion == "te":
+        return 2 * e, 2 * e
     cast = 0 if e == 4 else e + 4
     backward = 8 + (0 if e == 4 else 4 + e)
-    if fused:
+    if fusion == "native":
         return (cast or 4) + 8 + 8, backward
     return cast + 4 + 8 + 8 + 4 + 8, backward
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_pipette.cost import schedules, simulator
-from megatron_pipette.cost.comm import GroupLinks
+from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
@@ -173,6 +173,16 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     return 2 * experts.etp_ep_groups.all_gather_s(volume["etp-ep"])
 
 
+def _cross_entropy_comm(ring: Rings, tokens: int, fusion: str | None) -> np.ndarray:
+    """The cross entropy's tensor-parallel collectives of fp32 per-token values: all-reduces of the
+    max, then of the predicted logit and the sum of exponentials (native: both in one message); te
+    all-gathers each rank's four statistics (max, sum, predicted logit, sum of logits) instead."""
+    if fusion == "te":
+        return ring.all_gather_s(16 * tokens * ring.size)
+    return ring.all_reduce_s(4 * tokens) + (ring.all_reduce_s(8 * tokens) if fusion == "native"
+                                            else 2 * ring.all_reduce_s(4 * tokens))
+
+
 def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execution) -> _Stages:
     workload, layout = job.workload, job.layout
     sp = layout.sequence_parallel
@@ -250,10 +260,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         redone = work.layers if "core_attn" in layout.selective_modules else work.recomputed_layers
         cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
-        # The cross entropy's all-reduces of fp32 per-token values: the max, then the predicted logit
-        # and the sum of exponentials (fused: both in one message).
-        ce = (ring.all_reduce_s(4 * tokens) + (ring.all_reduce_s(8 * tokens) if workload.cross_entropy_loss_fusion
-                                                else 2 * ring.all_reduce_s(4 * tokens))).T
+        ce = _cross_entropy_comm(ring, tokens, workload.cross_entropy_fusion).T
         tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]

@@ -76,6 +76,7 @@ def workload_from_args(args: Any) -> Workload:
         attention_backend=_attention_backend(args), precision=precision,
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
+        cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
         **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args))
 
 

@@ -28,6 +28,10 @@ MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
 """--moe-flex-dispatcher-backend values modelled: both send a token once to each remote node that
 holds one of its experts and fan it out there over NVLink (ncclep is not modelled)."""
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
+"""--cross-entropy-fusion-impl: megatron-core's compiled kernels, or Transformer Engine's Triton ones
+(which Megatron 0.19 refuses beside --cross-entropy-loss-fusion; the releases NVIDIA's 2025-26
+recipes ran accepted it)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise")
 """--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
@@ -139,8 +143,12 @@ class Workload:
     precision: str = "fp32"
     """--bf16 / --fp16, else fp32 (Megatron's default): the dtype of parameters and activations."""
     cross_entropy_loss_fusion: bool = False
-    """--cross-entropy-loss-fusion: megatron-core's fused vocab-parallel cross entropy (native): the
-    same fp32 softmax kept for the backward, two tensor-parallel all-reduces instead of three."""
+    """--cross-entropy-loss-fusion: a fused vocab-parallel cross entropy, of the implementation below."""
+    cross_entropy_fusion_impl: str = "native"
+    """--cross-entropy-fusion-impl, read with --cross-entropy-loss-fusion: native (megatron-core's
+    compiled kernels: the same fp32 softmax kept for the backward, two tensor-parallel all-reduces
+    instead of three) or te (Transformer Engine's: one pass over the logits each way, the
+    statistics all-gathered)."""
     grad_reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: with --bf16, gradients are accumulated and reduced in bf16 instead of
     fp32 (half the gradient buffer and the data-parallel traffic); no effect otherwise, as in Megatron."""
@@ -211,7 +219,8 @@ class Workload:
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
                                ("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDINGS),
                                ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS),
-                               ("moe_flex_dispatcher_backend", FLEX_BACKENDS)):
+                               ("moe_flex_dispatcher_backend", FLEX_BACKENDS),
+                               ("cross_entropy_fusion_impl", CROSS_ENTROPY_FUSION_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
@@ -321,6 +330,12 @@ class Workload:
         --swiglu, else --bias-gelu-fusion, which validate_args turns off without biases
         (training/arguments.py, training/argument_utils.py)."""
         return self.bias_swiglu_fusion if self.swiglu else self.bias_gelu_fusion and self.add_bias_linear
+
+    @property
+    def cross_entropy_fusion(self) -> str | None:
+        """The fused cross entropy language_module.compute_language_model_loss runs (native, te);
+        None: the plain vocab_parallel_cross_entropy."""
+        return self.cross_entropy_fusion_impl if self.cross_entropy_loss_fusion else None
 
     @property
     def ffn(self) -> int:

@@ -401,7 +401,7 @@ def test_fused_cross_entropy_sends_two_all_reduces_instead_of_three():
     def saved_s(lay) -> float:
         """Forward seconds the fused kernels save on one rank's logits."""
         logits = tokens * GPT.padded_vocab_size(lay.tp) // lay.tp
-        return (cross_entropy_bytes(2, True)[0] - cross_entropy_bytes(2, False)[0]) * logits \
+        return (cross_entropy_bytes(2, "native")[0] - cross_entropy_bytes(2, None)[0]) * logits \
             / (CROSS_ENTROPY_BANDWIDTH_SHARE * H100x4.memory_bandwidth_Bps)
 
     assert fused_f - plain_f == pytest.approx(step + saved_s(lay), rel=1e-9)
@@ -414,9 +414,24 @@ def test_fused_cross_entropy_sends_two_all_reduces_instead_of_three():
 def test_cross_entropy_moves_what_megatron_cores_passes_move():
     """Per bf16 logit: .float() 2+4, max 4, subtract 8, exp 8, sum 4, divide 8 forward; multiply 8 and
     the cast back 4+2 backward. Fused: cast with max, subtract-exp-sum, divide; the backward as plain
-    (timed so). In fp32 the casts are no-ops (.float() returns the tensor itself)."""
-    assert cross_entropy_bytes(2, False) == (38, 14) and cross_entropy_bytes(2, True) == (22, 14)
-    assert cross_entropy_bytes(4, False) == (32, 8) and cross_entropy_bytes(4, True) == (20, 8)
+    (timed so). In fp32 the casts are no-ops (.float() returns the tensor itself). Transformer
+    Engine's kernels read the logits and write their copy forward, read it and write the gradient
+    backward."""
+    assert cross_entropy_bytes(2, None) == (38, 14) and cross_entropy_bytes(2, "native") == (22, 14)
+    assert cross_entropy_bytes(4, None) == (32, 8) and cross_entropy_bytes(4, "native") == (20, 8)
+    assert cross_entropy_bytes(2, "te") == (4, 4)
+
+
+def test_transformer_engines_cross_entropy_is_read_with_the_fusion_only():
+    """--cross-entropy-fusion-impl te acts beside --cross-entropy-loss-fusion alone, as in
+    compute_language_model_loss; with it the last stage's forward and backward are cheaper."""
+    te = dataclasses.replace(GPT, cross_entropy_fusion_impl="te")
+    assert te.cross_entropy_fusion is None and dataclasses.replace(te, cross_entropy_loss_fusion=True) \
+        .cross_entropy_fusion == "te"
+    model, lay = CostModel(H100x4), layout(4, 2, 4)
+    native, fused_te = (model.time(resolve_job(dataclasses.replace(w, cross_entropy_loss_fusion=True), lay))
+                        .stage_times[-1] for w in (GPT, te))
+    assert fused_te.forward_s < native.forward_s and fused_te.backward_s < native.backward_s
 
 
 def test_an_overlapped_collective_takes_its_share_of_the_compute_beside_it():
