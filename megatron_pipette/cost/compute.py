@@ -223,19 +223,6 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     return PartWork(forward=Work(mem_s=fwd / memory_bandwidth_Bps), backward=Work(mem_s=bwd / memory_bandwidth_Bps))
 
 
-def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
-    """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
-    w, layout, x = job.workload, job.layout, _shape(job)
-    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
-    vocab = w.padded_vocab_size(layout.tp) // layout.tp
-    forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
-    ce_forward, ce_backward = (b / CROSS_ENTROPY_BANDWIDTH_SHARE for b in
-                               cross_entropy_bytes(e, w.cross_entropy_fusion))
-    fwd = (2 * e * n * h / sp + ce_forward * n * vocab) / memory_bandwidth_Bps   # the final norm, the loss
-    bwd = (2 * e * n * h / sp + ce_backward * n * vocab) / memory_bandwidth_Bps
-    return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
-
-
 CROSS_ENTROPY_BANDWIDTH_SHARE = 0.715
 """The share of the measured copy rate the cross-entropy's passes attain: row reductions 16k-128k
 wide and in-place read-modify-writes run slower per byte than a copy. MEASURED on an H200
@@ -264,6 +251,19 @@ def cross_entropy_bytes(e: int, fusion: str | None) -> tuple[int, int]:
     if fusion == "native":
         return (cast or 4) + 8 + 8, backward
     return cast + 4 + 8 + 8 + 4 + 8, backward
+
+
+def roofline_output(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None) -> PartWork:
+    """Final norm, output layer (2bshV/t) and vocab-parallel cross-entropy on the last stage."""
+    w, layout, x = job.workload, job.layout, _shape(job)
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
+    vocab = w.padded_vocab_size(layout.tp) // layout.tp
+    forward, dgrad, wgrad = linear_work(gemm or gemm_curve(None, w.precision), n, vocab, h, main_grad_bytes(w))
+    ce_forward, ce_backward = (b / CROSS_ENTROPY_BANDWIDTH_SHARE for b in
+                               cross_entropy_bytes(e, w.cross_entropy_fusion))
+    fwd = (2 * e * n * h / sp + ce_forward * n * vocab) / memory_bandwidth_Bps   # the final norm, the loss
+    bwd = (2 * e * n * h / sp + ce_backward * n * vocab) / memory_bandwidth_Bps
+    return PartWork(forward=Work(flops=forward, mem_s=fwd), backward=Work(flops=dgrad + wgrad, mem_s=bwd))
 
 
 def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
