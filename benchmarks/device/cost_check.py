@@ -73,6 +73,7 @@ from megatron_pipette.cli.main import main as pipette  # noqa: E402
 from megatron_pipette.cost.compute import CROSS_ENTROPY_BANDWIDTH_SHARE, cross_entropy_bytes  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
+from megatron_pipette.profile.runtime import single_device_megatron  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
 
 PRESET = "dgx-h100"
@@ -309,20 +310,17 @@ def part_skinny(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dic
 
 # -- the cross-entropy -----------------------------------------------------------------------------
 
-def one_rank_group(device: torch.device):
-    """A process group of this one rank (what the cross-entropy all-reduces over)."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                store=dist.HashStore())
-    return dist.group.WORLD
-
-
 def part_loss(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    """The cross-entropy over the one-rank tensor-parallel group the profiler's runtime makes."""
+    with single_device_megatron(device) as env:
+        _time_losses(ns, device, gpu, doc, env.pg_collection.tp)
+
+
+def _time_losses(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict, group) -> None:
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    group, timer, deadline = one_rank_group(device), Timer(device), time.monotonic() + ns.budget_s
+    timer, deadline = Timer(device), time.monotonic() + ns.budget_s
     bandwidth = preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name).memory_bandwidth_Bps
     kernels = {"plain": lambda x, y: vocab_parallel_cross_entropy(x, y, tp_group=group),
                "fused": lambda x, y: fused_vocab_parallel_cross_entropy(x, y, group)}
