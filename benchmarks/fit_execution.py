@@ -26,13 +26,14 @@ from published_runs_h100 import DATA, is_moe, pinned
 
 from megatron_pipette.cost.execution import Execution
 
-SUSTAINED = [round(0.80 + 0.02 * i, 2) for i in range(11)]        # 0.80-1.00: at most the tables' rate
+STEP_FRACTIONS = [round(0.80 + 0.02 * i, 2) for i in range(11)]        # 0.80-1.00: at most the tables' rate
 SHARE = [round(0.10 + 0.05 * i, 2) for i in range(5)]               # 0.10-0.30: NCCL's SMs and HBM traffic
 HOST_S = [round(1e-4 * i, 4) for i in (1, 2, 3, 5, 7, 10, 13, 16, 20)]  # 0.1-2 ms a layer
 
 
-def score(rows: list[dict], sustained: float, execution: Execution) -> tuple[float, list[float]]:
-    errors = [pinned(r, recipe=True, execution=execution, sustained=sustained).get("error", np.nan) for r in rows]
+def score(rows: list[dict], step_fraction: float, execution: Execution) -> tuple[float, list[float]]:
+    errors = [pinned(r, recipe=True, execution=execution, step_fraction=step_fraction).get("error", np.nan)
+              for r in rows]
     return float(np.nanmean(np.abs(errors))), errors
 
 
@@ -42,14 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     rows = json.loads(DATA.read_text())["rows"]
     dense, moe = [r for r in rows if not is_moe(r)], [r for r in rows if is_moe(r)]
-    grid = {(su, c): score(dense, su, Execution(nccl_compute_share=c))[0] for su in SUSTAINED for c in SHARE}
-    sustained, share = min(grid, key=grid.get)
+    grid = {(su, c): score(dense, su, Execution(nccl_compute_share=c))[0] for su in STEP_FRACTIONS for c in SHARE}
+    step_fraction, share = min(grid, key=grid.get)
     execution = Execution(nccl_compute_share=share)
-    scores = {h: score(moe, sustained, dataclasses.replace(execution, moe_layer_fixed_s=h))[0] for h in HOST_S}
+    scores = {h: score(moe, step_fraction, dataclasses.replace(execution, moe_layer_fixed_s=h))[0] for h in HOST_S}
     execution = dataclasses.replace(execution, moe_layer_fixed_s=min(scores, key=scores.get))
     trace = {"dense_grid": {f"{su} {c}": v for (su, c), v in grid.items()}, "moe_layer_fixed_s": scores}
-    print(f"step GEMM fraction {sustained}, {execution}", flush=True)
-    total, errors = score(rows, sustained, execution)
+    print(f"step GEMM fraction {step_fraction}, {execution}", flush=True)
+    total, errors = score(rows, step_fraction, execution)
     print(f"all {len(rows)} rows: mean |error| {total:.1%}, signed {np.nanmean(errors):+.1%}")
     for r, e in zip(rows, errors):
         print(f"  {r['id']:<26} {e:+.1%}")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(
-            {"date": datetime.date.today().isoformat(), "step_gemm_fraction": sustained,
+            {"date": datetime.date.today().isoformat(), "step_gemm_fraction": step_fraction,
              "execution": dataclasses.asdict(execution), "trace": trace,
              "errors": {r["id"]: e for r, e in zip(rows, errors)}}, indent=1) + "\n")
     return 0

@@ -144,21 +144,22 @@ def build(argv: list[str], env: dict[str, str] | None = None) -> Priced:
                   fields=layout_constraints(ns), overheads=environment_overheads(env or {}))
 
 
-def with_execution(cluster: Cluster, sustained: float | None) -> Cluster:
+def with_execution(cluster: Cluster, step_fraction: float | None) -> Cluster:
     """The cluster with its GPU's step GEMM fraction replaced (for fitting it)."""
-    if sustained is None:
+    if step_fraction is None:
         return cluster
-    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, step_gemm_fraction=sustained))
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, step_gemm_fraction=step_fraction))
 
 
 def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,
-           sustained: float | None = None) -> dict:
+           step_fraction: float | None = None) -> dict:
     """Time and memory of the published layout; where its micro-batch size is not published, of
     the fastest fitting one (and interleaving) the search finds with the rest fixed."""
     try:
         priced = build([*model_argv(row, recipe), *layout_argv(row["published_layout"]), *OVERLAPS],
                        environment(row, recipe))
-        model = CostModel(with_execution(priced.cluster, sustained), execution=execution, overheads=priced.overheads)
+        model = CostModel(with_execution(priced.cluster, step_fraction), execution=execution,
+                          overheads=priced.overheads)
         if row["published_layout"]["micro_batch_size"] is None:
             result = plan(priced.workload, model, constraints=priced.fields, top_k=1)
             if result.best is None:
