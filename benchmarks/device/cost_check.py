@@ -72,6 +72,7 @@ from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi,
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
 from megatron_pipette.cost.compute import CROSS_ENTROPY_BANDWIDTH_SHARE, cross_entropy_bytes  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
+from megatron_pipette.cost.memory import environment_overheads  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
 from megatron_pipette.profile.runtime import single_device_megatron  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
@@ -386,8 +387,20 @@ def parse_megatron_log(text: str, warmup: int) -> dict:
     return {"iteration_s": [times[i] for i in sorted(times)], "step_s": statistics.median(timed_s) if timed_s else None,
             "max_allocated_bytes": round(float(reports[-1][2]) * 2**20) if reports else None,
             "max_reserved_bytes": round(float(reports[-1][4]) * 2**20) if reports else None,
+            "allocated_bytes": round(float(reports[-1][1]) * 2**20) if reports else None,
             "parameters": int(params[-1]) if params else None,
             "megatron_theoretical_bytes": round(float(theory[-1]) * 2**20) if theory else None}
+
+
+def allocator_loss(got: dict) -> float | None:
+    """The caching allocator's loss as the memory model counts it (RuntimeOverheads.fragmentation):
+    max reserved less max allocated, over the peak's growth above what stays allocated between steps
+    (the model state, which lives in a few contiguous buffers)."""
+    keys = ("max_reserved_bytes", "max_allocated_bytes", "allocated_bytes")
+    if any(got.get(k) is None for k in keys):
+        return None
+    reserved, peak, state = (got[k] for k in keys)
+    return (reserved - peak) / (peak - state) if peak > state else None
 
 
 def run_megatron(flags: list[str], log: Path, limit_s: float) -> int | None:
@@ -424,7 +437,9 @@ def part_train(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict
         {"what": "step_s", "measured": got["step_s"], "predicted": predicted.get("iteration_time_s")},
         {"what": "max_allocated_bytes", "measured": got["max_allocated_bytes"],
          "predicted": stage["peak_bytes"] - stage["overhead_bytes"] if stage else None},
-        {"what": "parameters", "measured": got["parameters"], "predicted": stage.get("parameters")}]
+        {"what": "parameters", "measured": got["parameters"], "predicted": stage.get("parameters")},
+        {"what": "allocator_loss", "measured": allocator_loss(got),
+         "predicted": environment_overheads(os.environ).fragmentation}]
     for row in doc["rows"]:
         row["ratio"] = ratio(row["measured"], row["predicted"])
     doc.update(exit_code=code, measured=got)

@@ -64,20 +64,28 @@ class RuntimeOverheads:
             raise PipetteError(f"fragmentation must be in [0, 1), got {self.fragmentation!r}")
 
 
+DEFAULT_FRAGMENTATION = 0.064
+"""The caching allocator's loss without expandable segments, as a share of the dynamic bytes:
+measured, max reserved less max allocated over the peak's growth above the model state, in two
+Megatron training steps of a 1.3B GPT on an H200 (5.3% and 6.4%; the larger taken;
+benchmarks/results/h200-2026-11-26-{cost-check,profiles}/train.json). An upper bound on what it
+cannot give back: on a failed allocation the allocator frees its cached free segments and retries,
+so only the free space inside segments that still hold live blocks is lost. One model, PP 1 and
+Megatron's local spec: interleaved pipelines may lose more (docs/memory-model.md)."""
 DEFAULT_OVERHEADS = RuntimeOverheads(cuda_context_bytes=1 * GiB, comm_buffer_bytes_per_group=512 * MiB,
-                                     fragmentation=0.15)
-"""Assumed, not measured here (docs/memory-model.md, "Runtime overheads"): a CUDA 12 context with
-lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about 0.3 GiB of cuBLAS/TE/cuDNN workspaces;
-NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB LL128 + LL buffers per channel for its ring
-and tree connections, up to 32 channels on NVLink: about 0.5 GiB a communicator; NVLS allocates
-2 x NCCL_BUFFSIZE per NVLS channel and local rank (nvls.cc: nvlsPerRankSize x nHeads), reported at
-about 1.6 GB for a communicator of 8 GPUs, hence 200 MB a local rank;
-PyTorch's caching allocator without expandable segments typically reserves 5-15% more than it uses."""
+                                     fragmentation=DEFAULT_FRAGMENTATION)
+"""The context and NCCL terms assumed, not measured here (docs/memory-model.md, "Runtime
+overheads"): a CUDA 12 context with lazy module loading takes 0.5-0.7 GiB on A100/H100, plus about
+0.3 GiB of cuBLAS/TE/cuDNN workspaces; NCCL allocates NCCL_BUFFSIZE (4 MiB) Simple + ~4.5 MiB
+LL128 + LL buffers per channel for its ring and tree connections, up to 32 channels on NVLink: about
+0.5 GiB a communicator; NVLS allocates 2 x NCCL_BUFFSIZE per NVLS channel and local rank (nvls.cc:
+nvlsPerRankSize x nHeads), reported at about 1.6 GB for a communicator of 8 GPUs, hence 200 MB a
+local rank. Fragmentation measured (DEFAULT_FRAGMENTATION)."""
 EXPANDABLE_SEGMENTS_FRAGMENTATION = 0.05
 """The allocator's loss with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (what NVIDIA's
 Megatron-Bridge recipes set): freed blocks of a stream's one growing segment coalesce, so what is
 lost is rounding to its 2 MiB pages and blocks pinned between live tensors. Assumed, not measured
-(bound: a few percent), as the default allocator's 0.15 is (DEFAULT_OVERHEADS)."""
+(bound: a few percent, below the default allocator's measured DEFAULT_FRAGMENTATION)."""
 
 
 def environment_overheads(env: Mapping[str, str]) -> RuntimeOverheads:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pipette.cost.memory import DEFAULT_FRAGMENTATION
 from megatron_pipette.spec.hardware import lookup_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "device"))
@@ -53,3 +54,18 @@ def test_reads_megatron_log():
     assert got["max_reserved_bytes"] == round(32500.0 * 2**20)
     assert got["parameters"] == 1278332928
     assert got["megatron_theoretical_bytes"] == round(28957.25 * 2**20)
+    assert got["allocated_bytes"] == round(21000.50 * 2**20)          # what stays between steps
+    assert cost_check.allocator_loss(got) == pytest.approx((32500.0 - 30100.0) / (30100.0 - 21000.50))
+
+
+KEPT_TRAINING_LOGS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "results").glob(
+    "h200-*/train_megatron.log"))
+
+
+def test_the_default_fragmentation_is_the_kept_measurement():
+    """DEFAULT_FRAGMENTATION is the largest allocator loss the kept GPU training steps measured: it
+    moves only with a measurement."""
+    losses = [cost_check.allocator_loss(cost_check.parse_megatron_log(log.read_text(), warmup=3))
+              for log in KEPT_TRAINING_LOGS]
+    assert len(losses) >= 2 and None not in losses
+    assert round(max(losses), 3) == DEFAULT_FRAGMENTATION

@@ -406,7 +406,8 @@ def test_overheads_are_counted():
     assert bare.overhead_bytes == 0
     assert default.overhead_bytes == (DEFAULT_OVERHEADS.cuda_context_bytes
                                       + 5 * DEFAULT_OVERHEADS.comm_buffer_bytes_per_group
-                                      + round(0.15 * (bare.activation_bytes + bare.transient_bytes)))
+                                      + round(DEFAULT_OVERHEADS.fragmentation
+                                              * (bare.activation_bytes + bare.transient_bytes)))
 
 
 def test_world_and_grad_stats_groups_are_communicators():
