@@ -29,7 +29,8 @@ def _load_part(folder: str, name: str) -> dict:
 
 
 def rows() -> list[list[str]]:
-    h100 = _load("published_runs_h100-2026-11-26-cross-entropy")
+    h100_folder = "published_runs_h100-2026-11-26-fragmentation"
+    h100 = _load(h100_folder)
     s = h100["summary"]["recipe"]
     a100 = _load("published_runs-2026-11-26-cross-entropy")["summary"]
     emulated = [_load(f"emulated_cluster-2026-11-23-held-out-22-run{n}") for n in (3, 4)]
@@ -47,7 +48,7 @@ def rows() -> list[list[str]]:
          f"MoE free-search median gain "
          f"{s['moe_median_search_gain']:+.0%}",
          "`python benchmarks/published_runs_h100.py`",
-         f"{h100['date']}, `published_runs_h100-2026-11-26-cross-entropy`"],
+         f"{h100['date']}, `{h100_folder}`"],
         ["Published A100 runs (18: Narayanan et al. 2021, Korthikanti et al. 2022, transcribed from memory)",
          f"mean \\|error\\| {a100['all']['mean_abs_error']:.1%}, worst {a100['all']['worst_error']:+.1%}; held-out "
          f"half {a100['held-out']['mean_abs_error']:.1%}", "`python benchmarks/published_runs.py`",
