@@ -32,6 +32,14 @@ Parts:
              these kernels attain (CROSS_ENTROPY_BANDWIDTH_SHARE, measured by this part), and the
              price of the bytes it used before 2026-11-26 (18 forward, 10 backward, full rate);
              `bytes_per_logit_attained` is the time in bytes at the full rate.
+  moe        megatron-core's MoE layer whole (router, alltoall dispatcher with EP 1, the local
+             spec's experts, SwiGLU, bf16), forward and backward, at the tokens of micro-batches 1-4
+             (MOE_LAYER_TOKENS) for Qwen3's two expert shapes and 8 or 16 local experts; a line
+             fitted through each pass's times splits it into a per-micro-batch cost (the
+             intercept) and a per-token one, against the planner: its price of the layer's kernels
+             (cost.experts.moe_mlp) and Execution.moe_layer_fixed_s, the per-micro-batch cost it
+             fitted on published runs without telling the two apart. Megatron's router and
+             dispatcher need CUDA: the dry run prices the shapes only. Not yet run on a GPU.
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
              2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
              Megatron falls back to without Apex or TE, mock data) through
@@ -62,6 +70,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,11 +80,16 @@ from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi,
 
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
 from megatron_pipette.cost.compute import CROSS_ENTROPY_BANDWIDTH_SHARE, cross_entropy_bytes  # noqa: E402
+from megatron_pipette.cost.execution import DEFAULT_EXECUTION  # noqa: E402
+from megatron_pipette.cost.experts import moe_mlp  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.cost.memory import environment_overheads  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
 from megatron_pipette.profile.runtime import single_device_megatron  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
+from megatron_pipette.spec.job import resolve_job  # noqa: E402
+from megatron_pipette.spec.layout import Layout  # noqa: E402
+from megatron_pipette.spec.workload import Workload  # noqa: E402
 
 PRESET = "dgx-h100"
 """The preset a one-GPU cluster is made from; with one GPU only its --gpu entry prices anything."""
@@ -93,8 +107,15 @@ LOSS = [(t, v) for t in (8192, 16384) for v in (16384, 32000, 64000, 128256)]
 """(tokens, one rank's vocabulary): 128256 is Llama 3's at TP 1, 16384 at TP 8; 64000 Nemotron's 256000 at TP 4."""
 LOSS_BEFORE = (18, 10)
 """The bytes per bf16 logit the planner priced the cross-entropy at before 2026-11-26."""
+MOE_LAYER_SHAPES = ((2048, 768), (4096, 1536))
+"""(hidden, expert ffn) of the MoE layers timed whole: Qwen3-30B-A3B's and Qwen3-235B-A22B's."""
+MOE_LAYER_EXPERTS, MOE_LAYER_TOPK = (16, 8), 8
+"""Local experts (what EP 8 and EP 16 leave of Qwen3's 128) and the router's top-k, Qwen3's."""
+MOE_LAYER_TOKENS = (2048, 4096, 8192, 16384)
+"""Tokens a micro-batch brings the layer: micro-batches 1-4 at s 4096, TP 1."""
 QUICK = dict(n=256, moe_shapes=((64, 24), (128, 48)), experts=(4, 2), rows=(16, 32),
-             skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3), loss=[(64, 1000)])
+             skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3), loss=[(64, 1000)],
+             moe_layer=dict(shapes=((64, 32),), experts=(4,), topk=2, tokens=(32, 64, 128)))
 """The dry run's shapes, and its (warm-up, timed) training iterations."""
 TRAIN_MODEL = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
                "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8")
@@ -358,6 +379,103 @@ def _time_losses(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: di
             write_json(Path(ns.out), doc)
 
 
+# -- a whole MoE layer -----------------------------------------------------------------------------
+
+def moe_layer_price(gpu: GPU, hidden: int, ffn: int, experts: int, topk: int, tokens: int) -> tuple[float, float]:
+    """(forward, backward) seconds the planner prices one MoE layer's MLP at on one GPU of `gpu` (EP 1,
+    bf16, SwiGLU, alltoall dispatcher): its kernels (cost.experts.moe_mlp) at the tables' rate, without
+    the fixed cost (Execution.moe_layer_fixed_s) or any dispatch collective."""
+    workload = Workload(num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
+                        seq_length=tokens, global_batch_size=1, ffn_hidden_size=4 * hidden, swiglu=True,
+                        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
+                        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+                        vocab_size=32000, untie_embeddings_and_output_weights=True,
+                        moe_token_dispatcher_type="alltoall", precision="bf16")
+    job = resolve_job(workload, Layout(data_parallel_size=1))
+    cluster = preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name)
+    work = moe_mlp(job, cluster.memory_bandwidth_Bps, gemm_curve(gpu, "bf16"))
+    rate = large_gemm_flops(gpu)
+    return work.forward.flops / rate + work.forward.mem_s, work.backward.flops / rate + work.backward.mem_s
+
+
+def split_fixed(tokens: list[int], seconds: list[float]) -> dict | None:
+    """A least-squares line through (tokens, seconds): the per-micro-batch cost (its intercept) and
+    the cost per token (its slope); None with fewer than two points."""
+    if len(tokens) < 2:
+        return None
+    per_token, fixed = np.polyfit(np.asarray(tokens, dtype=float), np.asarray(seconds), 1)
+    return {"fixed_s": sig(float(fixed)), "per_token_s": sig(float(per_token))}
+
+
+def build_moe_layer(device: torch.device, hidden: int, ffn: int, experts: int, topk: int):
+    """megatron-core's MoELayer as the local spec builds it, bf16, one GPU (EP 1)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
+                               num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bf16=True,
+                               params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
+                               moe_aux_loss_coeff=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    return spec.submodules.mlp(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
+
+
+def part_moe(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
+    quick = QUICK["moe_layer"]
+    shapes, local, topk, tokens = ((quick["shapes"], quick["experts"], quick["topk"], quick["tokens"])
+                                   if ns.dry_run else (MOE_LAYER_SHAPES, MOE_LAYER_EXPERTS, MOE_LAYER_TOPK,
+                                                       MOE_LAYER_TOKENS))
+    doc["planned"], doc["moe_layer_fixed_s"] = len(shapes) * len(local), DEFAULT_EXECUTION.moe_layer_fixed_s
+    timer, deadline = Timer(device), time.monotonic() + ns.budget_s
+    with single_device_megatron(device):
+        for (hidden, ffn), experts in ((shape, e) for shape in shapes for e in local):
+            row = {"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "points": []}
+            doc["rows"].append(row)
+            try:
+                layer = build_moe_layer(device, hidden, ffn, experts, topk) if device.type == "cuda" else None
+            except (RuntimeError, torch.OutOfMemoryError, AssertionError, TypeError) as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                layer = None
+            for t in tokens:
+                if time.monotonic() > deadline:
+                    break
+                forward_price, backward_price = moe_layer_price(gpu, hidden, ffn, experts, topk, t)
+                point = {"tokens": t, "predicted_s": {"forward": forward_price, "backward": backward_price}}
+                if layer is not None:
+                    try:
+                        point["measured_s"] = dict(zip(("forward", "backward"), _time_moe_layer(
+                            timer, layer, device, t, hidden)))
+                    except (RuntimeError, torch.OutOfMemoryError) as e:
+                        point["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                row["points"].append(point)
+                write_json(Path(ns.out), doc)
+            timed = [p for p in row["points"] if "measured_s" in p]
+            row["measured"] = {pass_: split_fixed([p["tokens"] for p in timed], [p["measured_s"][pass_] for p in timed])
+                               for pass_ in ("forward", "backward")}
+            row["priced_kernels"] = {pass_: split_fixed([p["tokens"] for p in row["points"]],
+                                                        [p["predicted_s"][pass_] for p in row["points"]])
+                                     for pass_ in ("forward", "backward")}
+            del layer
+            write_json(Path(ns.out), doc)
+
+
+def _time_moe_layer(timer: Timer, layer, device: torch.device, tokens: int, hidden: int) -> list[float]:
+    x = torch.randn(tokens, 1, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(mark) -> None:
+        x.grad = None
+        mark()
+        out, _ = layer(x)
+        mark()
+        out.sum().backward()
+        mark()
+
+    return timer.measure(step, phases=2)
+
+
 # -- one training step -----------------------------------------------------------------------------
 
 def train_flags(dry_run: bool, iterations: int) -> list[str]:
@@ -503,8 +621,25 @@ def train_lines(doc: dict) -> list[str]:
         for r in doc["rows"])]
 
 
+def moe_lines(doc: dict) -> list[str]:
+    lines = [f"moe layer: per-micro-batch cost (intercept) and per-token cost, measured and the planner's kernels "
+             f"(its fitted fixed cost: {doc['moe_layer_fixed_s'] * 1e3:.2f} ms per pass)"]
+    for r in doc["rows"]:
+        head = f"  h {r['hidden']} ffn {r['ffn']} E {r['experts']} top-{r['topk']}:"
+        if "error" in r:
+            lines.append(f"{head} {r['error']}")
+            continue
+        for pass_ in ("forward", "backward"):
+            got, priced = r.get("measured", {}).get(pass_), r["priced_kernels"][pass_]
+            measured = (f"{got['fixed_s'] * 1e3:.3f} ms + {got['per_token_s'] * 1e9:.1f} ns/token" if got
+                        else "not measured")
+            lines.append(f"{head} {pass_} {measured}; kernels priced {priced['fixed_s'] * 1e3:.3f} ms + "
+                         f"{priced['per_token_s'] * 1e9:.1f} ns/token" if priced else f"{head} {pass_} {measured}")
+    return lines
+
+
 RECAP = {"sustained": sustained_lines, "grouped": grouped_lines, "skinny": skinny_lines, "loss": loss_lines,
-         "train": train_lines}
+         "moe": moe_lines, "train": train_lines}
 
 
 def recap(out: Path) -> list[str]:
@@ -517,7 +652,7 @@ def recap(out: Path) -> list[str]:
 
 
 PARTS = {"sustained": part_sustained, "grouped": part_grouped, "skinny": part_skinny, "loss": part_loss,
-         "train": part_train}
+         "moe": part_moe, "train": part_train}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
     p.add_argument("--gpu", help="catalog GPU to price for (default: this device's name)")
     p.add_argument("--budget-s", type=float, default=40.0,
-                   help="grouped, skinny, loss: stop starting kernels after this long; train: kill Megatron after it")
+                   help="grouped, skinny, loss, moe: stop starting kernels after this long; "
+                        "train: kill Megatron after it")
     p.add_argument("--duration-s", type=float, default=60.0, help="sustained: seconds per dtype")
     p.add_argument("--window-s", type=float, default=5.0, help="sustained: rate and nvidia-smi window")
     p.add_argument("--burst-s", type=float, default=1.0, help="sustained: the short burst")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GEMM efficiency table, causal attention, megatron-core layer
 # profiles with their comparison to the roofline; or (cost_check.sh) the planner's prices held
-# against the GPU: sustained GEMM, grouped and skinny GEMMs, one Megatron training step.
+# against the GPU: sustained GEMM, grouped and skinny GEMMs, the loss, an MoE layer, one Megatron
+# training step.
 # Everything lands in $OUT (README.md here).
 #
 #   bash benchmarks/device/h100_run.sh                        # on the GPU machine, from the repo root
@@ -12,8 +13,8 @@
 # PARTS (default "gemm attention profile") picks parts; GEMM_BUDGET_S, ATTENTION_BUDGET_S
 # and PROFILE_SCALE (multiplies each profile's budget) trade them off; GEMM_TOKENS (e.g.
 # "2048 16384") picks the GEMM table's token counts, to finish one a first run cut short.
-# The cost-check parts (sustained grouped skinny loss train) take SUSTAIN_S (per dtype),
-# GROUPED_BUDGET_S, SKINNY_BUDGET_S, LOSS_BUDGET_S and TRAIN_LIMIT_S.
+# The cost-check parts (sustained grouped skinny loss moe train) take SUSTAIN_S (per dtype),
+# GROUPED_BUDGET_S, SKINNY_BUDGET_S, LOSS_BUDGET_S, MOE_BUDGET_S and TRAIN_LIMIT_S.
 set -u -o pipefail
 
 START=$(date +%s)
@@ -28,6 +29,7 @@ SUSTAIN_S=${SUSTAIN_S:-60}
 GROUPED_S=${GROUPED_BUDGET_S:-40}
 SKINNY_S=${SKINNY_BUDGET_S:-20}
 LOSS_S=${LOSS_BUDGET_S:-40}
+MOE_S=${MOE_BUDGET_S:-40}
 TRAIN_S=${TRAIN_LIMIT_S:-150}
 CHECK_SETUP_S=30    # per cost-check part beyond its budget: imports, operands, the JSON
 PYTHON=${PYTHON:-python3}
@@ -147,6 +149,10 @@ EOF
         say "cross-entropy (budget ${LOSS_S} s)"
         step $((LOSS_S + CHECK_SETUP_S + 60)) "$PYTHON" $check loss $dry_flag --budget-s "$LOSS_S" \
             --out "$OUT/loss.json"
+    fi
+    if wants moe; then
+        say "MoE layer (budget ${MOE_S} s)"
+        step $((MOE_S + CHECK_SETUP_S)) "$PYTHON" $check moe $dry_flag --budget-s "$MOE_S" --out "$OUT/moe.json"
     fi
     if wants train; then
         local limit=$TRAIN_S room=$(($(left) - 20))   # 20 s for the recap

@@ -2,6 +2,7 @@
 training step it runs (given the very flags Megatron gets), and it reads Megatron's log as
 Megatron writes it. Runs on CPU; the measurements themselves need the GPU."""
 
+import json
 import math
 import statistics
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pipette.cost.execution import DEFAULT_EXECUTION
 from megatron_pipette.cost.memory import DEFAULT_FRAGMENTATION
 from megatron_pipette.spec.hardware import lookup_gpu
 
@@ -69,3 +71,36 @@ def test_the_default_fragmentation_is_the_kept_measurement():
               for log in KEPT_TRAINING_LOGS]
     assert len(losses) >= 2 and None not in losses
     assert round(max(losses), 3) == DEFAULT_FRAGMENTATION
+
+
+def test_a_line_splits_a_per_micro_batch_cost_from_a_per_token_one():
+    tokens = [2048, 4096, 8192, 16384]
+    got = cost_check.split_fixed(tokens, [1.5e-3 + 2e-9 * t for t in tokens])
+    assert got["fixed_s"] == pytest.approx(1.5e-3, rel=1e-3) and got["per_token_s"] == pytest.approx(2e-9, rel=1e-3)
+    assert cost_check.split_fixed([4096], [1e-3]) is None
+
+
+@pytest.mark.parametrize("hidden, ffn", cost_check.MOE_LAYER_SHAPES)
+def test_the_moe_layer_price_is_mostly_per_token(hidden, ffn):
+    """The planner's price of the layer's kernels grows with the tokens; its own per-micro-batch part
+    (the experts' weights read once a micro-batch, GEMMs more efficient when larger) is positive and
+    well under the fixed cost fitted beside it (Execution.moe_layer_fixed_s), which the GPU part
+    measures apart."""
+    gpu = lookup_gpu("H100-80GB")
+    prices = [cost_check.moe_layer_price(gpu, hidden, ffn, 16, 8, t) for t in cost_check.MOE_LAYER_TOKENS]
+    forward, backward = zip(*prices, strict=True)
+    assert all(a < b for a, b in zip(forward, forward[1:])) and all(b > f for f, b in prices)
+    line = cost_check.split_fixed(list(cost_check.MOE_LAYER_TOKENS), list(forward))
+    assert 0 < line["fixed_s"] < DEFAULT_EXECUTION.moe_layer_fixed_s / 4
+
+
+def test_the_moe_part_dry_run_prices_every_point(tmp_path):
+    """On a CPU (no CUDA for megatron-core's router) the part prices the shapes and measures none."""
+    out = tmp_path / "moe.json"
+    assert cost_check.main(["moe", "--dry-run", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    quick = cost_check.QUICK["moe_layer"]
+    assert [len(r["points"]) for r in doc["rows"]] == [len(quick["tokens"])] * len(doc["rows"])
+    assert all(r["priced_kernels"]["forward"]["per_token_s"] > 0 and r["measured"]["forward"] is None
+               for r in doc["rows"])
+    assert doc["moe_layer_fixed_s"] > 0 and cost_check.moe_lines(doc)[0].startswith("moe layer")
