@@ -68,7 +68,7 @@ DEFAULT_FRAGMENTATION = 0.064
 """The caching allocator's loss without expandable segments, as a share of the dynamic bytes:
 measured, max reserved less max allocated over the peak's growth above the model state, in two
 Megatron training steps of a 1.3B GPT on an H200 (5.3% and 6.4%; the larger taken;
-benchmarks/results/h200-2026-11-26-{cost-check,profiles}/train.json). An upper bound on what it
+benchmarks/results/h200-2026-11-26-{cost-check,profiles}/train_megatron.log). An upper bound on what it
 cannot give back: on a failed allocation the allocator frees its cached free segments and retries,
 so only the free space inside segments that still hold live blocks is lost. One model, PP 1 and
 Megatron's local spec: interleaved pipelines may lose more (docs/memory-model.md)."""
