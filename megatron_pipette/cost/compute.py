@@ -12,7 +12,8 @@ Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
 hidden, a heads, g query groups, d head dim, f ffn, t TP):
   forward GEMM FLOPs  2bs h(a+2g)d/t  (QKV)  + 4b s^2 a d/t (scores, AV; half
                       with causal flash/fused kernels, which skip the masked half,
-                      at their measured rate where there is one) + 2bs a d h/t (proj)
+                      at their measured rate where there is one; a sliding window's
+                      layers the key blocks inside it) + 2bs a d h/t (proj)
                       + 2bs h f (2 or 3 with SwiGLU)/t (MLP)
   backward            each linear's data- and weight-gradient GEMMs (2x the
                       forward FLOPs, at their own shapes' efficiency)
@@ -55,6 +56,11 @@ from megatron_pipette.spec.workload import Workload
 FLASH_BACKENDS = ("auto", "flash", "fused")
 """Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic) and whose
 causal kernels skip the masked half of the scores."""
+ATTENTION_TILE = 128
+"""Queries, and keys, a flash or cuDNN attention kernel computes as one block on Hopper (FlashAttention
+2 and 3's and cuDNN's forward tiles at head widths up to 128): a block is computed whole once any of
+its pairs is inside the mask, so a sliding window of w keys costs every query block the key blocks
+from its first query's earliest key to its own, ceil(w / 128) + 1 of them, not w / 128."""
 BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
 
@@ -68,7 +74,7 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
     per_rank = {"column": lambda out, inp: (n, out // t, inp), "row": lambda out, inp: (n, out, inp // t),
                 "duplicated": lambda out, inp: (n // x.sp, out, inp)}
     attention = {name: per_rank[split](out, inp) for name, (out, inp, split) in w.attention_linears().items()}
-    return {**attention, "fc1": (n, f * (2 if w.swiglu else 1), h), "fc2": (n, h, f)}
+    return {**attention, "fc1": (n, f * (2 if w.gated_linear_unit else 1), h), "fc2": (n, h, f)}
 
 
 def _column_attention(workload: Workload) -> list[str]:
@@ -126,22 +132,34 @@ class ForwardBackward(NamedTuple):
 
 
 def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, dq: int, dv: int, cp: int = 1) -> ForwardBackward:
+                   s: int, dq: int, dv: int, cp: int = 1, window: int | None = None) -> ForwardBackward:
     """(forward, backward) effective FLOPs of the attention core (scores over query/key heads of
     width dq, weighted values of width dv) of b sequences of a heads on one TP rank, which holds s /
     `cp` of the queries (context parallelism balances the causal work over its ranks). Unfused
     attention multiplies the full s x s scores and masks them; causal flash/fused kernels skip the
     masked half: half the FLOPs, at the kernel's measured rate where there is one (`attention`, at
-    the size of one of the cp block calls that context parallelism makes), else at the GEMM curve's."""
+    the size of one of the cp block calls that context parallelism makes), else at the GEMM curve's;
+    with a sliding `window` (earlier keys; one CP rank only) they compute its blocks only."""
     q = s // cp
     full = gemm_work(gemm, q, s, dq, b * a) + gemm_work(gemm, q, dv, s, b * a)
     if not causal_kernel:
         return ForwardBackward(forward=full, backward=2 * full)
+    share = 1.0 if window is None else windowed_share(s, window)
     if attention is None:
-        return ForwardBackward(forward=full / 2, backward=full)
-    flops = 1.0 * b * a * q * s * (dq + dv)
+        return ForwardBackward(forward=share * full / 2, backward=share * full)
+    flops = share * b * a * q * s * (dq + dv)
     return ForwardBackward(forward=flops / attention.efficiency(0, flops / cp),
                            backward=2 * flops / attention.efficiency(1, 2 * flops / cp))
+
+
+def windowed_share(s: int, window: int) -> float:
+    """Of the key blocks a causal kernel computes over s queries and keys, the share a sliding window
+    of `window` earlier keys computes (ATTENTION_TILE): query block i needs key blocks
+    (i * tile - window) // tile up to i."""
+    blocks = -(-s // ATTENTION_TILE)
+    i = np.arange(blocks)
+    first = np.maximum(0, i * ATTENTION_TILE - window) // ATTENTION_TILE
+    return float((i - first + 1).sum() / (blocks * (blocks + 1) / 2))
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
@@ -165,7 +183,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     norm = 2 * e * n * h / sp
-    act = 0 if moe else (3 if w.swiglu else 2) * e * n * f
+    act = 0 if moe else (3 if w.gated_linear_unit else 2) * e * n * f
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
         scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length
@@ -451,6 +469,10 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
                           x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     redone = layout.selective_modules
+    if job.window_layers:
+        _windowed(job, (fwd, bwd, rc), core, core_attention(
+            gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads, x.seq_length,
+            x.query_head_dim, x.value_head_dim, x.cp, window=w.window), "core_attn" in redone)
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
@@ -459,21 +481,40 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
                      attention_core=core, profiled=profiled, linears=linears)
 
 
+def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: ForwardBackward,
+              windowed: ForwardBackward, core_redone: bool) -> None:
+    """Take from the (forward, backward, recompute) work of each chunk, in place, what its sliding-window
+    layers' attention cores do not compute: the layers were priced (or profiled) with full attention;
+    the recompute redoes the core under selective core_attn, the whole layer under full."""
+    forward, backward, recompute = works
+    count, redone = _pattern_counts(job, job.window_layers, job.workload.window_layer_pattern())
+    saved = full.forward - windowed.forward
+    forward.flops[:] -= saved * count
+    backward.flops[:] -= (full.backward - windowed.backward) * count
+    recompute.flops[:] -= saved * (count if core_redone and job.layout.recompute_granularity == "selective"
+                                   else redone)
+
+
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(p, v) MoE layers per chunk, and of them those full recomputation redoes (block: the first n
-    of each chunk; uniform: all)."""
+    """(p, v) MoE layers per chunk, and of them those full recomputation redoes."""
     if not job.moe_layers:
         return np.zeros_like(layers), np.zeros_like(layers)
-    moe = np.array(job.moe_layers, dtype=float)
+    return _pattern_counts(job, job.moe_layers, job.workload.moe_layer_pattern())
+
+
+def _pattern_counts(job: Job, per_chunk: tuple[tuple[int, ...], ...],
+                    pattern: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(p, v) layers of a kind per chunk (`per_chunk`, the Job's count of `pattern`'s layers), and of
+    them those full recomputation redoes (block: the first n of each chunk; uniform: all)."""
+    counts = np.array(per_chunk, dtype=float)
     layout = job.layout
     if layout.recompute_granularity != "full":
-        return moe, np.zeros_like(moe)
+        return counts, np.zeros_like(counts)
     if layout.recompute_method != "block":
-        return moe, moe.copy()
-    pattern = job.workload.moe_layer_pattern()
+        return counts, counts.copy()
     n = layout.recompute_num_layers
-    return moe, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage] for stage in job.chunk_layers()],
-                         dtype=float)
+    return counts, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage]
+                             for stage in job.chunk_layers()], dtype=float)
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:

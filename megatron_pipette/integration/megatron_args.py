@@ -65,7 +65,8 @@ def workload_from_args(args: Any) -> Workload:
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
         group_query_attention=bool(args.group_query_attention),
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        swiglu=bool(args.swiglu), vocab_size=args.vocab_size or args.padded_vocab_size,
+        swiglu=bool(args.swiglu), quick_geglu=bool(getattr(args, "quick_geglu", False)),
+        vocab_size=args.vocab_size or args.padded_vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
@@ -87,8 +88,14 @@ def _attention_backend(args: Any) -> str:
 
 
 def _attention_fields(args: Any) -> dict[str, Any]:
-    """--qk-layernorm, and multi-latent attention's widths when it is on."""
-    fields: dict[str, Any] = {"qk_layernorm": bool(getattr(args, "qk_layernorm", False))}
+    """--qk-layernorm, the sliding window, the softmax and multi-latent attention's widths when it is
+    on; Megatron parses --window-size into a tuple and a list --window-attn-skip-freq into a list
+    (the Workload takes their text)."""
+    window, skip = getattr(args, "window_size", None), getattr(args, "window_attn_skip_freq", None)
+    fields: dict[str, Any] = {"qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+                              "window_size": None if window is None else ",".join(map(str, window)),
+                              "window_attn_skip_freq": str(skip) if isinstance(skip, list) else skip,
+                              "softmax_type": getattr(args, "softmax_type", "vanilla")}
     if getattr(args, "multi_latent_attention", False):
         fields.update(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
                       qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,

@@ -78,6 +78,14 @@ class Step:
     """Drops the input's gradient between iterations."""
 
 
+def _activation(workload: Workload) -> Any:
+    """The MLP's activation as Megatron-LM sets it (training/argument_utils.py)."""
+    if workload.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        return quick_gelu
+    return torch.nn.functional.silu if workload.swiglu else torch.nn.functional.gelu
+
+
 def layer_config(workload: Workload, tp: int, recompute: str | None, device: torch.device, te: bool) -> Any:
     """The TransformerConfig of one TP rank's layer (see the module docstring)."""
     from megatron.core.transformer.enums import AttnBackend
@@ -91,8 +99,7 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
         num_layers=1, hidden_size=workload.hidden_size,
         num_attention_heads=workload.num_attention_heads // tp, num_query_groups=workload.query_groups // tp,
         ffn_hidden_size=workload.ffn // tp, kv_channels=workload.head_dim,
-        gated_linear_unit=workload.swiglu,
-        activation_func=torch.nn.functional.silu if workload.swiglu else torch.nn.functional.gelu,
+        gated_linear_unit=workload.gated_linear_unit, activation_func=_activation(workload),
         normalization=workload.normalization, add_bias_linear=workload.add_bias_linear,
         add_qkv_bias=workload.add_bias_linear,
         hidden_dropout=workload.hidden_dropout, attention_dropout=workload.attention_dropout,

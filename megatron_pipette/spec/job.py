@@ -33,6 +33,8 @@ class Job:
     """Micro-batches per iteration and data-parallel replica: global batch / (micro-batch x DP)."""
     moe_layers: tuple[tuple[int, ...], ...] = ()
     """MoE layers in each (pipeline stage, model chunk); () for a dense model."""
+    window_layers: tuple[tuple[int, ...], ...] = ()
+    """Sliding-window attention layers in each (pipeline stage, model chunk); () without --window-size."""
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -70,8 +72,13 @@ def resolve_job(workload: Workload, layout: Layout, world_size: int | None = Non
     job = Job(workload=workload, layout=layout,
               chunk_sizes=tuple(tuple(chunks) for chunks in chunk_sizes(workload, layout)),
               num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))
-    if workload.num_experts is None:
+    windows = workload.window_layer_pattern()
+    if workload.num_experts is None and not any(windows):
         return job
-    pattern = workload.moe_layer_pattern()
-    moe = tuple(tuple(sum(pattern[i] for i in chunk) for chunk in stage) for stage in job.chunk_layers())
-    return dataclasses.replace(job, moe_layers=moe)
+    chunks = job.chunk_layers()
+
+    def per_chunk(pattern: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(sum(pattern[i] for i in chunk) for chunk in stage) for stage in chunks)
+
+    return dataclasses.replace(job, moe_layers=per_chunk(workload.moe_layer_pattern()) if workload.num_experts else (),
+                               window_layers=per_chunk(windows) if any(windows) else ())

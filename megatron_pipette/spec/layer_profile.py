@@ -183,7 +183,8 @@ def profile_model_fields(workload: Workload) -> dict:
     """The workload fields a profile is tied to; a profile of another model must not be used."""
     return {"hidden_size": workload.hidden_size, "num_attention_heads": workload.num_attention_heads,
             "ffn_hidden_size": workload.ffn, "num_query_groups": workload.query_groups,
-            "seq_length": workload.seq_length, "swiglu": workload.swiglu, "precision": workload.precision}
+            "seq_length": workload.seq_length, "swiglu": workload.gated_linear_unit,   # gated: the shapes timed
+            "precision": workload.precision}
 
 
 def check_profile_device(profile: LayerProfile, cluster: Cluster, where: str = "--layer-profile") -> None:

@@ -420,6 +420,9 @@ def _validate_context_parallel(workload: Workload, layout: Layout) -> None:
     if layout.sequence_parallel and (s // cp) % layout.tp:
         raise Infeasible(f"--seq-length {s} / --context-parallel-size {cp} is not divisible by "
                          f"--tensor-model-parallel-size {layout.tp} (needed by --sequence-parallel)")
+    if any(workload.window_layer_pattern()):
+        raise Infeasible(f"--context-parallel-size {cp} with --window-size {workload.window_size}: sliding-window "
+                         "attention under context parallelism is not modelled")
     if workload.attention_backend in ("unfused", "local"):
         raise Infeasible(f"--context-parallel-size {cp} needs Transformer Engine's attention, not "
                          f"--attention-backend {workload.attention_backend}")
@@ -443,7 +446,7 @@ def _validate_experts(workload: Workload, layout: Layout) -> None:
     if layout.world_size % (etp * ep * layout.pp):
         raise Infeasible(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} x "
                          f"--pipeline-model-parallel-size {layout.pp} does not divide the {layout.world_size} GPUs")
-    width = workload.moe_ffn * (2 if workload.swiglu else 1)
+    width = workload.moe_ffn * (2 if workload.gated_linear_unit else 1)
     if width % etp or workload.moe_ffn % etp:
         raise Infeasible(f"--moe-ffn-hidden-size {workload.moe_ffn} is not divisible by "
                          f"--expert-tensor-parallel-size {etp}")

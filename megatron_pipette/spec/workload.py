@@ -28,6 +28,7 @@ MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
 """--moe-flex-dispatcher-backend values modelled: both send a token once to each remote node that
 holds one of its experts and fan it out there over NVLink (ncclep is not modelled)."""
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 """--cross-entropy-fusion-impl: megatron-core's compiled kernels, or Transformer Engine's Triton ones
 (which Megatron 0.19 refuses beside --cross-entropy-loss-fusion; the releases NVIDIA's 2025-26
@@ -115,6 +116,9 @@ class Workload:
     """--qk-layernorm: norms on each head's query and key (MLA: on the query and key/value latents)."""
     swiglu: bool = False
     """--swiglu: gated MLP, three ffn-sized GEMMs instead of two."""
+    quick_geglu: bool = False
+    """--quick-geglu: gated MLP with a quick-GELU gate (GPT-OSS): the same GEMMs and kept tensors as
+    --swiglu, another elementwise function (megatron/core/fusions/fused_bias_geglu.py)."""
     vocab_size: int = 50257
     """--vocab-size (or the tokenizer's size) before Megatron pads it."""
     make_vocab_size_divisible_by: int = 128
@@ -138,6 +142,15 @@ class Workload:
     """--attention-dropout: >0 keeps a dropout mask per attention score."""
     hidden_dropout: float = 0.1
     """--hidden-dropout: >0 keeps a dropout mask per hidden activation."""
+    window_size: str | None = None
+    """--window-size: sliding-window attention as Megatron's "left,right" keys (GPT-OSS: "127,0";
+    -1: unbounded), on the layers --window-attn-skip-freq leaves windowed; None: full attention."""
+    window_attn_skip_freq: int | str | None = None
+    """--window-attn-skip-freq: every N-th layer (counted from 1) keeps full attention, or Megatron's
+    list form ("[1,1,1,0]*3", 1: windowed); None: every layer is windowed."""
+    softmax_type: str = "vanilla"
+    """--softmax-type: vanilla, off-by-one or learnable (attention sinks, GPT-OSS): one extra logit
+    in each softmax row, learnable with one parameter per head and layer."""
     attention_backend: str = "auto"
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
     precision: str = "fp32"
@@ -219,7 +232,7 @@ class Workload:
         for field, allowed in (("precision", PRECISIONS), ("attention_backend", ATTENTION_BACKENDS),
                                ("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDINGS),
                                ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS),
-                               ("moe_flex_dispatcher_backend", FLEX_BACKENDS),
+                               ("moe_flex_dispatcher_backend", FLEX_BACKENDS), ("softmax_type", SOFTMAX_TYPES),
                                ("cross_entropy_fusion_impl", CROSS_ENTROPY_FUSION_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
@@ -242,6 +255,14 @@ class Workload:
             if self.num_attention_heads % self.num_query_groups:
                 raise PipetteError(f"--num-attention-heads {self.num_attention_heads} is not divisible "
                                    f"by --num-query-groups {self.num_query_groups}")
+        if self.swiglu and self.quick_geglu:
+            raise PipetteError("--quick-geglu and --swiglu exclude each other (Megatron asserts not args.swiglu)")
+        self.window_layer_pattern()  # raises on a malformed --window-size or --window-attn-skip-freq
+        if self.quick_geglu and self.bias_activation_fusion and not all(self.moe_layer_pattern()):
+            raise UnrunnableFlags(
+                "--quick-geglu with biases in a dense MLP: megatron-core fuses a dense MLP's bias and activation for "
+                "GELU and SwiGLU only (transformer/mlp.py raises \"Only support fusion of gelu and swiglu\"); add "
+                "--disable-bias-linear or --no-bias-gelu-fusion")
         if self.num_experts is not None:
             self._check_moe()
         else:
@@ -306,18 +327,19 @@ class Workload:
         0.19 runs that for some activations and biases only (transformer/mlp.py with a per-token
         scale, moe/experts.py): the others plan in full, then raise in the first forward. Megatron's
         own flags cannot run either, so the hook stops (UnrunnableFlags) instead of falling back."""
-        flags = f"--num-experts {self.num_experts}" + (" --swiglu" if self.swiglu else "")
+        flags = f"--num-experts {self.num_experts}" + (" --swiglu" if self.swiglu else "") + \
+            (" --quick-geglu" if self.quick_geglu else "")
         if self.add_bias_linear and self.attention_backend == "local":
             raise UnrunnableFlags(
                 f"{flags} with biases on Megatron's local layers (no Transformer Engine): a routed expert adds "
                 "its output bias in place on a view autograd forbids (\"Output 0 of "
                 "_ReduceFromModelParallelRegion is a view and is being modified inplace\"); add --disable-bias-linear")
-        if self.bias_activation_fusion and not self.swiglu:
+        if self.bias_activation_fusion and not self.gated_linear_unit:
             raise UnrunnableFlags(
                 f"{flags} with GELU experts and biases: megatron-core fuses a routed expert's bias and activation "
                 "for SwiGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add "
                 "--swiglu --disable-bias-linear, --disable-bias-linear, or --no-bias-gelu-fusion")
-        if self.bias_activation_fusion and self.add_bias_linear:
+        if self.bias_activation_fusion and self.add_bias_linear and self.swiglu:   # quick-GeGLU's takes one
             raise UnrunnableFlags(
                 f"{flags} with biases: megatron-core's fused SwiGLU of routed experts takes no bias (its first "
                 "forward raises \"Bias is not supported for weighted swiglu fusion\"); add --disable-bias-linear "
@@ -330,6 +352,11 @@ class Workload:
         --swiglu, else --bias-gelu-fusion, which validate_args turns off without biases
         (training/arguments.py, training/argument_utils.py)."""
         return self.bias_swiglu_fusion if self.swiglu else self.bias_gelu_fusion and self.add_bias_linear
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """TransformerConfig.gated_linear_unit: fc1 doubled into a gate and a value (--swiglu, --quick-geglu)."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def cross_entropy_fusion(self) -> str | None:
@@ -423,6 +450,43 @@ class Workload:
             return (False,) * self.num_layers
         return layer_pattern(self.moe_layer_freq, self.num_layers)
 
+    @cached_property
+    def window(self) -> int | None:
+        """Earlier keys a windowed layer's query attends to (--window-size's left side, read as
+        Megatron's tuple_type reads it); None: no window (unset, or -1, unbounded). The right side
+        is masked by the causal mask whatever its value."""
+        if self.window_size is None:
+            return None
+        try:
+            sides = tuple(int(x) for x in str(self.window_size).strip("()").split(","))
+        except ValueError:
+            sides = ()
+        if len(sides) != 2 or min(sides) < -1 or max(sides) > MAX_SIZES["seq_length"]:
+            raise PipetteError(f"--window-size must be two integers \"left,right\", each -1 (unbounded) or "
+                               f"0..{MAX_SIZES['seq_length']}, such as \"127,0\"; got {shown(self.window_size)}")
+        return None if sides[0] == -1 else sides[0]
+
+    def window_layer_pattern(self) -> tuple[bool, ...]:
+        """Which layers attend through the window (megatron/core/transformer/utils.py
+        is_layer_window_attention: layer numbers count from 1; an integer N keeps every N-th full)."""
+        return self._window_layer_pattern
+
+    @cached_property
+    def _window_layer_pattern(self) -> tuple[bool, ...]:
+        freq, n = self.window_attn_skip_freq, self.num_layers
+        if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
+            freq = int(freq)
+        if freq is None or (isinstance(freq, int) and not isinstance(freq, bool) and freq > 0):
+            windowed = tuple(freq is None or (i + 1) % freq != 0 for i in range(n))
+        else:
+            pattern = (list_expression(freq, max_length=n, flag="--window-attn-skip-freq")
+                       if isinstance(freq, str) and "[" in freq else None)
+            if not (isinstance(pattern, list) and len(pattern) == n and set(pattern) <= {0, 1}):
+                raise PipetteError(f"--window-attn-skip-freq must be a positive integer or a list of {n} 0/1 "
+                                   f"entries such as \"[1,0]*{max(n // 2, 1)}\", got {shown(freq)}")
+            windowed = tuple(bool(x) for x in pattern)
+        return windowed if self.window is not None else (False,) * n
+
     def attention_linears(self) -> dict[str, tuple[int, int, str]]:
         """(out, in, how Transformer Engine splits it over TP) of one layer's attention linears,
         unsharded: "column" splits the output, "row" the input, "duplicated" none (MLA's down
@@ -452,7 +516,8 @@ class Workload:
     # Parameter counts, per full (unsharded) model.
     def attention_parameters(self) -> int:
         """The attention linears of one layer (biases on the QKV and output projections only:
-        MLA's are bias-free but the output's) and its query/key norms."""
+        MLA's are bias-free but the output's), its query/key norms and --softmax-type learnable's
+        offsets (one per head)."""
         return self._attention_parameters
 
     @cached_property
@@ -460,7 +525,8 @@ class Workload:
         bias = self.add_bias_linear
         weights = sum(out * inp for out, inp, _ in self.attention_linears().values())
         biases = sum(out for name, (out, _, _) in self.attention_linears().items() if name in ("qkv", "proj"))
-        return weights + (biases if bias else 0) + sum(map(self._norm_parameters, self.qk_norm_widths()))
+        sinks = self.num_attention_heads if self.softmax_type == "learnable" else 0   # split over TP with the heads
+        return weights + (biases if bias else 0) + sum(map(self._norm_parameters, self.qk_norm_widths())) + sinks
 
     def attention_replicated_parameters(self) -> int:
         """Of one layer's attention parameters, those every TP rank holds whole: the output
@@ -476,7 +542,7 @@ class Workload:
     def mlp_parameters(self, ffn: int) -> int:
         """One MLP of FFN width `ffn` (fc1, with SwiGLU's gate, and fc2)."""
         h, bias = self.hidden_size, self.add_bias_linear
-        fc1_out = 2 * ffn if self.swiglu else ffn
+        fc1_out = 2 * ffn if self.gated_linear_unit else ffn
         return h * fc1_out + (fc1_out if bias else 0) + ffn * h + (h if bias else 0)
 
     def router_parameters(self) -> int:

@@ -91,6 +91,24 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
     assert refusals(vars(build_megatron_parser().parse_args([]))) == []
 
 
+GPT_OSS_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+                "--quick-geglu", "--num-experts", "8", "--moe-router-topk", "2", "--position-embedding-type", "rope",
+                "--window-size", "127,0", "--window-attn-skip-freq", "[1,1,0,1]", "--softmax-type", "learnable",
+                "--disable-bias-linear"]
+
+
+def test_the_hook_reads_gpt_oss_attention_and_experts(megatron_parser):
+    """Megatron parses --window-size into a tuple and a list skip pattern into a list; the hook's
+    Workload prices the same windowed layers, sinks and gated experts."""
+    from megatron_pipette.integration.megatron_args import workload_from_args
+
+    args = megatron_parser.parse_args([*GPT_OSS_LIKE, "--vocab-size", "1000", "--global-batch-size", "8", "--bf16"])
+    assert refusals(vars(args)) == []
+    workload = workload_from_args(args)
+    assert workload.window == 127 and workload.window_layer_pattern() == (True, True, False, True)
+    assert workload.quick_geglu and workload.gated_linear_unit and workload.softmax_type == "learnable"
+
+
 @pytest.mark.parametrize("argv", [
     ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
      "--ffn-hidden-size", "1024"],
@@ -104,6 +122,7 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
      "--moe-layer-freq", "([0]+[1]*3)", "--disable-bias-linear", "--position-embedding-type", "rope"],
     ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
      "--multi-latent-attention", "--kv-lora-rank", "64", "--qk-head-dim", "32", "--v-head-dim", "32"],
+    GPT_OSS_LIKE,
 ])
 def test_model_flops_match_megatrons_count(megatron_parser, argv):
     """Our TFLOP/s use Megatron's convention: its own num_floating_point_operations, on its parsed

@@ -1,0 +1,138 @@
+"""GPT-OSS's attention and experts: sliding windows on some layers (--window-size,
+--window-attn-skip-freq), attention sinks (--softmax-type learnable) and quick-GeGLU experts
+(--quick-geglu), against megatron-core 0.19's own rules."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_pipette.cost.compute import ATTENTION_TILE, stage_work, windowed_share
+from megatron_pipette.errors import Infeasible, PipetteError, UnrunnableFlags
+from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.workload import Workload
+
+
+def gpt_oss(**kw):
+    """GPT-OSS 120B's shapes, cut to 8 layers."""
+    base = dict(num_layers=8, hidden_size=2880, num_attention_heads=64, group_query_attention=True,
+                num_query_groups=8, kv_channels=64, seq_length=4096, global_batch_size=64, precision="bf16",
+                normalization="RMSNorm", position_embedding_type="rope", attention_dropout=0.0, hidden_dropout=0.0,
+                num_experts=16, moe_router_topk=4, moe_ffn_hidden_size=2880, ffn_hidden_size=2880,
+                moe_token_dispatcher_type="alltoall", quick_geglu=True)
+    return Workload(**{**base, **kw})
+
+
+@pytest.mark.parametrize("freq", [None, 1, 2, 3, "[1,0]*4", "[0]*7+[1]"])
+def test_windowed_layers_are_megatrons(freq):
+    """megatron/core/transformer/utils.py is_layer_window_attention, called with Megatron's parsed
+    value (moe_freq_type) and 1-based layer numbers."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+    from megatron.training.arguments import moe_freq_type, tuple_type
+
+    w = gpt_oss(window_size="127,0", window_attn_skip_freq=freq)
+    parsed = None if freq is None else moe_freq_type(freq)
+    assert w.window_layer_pattern() == tuple(
+        is_layer_window_attention(tuple_type("127,0"), parsed, n) for n in range(1, 9))
+
+
+def test_no_window_or_an_unbounded_one_keeps_full_attention():
+    assert not any(gpt_oss().window_layer_pattern())
+    assert not any(gpt_oss(window_size="-1,0").window_layer_pattern())
+    assert gpt_oss(window_size="(127, 0)").window == 127
+
+
+@pytest.mark.parametrize("size", ["127", "a,0", "1,2,3", "-2,0"])
+def test_a_malformed_window_names_the_flag(size):
+    with pytest.raises(PipetteError, match="--window-size"):
+        gpt_oss(window_size=size)
+
+
+def test_a_malformed_skip_pattern_names_the_flag():
+    with pytest.raises(PipetteError, match="--window-attn-skip-freq"):
+        gpt_oss(window_size="127,0", window_attn_skip_freq="[1,0]*3")    # 6 entries for 8 layers
+
+
+def test_windowed_share_counts_whole_blocks():
+    """A window of 127 earlier keys: each 128-query block needs its own key block and the one
+    before; a causal kernel computes 32 x 33 / 2 blocks at s = 4096."""
+    assert windowed_share(4096, 127) == pytest.approx(63 / 528)
+    assert windowed_share(4096, 4096) == 1.0
+    assert windowed_share(ATTENTION_TILE, 0) == 1.0
+
+
+@given(st.integers(1, 16384), st.integers(0, 20000), st.integers(0, 20000))
+def test_windowed_share_grows_with_the_window_up_to_causal(s, w1, w2):
+    small, large = sorted((w1, w2))
+    assert 0 < windowed_share(s, small) <= windowed_share(s, large) <= 1.0
+
+
+def _work(workload, **layout):
+    job = resolve_job(workload, Layout(data_parallel_size=1, **layout))
+    return stage_work(job, preset_cluster("dgx-h100", num_nodes=1, precision="bf16"))
+
+
+def test_windowed_layers_compute_only_their_blocks():
+    """Half the layers windowed: the stage computes less attention by exactly half its layers'
+    full-minus-windowed cores, forward and backward; the linears are untouched."""
+    full, half = _work(gpt_oss()), _work(gpt_oss(window_size="127,0", window_attn_skip_freq=2))
+    every = _work(gpt_oss(window_size="127,0"))
+    saved_half = full.forward.flops - half.forward.flops
+    saved_all = full.forward.flops - every.forward.flops
+    assert (saved_half > 0).all()
+    np.testing.assert_allclose(saved_all, 2 * saved_half)
+    np.testing.assert_allclose(full.backward.flops - every.backward.flops,
+                               2 * (full.backward.flops - half.backward.flops))
+    np.testing.assert_allclose(half.forward.mem_s, full.forward.mem_s)
+
+
+def test_recomputation_redoes_the_windowed_core():
+    """Full recomputation redoes the whole layer: a windowed layer's smaller core, again."""
+    kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    full, windowed = _work(gpt_oss(), **kw), _work(gpt_oss(window_size="127,0"), **kw)
+    np.testing.assert_allclose(full.recompute.flops - windowed.recompute.flops,
+                               full.forward.flops - windowed.forward.flops)
+
+
+def test_unfused_attention_computes_every_score_whatever_the_window():
+    """Megatron's local attention masks a full s x s score matrix (FusedScaleMaskSoftmax's window)."""
+    kw = dict(attention_backend="unfused", num_experts=None, add_bias_linear=False)
+    np.testing.assert_allclose(_work(gpt_oss(**kw)).forward.flops,
+                               _work(gpt_oss(window_size="127,0", **kw)).forward.flops)
+
+
+def test_context_parallelism_with_a_window_is_refused():
+    w = gpt_oss(window_size="127,0", window_attn_skip_freq=2)
+    with pytest.raises(Infeasible, match="--window-size"):
+        resolve_job(w, Layout(context_parallel_size=2, data_parallel_size=1))
+
+
+def test_quick_geglu_experts_have_swiglus_shapes():
+    """Both set gated_linear_unit (training/argument_utils.py): fc1 doubled."""
+    quick = gpt_oss(add_bias_linear=False)
+    swiglu = gpt_oss(add_bias_linear=False, quick_geglu=False, swiglu=True)
+    assert quick.gated_linear_unit and quick.total_parameters() == swiglu.total_parameters()
+    np.testing.assert_allclose(_work(quick).forward.flops, _work(swiglu).forward.flops)
+
+
+def test_quick_geglu_excludes_swiglu_and_takes_biases_in_experts_only():
+    """Megatron asserts `not args.swiglu` with --quick-geglu; the routed experts' weighted quick-GeGLU
+    takes a bias (fused_bias_geglu.weighted_bias_quick_geglu_impl), a dense MLP's fused one does not
+    (transformer/mlp.py: "Only support fusion of gelu and swiglu")."""
+    with pytest.raises(PipetteError, match="--quick-geglu and --swiglu"):
+        gpt_oss(swiglu=True)
+    assert gpt_oss(add_bias_linear=True).add_bias_linear
+    with pytest.raises(UnrunnableFlags, match="Only support fusion of gelu and swiglu"):
+        gpt_oss(add_bias_linear=True, moe_layer_freq="[0]+[1]*7")
+    assert gpt_oss(add_bias_linear=True, bias_gelu_fusion=False, moe_layer_freq="[0]+[1]*7")
+
+
+def test_learnable_softmax_adds_one_offset_per_head_and_layer():
+    """TEDotProductAttention's softmax_offset: one parameter per attention head (split over TP)."""
+    vanilla, sinks = gpt_oss(), gpt_oss(softmax_type="learnable")
+    assert sinks.total_parameters() - vanilla.total_parameters() == 8 * 64
+    assert gpt_oss(softmax_type="off-by-one").total_parameters() == vanilla.total_parameters()
+    with pytest.raises(PipetteError, match="--softmax-type"):
+        gpt_oss(softmax_type="sigmoid")
