@@ -75,21 +75,37 @@ def recipe_flags(row: dict) -> tuple[list[str], list[str]]:
     """The recipe's Megatron flags the planner prices: the row's `megatron_flags`, and of the
     settings the set lists as not expressible (each "FLAGS: why"), those the planner now models;
     and the ones it still refuses, by their flags."""
-    flags, left = list(row["recipe"]["megatron_flags"]), []
-    for entry in row["recipe"]["not_expressible"]:
-        words = entry.split(":")[0].split() if entry.startswith("--") else []
-        try:
-            check_user_layout(Layout(**build([*base_argv(row), *flags, *words,
-                                              *layout_argv(row["published_layout"])]).fields))
-        except (PipetteError, Infeasible):
-            words = []
-        (flags.extend(words) if words else left.append(entry.split(":")[0]))
-    return flags, left
+    flags, left = list(row["recipe"]["megatron_flags"]), list(row["recipe"]["not_expressible"])
+    while taken := [entry for entry in left if priced(row, flags, entry)]:   # one may need another
+        flags += [word for entry in taken for word in entry.split(":")[0].split()]
+        left = [entry for entry in left if entry not in taken]
+    return flags, [entry.split(":")[0] for entry in left]
+
+
+def priced(row: dict, flags: list[str], entry: str) -> bool:
+    """Whether the planner prices the published layout with the not-expressible `entry`'s flags added."""
+    if not entry.startswith("--"):
+        return False
+    try:
+        check_user_layout(Layout(**build(with_recipe(base_argv(row), [*flags, *entry.split(":")[0].split()])
+                                         + layout_argv(row["published_layout"])).fields))
+    except (PipetteError, Infeasible):
+        return False
+    return True
+
+
+def with_recipe(base: list[str], flags: list[str]) -> list[str]:
+    """The row's flags with the recipe's added. The set writes --swiglu for the gated activation it
+    could not express (GPT-OSS's: "the row prices SwiGLU"); the recipe's --quick-geglu replaces it
+    (Megatron refuses the two together)."""
+    if "--quick-geglu" in flags:
+        base = [word for word in base if word != "--swiglu"]
+    return [*base, *flags]
 
 
 def model_argv(row: dict, recipe: bool) -> list[str]:
     """The run's flags, with its recipe's where `recipe`."""
-    return [*base_argv(row), *(recipe_flags(row)[0] if recipe else [])]
+    return with_recipe(base_argv(row), recipe_flags(row)[0] if recipe else [])
 
 
 def layout_argv(layout: dict) -> list[str]:
@@ -257,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         fits = " OOM" if not recipe["fits"] else " <2%" if recipe["headroom"] < 0.02 else ""
         gain = f"{search['search_gain']:+.1%}" if "search_gain" in search else search.get("search_error", "")
-        print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f} {plain.get('error', float('nan')):>+9.1%} "
+        unpriced = f"{plain['error']:+.1%}" if "error" in plain else "-"
+        print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f} {unpriced:>9} "
               f"{recipe['predicted_s']:>11.3f} {recipe['error']:>+7.1%} {recipe['peak_gib']:>7.1f}{fits:<4} "
               f"{gain:>11}  {search.get('search_layout', '')}", flush=True)
         if "search_gain" in search.get("at_published_mbs", {}):
