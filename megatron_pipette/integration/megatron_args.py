@@ -78,7 +78,7 @@ def workload_from_args(args: Any) -> Workload:
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
         cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
-        **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args))
+        **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args), **_optimizer_fields(args))
 
 
 def _attention_backend(args: Any) -> str:
@@ -112,7 +112,19 @@ def _fp8_fields(args: Any) -> dict[str, Any]:
     if not transformer_engine_in_use(args):
         raise PipetteError(f"--fp8-format {fp8} needs Transformer Engine (installed, and "
                            f"--transformer-impl transformer_engine)")
-    return {"fp8": fp8, "fp8_recipe": args.fp8_recipe}
+    return {"fp8": fp8, "fp8_recipe": args.fp8_recipe,
+            "fp8_param_gather": bool(getattr(args, "fp8_param_gather", False))}
+
+
+def _optimizer_fields(args: Any) -> dict[str, Any]:
+    """--use-precision-aware-optimizer and its dtypes, by name: validate_args maps them to torch
+    dtypes (fp8 to uint8), which the hook may see before or after."""
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "fp8"}
+    fields = {"use_precision_aware_optimizer": bool(getattr(args, "use_precision_aware_optimizer", False))}
+    for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(args, name, "fp32")
+        fields[name] = value if isinstance(value, str) else names.get(str(value).removeprefix("torch."), str(value))
+    return fields
 
 
 def _moe_fields(args: Any) -> dict[str, Any]:
@@ -128,7 +140,10 @@ def _moe_fields(args: Any) -> dict[str, Any]:
             "moe_layer_freq": str(freq) if isinstance(freq, list) else freq,
             "moe_expert_capacity_factor": args.moe_expert_capacity_factor,
             "moe_pad_expert_input_to_capacity": bool(args.moe_pad_expert_input_to_capacity),
-            "moe_token_dispatcher_type": args.moe_token_dispatcher_type}
+            "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+            **{name: getattr(args, name) for name in ("moe_flex_dispatcher_backend", "moe_router_num_groups",
+                                                      "moe_router_group_topk", "moe_router_dtype")
+               if hasattr(args, name)}}
 
 
 def layout_from_args(args: Any, world_size: int) -> Layout:

@@ -3,6 +3,7 @@ is classified exactly once, and the table names nothing Megatron does not parse.
 release that adds an argument fails here until someone decides what the planner makes of it."""
 
 import argparse
+import dataclasses
 import sys
 import types
 
@@ -107,6 +108,35 @@ def test_the_hook_reads_gpt_oss_attention_and_experts(megatron_parser):
     workload = workload_from_args(args)
     assert workload.window == 127 and workload.window_layer_pattern() == (True, True, False, True)
     assert workload.quick_geglu and workload.gated_linear_unit and workload.softmax_type == "learnable"
+
+
+RECIPE_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+               "--swiglu", "--disable-bias-linear", "--num-experts", "8", "--moe-router-topk", "4",
+               "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+               "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32",
+               "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
+               "--exp-avg-sq-dtype", "bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--grad-reduce-in-bf16"]
+
+
+@pytest.mark.parametrize("argv", [RECIPE_LIKE, GPT_OSS_LIKE])
+def test_the_hook_and_the_cli_read_the_same_model(megatron_parser, monkeypatch, argv):
+    """The in-job plan and `pipette estimate` price the same model from the same Megatron flags: the
+    hook reads every Workload field the CLI takes (here with Transformer Engine installed)."""
+    from megatron_pipette.cli.args import DEFAULT_MODEL
+    from megatron_pipette.cli.args import workload_from_args as cli_workload
+    from megatron_pipette.cli.main import build_parser
+    from megatron_pipette.integration import megatron_args
+
+    monkeypatch.setattr(megatron_args, "transformer_engine_in_use", lambda args: True)
+    argv = [*argv, "--vocab-size", "1000", "--global-batch-size", "8", "--bf16"]
+    hook = megatron_args.workload_from_args(megatron_parser.parse_args(argv))
+    cli = cli_workload(build_parser().parse_known_args(["estimate", *argv])[0], DEFAULT_MODEL)
+
+    def fields(w):   # a list pattern's text is Megatron's list printed again: compare the layers it names
+        return {**dataclasses.asdict(w), "name": None, "moe_layer_freq": w.moe_layer_pattern(),
+                "window_attn_skip_freq": w.window_layer_pattern()}
+
+    assert fields(hook) == fields(cli)
 
 
 @pytest.mark.parametrize("argv", [
