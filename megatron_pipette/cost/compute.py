@@ -203,6 +203,9 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         # is its own module).
         redone = layout.selective_modules
         recompute = Work(flops=core, mem_s=scores / memory_bandwidth_Bps) if "core_attn" in redone else Work()
+        if "mla_up_proj" in redone:   # MLA's up projections and the query and key they assemble
+            up = [fwd for name, (fwd, _, _) in zip(shapes, linears) if name in _column_attention(w)]
+            recompute = recompute + Work(flops=sum(up), mem_s=_rope_bytes(job) / memory_bandwidth_Bps)
         if moe:
             recompute = recompute + mlp.recompute + (Work(mem_s=norm / memory_bandwidth_Bps) if "layernorm" in redone
                                                      else Work())
@@ -221,12 +224,20 @@ def _attention_elementwise_bytes(job: Job) -> float:
     w, x = job.workload, _shape(job)
     n, a, g, dq, e = x.tokens, x.heads, x.query_groups, x.query_head_dim, x.element_bytes
     if w.multi_latent_attention:
-        rope = 2 * e * n * 2 * a * dq
         norms = 2 * e * n * sum(w.qk_norm_widths()) / x.sp
     else:
-        rope = 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
         norms = 2 * e * n * (a + g) * dq if w.qk_layernorm else 0
-    return rope + norms
+    return _rope_bytes(job) + norms
+
+
+def _rope_bytes(job: Job) -> float:
+    """The RoPE part of _attention_elementwise_bytes (MLA: the query and key assembled with it,
+    which --recompute-modules mla_up_proj redoes)."""
+    w, x = job.workload, _shape(job)
+    n, a, g, dq, e = x.tokens, x.heads, x.query_groups, x.query_head_dim, x.element_bytes
+    if w.multi_latent_attention:
+        return 2 * e * n * 2 * a * dq
+    return 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
 
 
 def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:

@@ -241,6 +241,8 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
     # only by SP.
     norm_side = tokens * h * (2 * e + lin + mlp_in + masks) // sp
     kept, proj_in, latents, latent_in = _attention_kept(workload)
+    if "mla_up_proj" in redone:   # the up projections' query, key and value are discarded and redone
+        kept = 0
     norm_side += tokens * (e * latents + lin * latent_in) // sp
     # Q, K, V, the output projection's input, fc1's output and fc2's input: sharded by TP; an MoE
     # layer's MLP keeps what cost.experts.moe_activation_bytes counts instead.

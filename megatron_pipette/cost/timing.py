@@ -244,6 +244,8 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         output_bwd = hidden(ar, output.wgrad)
     tp_f = layer_fwd * work.layers
     tp_b = layer_bwd * work.layers + layer_fwd * work.recomputed_layers + mlp_fwd * work.mlp_redone
+    if sp and "mla_up_proj" in layout.selective_modules and layout.recompute_granularity == "selective":
+        tp_b = tp_b + ag_qkv * work.layers     # the redone up projections gather their latents again
     if workload.moe_shared_expert_intermediate_size is None:   # no dense MLP in an MoE layer: no TP collectives
         tp_f = tp_f - mlp_fwd * work.moe_layers
         tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed

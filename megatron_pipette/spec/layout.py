@@ -23,8 +23,8 @@ from megatron_pipette.spec.workload import MAX_SIZE, Workload, check_count, mega
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = (None, "uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")
-"""--recompute-modules values the cost model prices (Megatron's others need multi-latent or
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
+"""--recompute-modules values the cost model prices (Megatron's other one, gdn_norm_out, needs
 gated-delta-net attention, which it refuses)."""
 LAYOUT_LETTERS = "EtLm"
 """Layer letters of --pipeline-model-parallel-layout (megatron-core's char2layer_type)."""
@@ -67,7 +67,8 @@ class Layout:
     recomputed layers per stage (block)."""
     recompute_modules: tuple[str, ...] | None = None
     """--recompute-modules: the parts of each layer that selective recomputation redoes in its
-    backward, of core_attn mlp layernorm moe moe_act shared_experts; not given: Megatron's default, core_attn."""
+    backward, of core_attn mlp layernorm moe moe_act shared_experts mla_up_proj; not given: Megatron's default,
+    core_attn."""
     decoder_first_pipeline_num_layers: int | None = None
     """--decoder-first-pipeline-num-layers: layers on the first stage, when uneven."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -392,6 +393,9 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
     if min(layers) == 0 and layout.pipeline_model_parallel_layout is None:   # a spelt-out layout may
         raise Infeasible("a pipeline stage would hold no transformer layer")       # (E|t*8|t*8|L)
     _validate_recompute(layout, layers)
+    if "mla_up_proj" in layout.selective_modules and layout.recompute_granularity == "selective" \
+            and not workload.multi_latent_attention:
+        raise Infeasible("--recompute-modules mla_up_proj needs --multi-latent-attention (as in Megatron)")
     interleaved = len(chunk_sizes(workload, layout)[0]) > 1
     if interleaved:
         m = workload.global_batch_size // (mbs * dp)

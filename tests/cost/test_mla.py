@@ -9,8 +9,10 @@ import pytest
 from megatron_pipette.cost.compute import attention_input_width, roofline_layer
 from megatron_pipette.cost.gemm import GemmCurve
 from megatron_pipette.cost.memory import activation_bytes_per_layer
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import dense_layer_parameters
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import Infeasible, Layout
@@ -102,3 +104,26 @@ def test_rules_and_what_the_profile_does_not_cover():
     assert profile.covers(job(workload_from_preset("llama3-8b")))
     assert not profile.covers(job(SMALL))
     assert not profile.covers(job(dataclasses.replace(workload_from_preset("llama3-8b"), qk_layernorm=True)))
+
+
+def test_mla_up_proj_recomputation_drops_query_key_value_and_redoes_the_up_projections():
+    """megatron-core's MLASelfAttention under --recompute-modules mla_up_proj: the up projections and
+    RoPE run under CheckpointWithoutOutput (inputs: the normed latents, kept anyway), whose outputs,
+    every head's query, key and value, are freed after the core attention and rematerialised for its
+    backward: the layer keeps (2 a dq + a v) / t fewer elements a token and its recompute redoes the
+    q and kv up projections' GEMMs and the RoPE assembly (and, under SP, their latents' all-gather)."""
+    e, n, a, dq, dv = 2, 128, 8, 48, 24
+    kw = dict(recompute_granularity="selective", tensor_model_parallel_size=2)
+    core, up = job(SMALL, recompute_modules=("core_attn",), **kw), job(SMALL, recompute_modules=(
+        "core_attn", "mla_up_proj"), **kw)
+    assert activation_bytes_per_layer(core) - activation_bytes_per_layer(up) == e * n * (2 * a * dq + a * dv) // 2
+    bw = 1e12
+    redone = roofline_layer(up, bw, UNIT).recompute.flops - roofline_layer(core, bw, UNIT).recompute.flops
+    assert redone == pytest.approx(2 * n * (96 * a * dq + 64 * a * (32 + dv)) / 2)      # TP 2 splits the heads
+    model = CostModel(preset_cluster("dgx-h100", num_nodes=1, precision="bf16"))
+    for sp in (False, True):
+        plain, again = (model.time(job(SMALL, recompute_modules=m, sequence_parallel=sp, data_parallel_size=4,
+                                       **kw)).breakdown
+                        for m in (("core_attn",), ("core_attn", "mla_up_proj")))
+        assert again.recompute_s > plain.recompute_s
+        assert (again.tp_comm_s > plain.tp_comm_s) == sp

@@ -120,8 +120,10 @@ def test_moe_recomputation_dispatches_again():
 def test_rules():
     with pytest.raises(Infeasible, match="--recompute-modules applies only with --recompute-granularity selective"):
         validate_layout(GPT, Layout(recompute_modules=("mlp",)))
-    with pytest.raises(PipetteError, match="--recompute-modules mla_up_proj"):
+    with pytest.raises(Infeasible, match="--recompute-modules mla_up_proj needs --multi-latent-attention"):
         validate_layout(GPT, Layout(recompute_granularity="selective", recompute_modules=("core_attn", "mla_up_proj")))
+    with pytest.raises(PipetteError, match="--recompute-modules gdn_norm_out"):
+        validate_layout(GPT, Layout(recompute_granularity="selective", recompute_modules=("gdn_norm_out",)))
     flags = job(modules=("core_attn", "mlp")).layout.megatron_args()
     assert "--recompute-modules core_attn mlp" in flags and "--recompute-granularity selective" in flags
     assert dataclasses.replace(job().layout, recompute_modules=("mlp",)).describe().endswith("rc=sel/mlp")
