@@ -1,0 +1,26 @@
+"""benchmarks/published_runs_h100.py reads each row's recipe as the run used it."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import published_runs_h100 as runs  # noqa: E402
+
+ROWS = {row["id"]: row for row in json.loads(runs.DATA.read_text())["rows"]}
+
+
+def test_the_recipes_quick_geglu_replaces_the_sets_swiglu():
+    """Megatron refuses --swiglu with --quick-geglu; the set wrote --swiglu for GPT-OSS's activation."""
+    assert runs.with_recipe(["--swiglu", "--num-layers", "2"], ["--quick-geglu"]) == ["--num-layers", "2",
+                                                                                       "--quick-geglu"]
+    assert runs.with_recipe(["--swiglu"], ["--bf16"]) == ["--swiglu", "--bf16"]
+
+
+def test_settings_that_need_another_are_priced_whatever_their_order():
+    """GPT-OSS's router and attention settings price only once its --quick-geglu (listed after them)
+    has replaced the SwiGLU with biases megatron-core cannot run."""
+    flags, left = runs.recipe_flags(ROWS["mb25.11-gptoss"])
+    assert left == []
+    assert flags.index("--quick-geglu") > flags.index("--grad-reduce-in-bf16")
+    assert {"--window-size", "--softmax-type", "--moe-router-force-load-balancing"} <= set(flags)
