@@ -473,18 +473,13 @@ class Workload:
 
     @cached_property
     def _window_layer_pattern(self) -> tuple[bool, ...]:
-        freq, n = self.window_attn_skip_freq, self.num_layers
-        if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
-            freq = int(freq)
-        if freq is None or (isinstance(freq, int) and not isinstance(freq, bool) and freq > 0):
-            windowed = tuple(freq is None or (i + 1) % freq != 0 for i in range(n))
+        n = self.num_layers
+        if self.window_attn_skip_freq is None:
+            windowed = (True,) * n
         else:
-            pattern = (list_expression(freq, max_length=n, flag="--window-attn-skip-freq")
-                       if isinstance(freq, str) and "[" in freq else None)
-            if not (isinstance(pattern, list) and len(pattern) == n and set(pattern) <= {0, 1}):
-                raise PipetteError(f"--window-attn-skip-freq must be a positive integer or a list of {n} 0/1 "
-                                   f"entries such as \"[1,0]*{max(n // 2, 1)}\", got {shown(freq)}")
-            windowed = tuple(bool(x) for x in pattern)
+            every = frequency_or_list(self.window_attn_skip_freq, n, "--window-attn-skip-freq",
+                                      f"[1,0]*{max(n // 2, 1)}")
+            windowed = tuple((i + 1) % every != 0 if isinstance(every, int) else bool(every[i]) for i in range(n))
         return windowed if self.window is not None else (False,) * n
 
     def attention_linears(self) -> dict[str, tuple[int, int, str]]:
@@ -604,16 +599,25 @@ class Workload:
 def layer_pattern(freq: int | str, num_layers: int) -> tuple[bool, ...]:
     """Which layers --moe-layer-freq makes MoE: every freq-th (layer 0 always), or Megatron's list form
     (megatron/core/models/gpt/gpt_layer_specs.py get_moe_layer_pattern)."""
+    every = frequency_or_list(freq, num_layers, "--moe-layer-freq", f"([0]+[1]*{num_layers - 1})")
+    if isinstance(every, int):
+        return tuple(i % every == 0 for i in range(num_layers))
+    return tuple(bool(x) for x in every)
+
+
+def frequency_or_list(freq: int | str, num_layers: int, flag: str, example: str) -> int | list[int]:
+    """A per-layer flag as Megatron's moe_freq_type reads it (--moe-layer-freq, --window-attn-skip-freq):
+    a positive integer, or a list expression of `num_layers` 0/1 entries."""
     if isinstance(freq, str) and freq.strip().isdigit() and len(freq.strip()) <= len(str(MAX_INTEGER)):
         freq = int(freq)
     if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
-        return tuple(i % freq == 0 for i in range(num_layers))
-    pattern = (list_expression(freq, max_length=num_layers, flag="--moe-layer-freq")
-               if isinstance(freq, str) and "[" in freq else None)
+        return freq
+    pattern = list_expression(freq, max_length=num_layers, flag=flag) if isinstance(freq, str) and "[" in freq \
+        else None
     if not (isinstance(pattern, list) and len(pattern) == num_layers and set(pattern) <= {0, 1}):
-        raise PipetteError(f"--moe-layer-freq must be a positive integer or a list of {num_layers} "
-                           f"0/1 entries such as \"([0]+[1]*{num_layers - 1})\", got {shown(freq)}")
-    return tuple(bool(x) for x in pattern)
+        raise PipetteError(f"{flag} must be a positive integer or a list of {num_layers} 0/1 entries such as "
+                           f"\"{example}\", got {shown(freq)}")
+    return pattern
 
 
 def model_presets() -> dict[str, dict]:
