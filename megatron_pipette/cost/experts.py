@@ -88,7 +88,8 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     expert_act = (3 if w.gated_linear_unit else 2) * e * rows * fc2                          # the experts' activation
     mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
            + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
-           + expert_act + shared_act + ROUTER_BYTES_PER_SCORE * t * w.num_experts) / memory_bandwidth_Bps
+           + expert_act + shared_act + ROUTER_BYTES_PER_SCORE * t * w.num_experts
+           + expert_bias_bytes(job)) / memory_bandwidth_Bps
     parts = grouped + dense + shared_work
     forward = Work(flops=sum(f for f, _, _ in parts), mem_s=mem + cast_f / memory_bandwidth_Bps)
     redone = job.layout.selective_modules
@@ -101,6 +102,23 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
                                          mem_s=shared_act / memory_bandwidth_Bps)
     return PartWork(forward=forward, recompute=recompute,
                     backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem + cast_b / memory_bandwidth_Bps))
+
+
+def probability_bytes(workload: Workload) -> int:
+    """Bytes of a routing probability: --moe-router-dtype's, else the training dtype's."""
+    return {None: workload.bytes_per_element, "fp32": 4, "fp64": 8}[workload.moe_router_dtype]
+
+
+def expert_bias_bytes(job: Job) -> float:
+    """Bytes the routed experts' fc2 bias moves (TEGroupedMLP._apply_bias, megatron-core 0.19): fc2
+    runs without it, then each expert's rows add bias x probability (read, written in the
+    probabilities' dtype where wider), are concatenated (read, written) and cast back."""
+    w = job.workload
+    if not w.add_bias_linear:
+        return 0.0
+    e = w.bytes_per_element
+    out = max(e, probability_bytes(w))
+    return routed_rows(job) * w.hidden_size * (e + 3 * out + (out + e if out != e else 0))
 
 
 def dispatch_bytes(job: Job) -> dict[str, float]:
@@ -156,7 +174,7 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
         shared // layout.tp) * (3 if w.gated_linear_unit else 2)
     lin = fp8_input_bytes(w)
     fc2_in = 0 if "moe_act" in redone else lin * fc2
-    probs = {None: e, "fp32": 4, "fp64": 8}[w.moe_router_dtype]
+    probs = probability_bytes(w)
     return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + shared_bytes)
 
 

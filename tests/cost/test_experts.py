@@ -9,6 +9,7 @@ import pytest
 from megatron_pipette.cost import experts
 from megatron_pipette.cost.comm import all_to_all, group_links
 from megatron_pipette.cost.execution import Execution
+from megatron_pipette.cost.gemm import GemmCurve
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import stage_parameters
@@ -190,3 +191,18 @@ def test_flex_dispatch_across_nodes_costs_about_what_alltoall_does_inside_one():
 def test_flex_dispatcher_needs_expert_parallelism():
     with pytest.raises(Infeasible, match="flex needs"):
         flex_job(1, 1)
+
+
+def test_biased_experts_add_their_fc2_bias_in_a_pass_of_their_own():
+    """TEGroupedMLP._apply_bias (megatron-core 0.19): each expert's fc2 output adds bias x probability
+    (read, written), the pieces are concatenated (read, written) and, with wider probabilities, cast
+    back: 4 x 2 bytes an element in bf16, 2 + 3 x 4 + 6 with fp32 probabilities; none without biases."""
+    biased = dataclasses.replace(MOE, add_bias_linear=True, swiglu=False, bias_gelu_fusion=False)
+    elements = experts.routed_rows(job(biased)) * MOE.hidden_size
+    assert experts.expert_bias_bytes(job(MOE)) == 0
+    assert experts.expert_bias_bytes(job(biased)) == 8 * elements
+    assert experts.expert_bias_bytes(job(dataclasses.replace(biased, moe_router_dtype="fp32"))) == 20 * elements
+    bw = 1e12
+    plain = experts.moe_mlp(job(dataclasses.replace(biased, add_bias_linear=False)), bw, GemmCurve(None, 0.0))
+    with_bias = experts.moe_mlp(job(biased), bw, GemmCurve(None, 0.0))
+    assert with_bias.forward.mem_s - plain.forward.mem_s == pytest.approx(8 * elements / bw)
