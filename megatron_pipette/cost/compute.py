@@ -57,10 +57,12 @@ FLASH_BACKENDS = ("auto", "flash", "fused")
 """Attention backends that keep no s*s score matrix (no softmax/dropout memory traffic) and whose
 causal kernels skip the masked half of the scores."""
 ATTENTION_TILE = 128
-"""Queries, and keys, a flash or cuDNN attention kernel computes as one block on Hopper (FlashAttention
-2 and 3's and cuDNN's forward tiles at head widths up to 128): a block is computed whole once any of
-its pairs is inside the mask, so a sliding window of w keys costs every query block the key blocks
-from its first query's earliest key to its own, ceil(w / 128) + 1 of them, not w / 128."""
+"""Queries, and keys, a flash or cuDNN attention kernel computes as one block (FlashAttention-2's
+forward tile at head width 64, GPT-OSS's, recalled from its launch templates, not read here; at
+width 128 its key block is 64 wide, which this does not follow; FlashAttention-3's and cuDNN's are
+taken to be the same, not checked): a block is computed whole once any of its pairs is inside the mask, so a sliding
+window of w keys costs every query block the key blocks from its first query's earliest key to its
+own, ceil(w / 128) + 1 of them, not w / 128."""
 BACKWARD_MEMORY_FACTOR = 2.0
 """Backward of an elementwise op reads the saved input and the incoming gradient and writes one."""
 
