@@ -141,7 +141,8 @@ def _moe_fields(args: Any) -> dict[str, Any]:
             "moe_expert_capacity_factor": args.moe_expert_capacity_factor,
             "moe_pad_expert_input_to_capacity": bool(args.moe_pad_expert_input_to_capacity),
             "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
-            **{name: getattr(args, name) for name in ("moe_flex_dispatcher_backend", "moe_router_num_groups",
+            **{name: getattr(args, name) for name in ("moe_flex_dispatcher_backend", "moe_enable_deepep",
+                                                      "moe_router_num_groups",
                                                       "moe_router_group_topk", "moe_router_dtype")
                if hasattr(args, name)}}
 

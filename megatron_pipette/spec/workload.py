@@ -204,6 +204,9 @@ class Workload:
     over expert TP x EP, each token sent once per remote node: --moe-flex-dispatcher-backend)."""
     moe_flex_dispatcher_backend: str = "deepep"
     """--moe-flex-dispatcher-backend: deepep or hybridep (with --moe-token-dispatcher-type flex)."""
+    moe_enable_deepep: bool = False
+    """--moe-enable-deepep: megatron-core's deprecated spelling of --moe-flex-dispatcher-backend deepep
+    (TransformerConfig sets the backend from it), with the flex dispatcher only."""
     moe_router_num_groups: int | None = None
     """--moe-router-num-groups: experts split into this many groups for group-limited routing
     (DeepSeek-V3's node-limited routing sets it to the nodes of the EP group); None: no limit."""
@@ -303,6 +306,11 @@ class Workload:
                                f"got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise PipetteError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_enable_deepep and (self.moe_token_dispatcher_type != "flex"
+                                       or self.moe_flex_dispatcher_backend != "deepep"):
+            raise PipetteError("--moe-enable-deepep needs --moe-token-dispatcher-type flex and no other "
+                               "--moe-flex-dispatcher-backend (as in Megatron; it is the deprecated spelling of "
+                               "--moe-flex-dispatcher-backend deepep)")
         if self.moe_token_dispatcher_type == "flex" and self.moe_pad_expert_input_to_capacity \
                 and self.moe_flex_dispatcher_backend == "deepep":
             raise PipetteError("--moe-pad-expert-input-to-capacity does not run with the flex dispatcher's deepep "

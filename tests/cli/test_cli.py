@@ -82,7 +82,7 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "--moe-enable-deepep"], "--moe-enable-deepep: this mixture-of-experts option is not modelled"),
+    (["plan", "--moe-shared-expert-gate"], "--moe-shared-expert-gate: this mixture-of-experts option is not modelled"),
     (["plan", "--fp8-format=hybrid", "--first-last-layers-bf16"], "--first-last-layers-bf16: FP8 options other than"),
     (["plan", "--model", "llama3-8b", "--fp8-format", "hybrid"], "--fp8-format: A100-80GB has no FP8 tensor cores"),
     (["estimate", *SMALL, "--hybrid-context-parallel"], "--hybrid-context-parallel: hierarchical or hybrid"),

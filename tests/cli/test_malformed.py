@@ -238,7 +238,7 @@ REPORTED_CASES = [
     ("reported: --num-experts 4 --moe-router-topk 2 without --swiglu --disable-bias-linear",
      ["plan", *MODEL, "--num-experts", "4", "--moe-router-topk", "2"]),
     ("--num-experts --swiglu with biases", ["plan", *MODEL, "--num-experts", "4", "--swiglu"]),
-    ("a refused Megatron flag", ["plan", *MODEL, "--moe-enable-deepep"]),
+    ("a refused Megatron flag", ["plan", *MODEL, "--moe-shared-expert-gate"]),
     ("a refused Megatron value", ["plan", *MODEL, "--optimizer", "sgd"]),
     ("a Megatron flag the planner models but pipette does not take", ["plan", *MODEL, "--padded-vocab-size", "5"]),
     ("neither a pipette nor a Megatron flag", ["plan", *MODEL, "--not-a-flag", "3"]),

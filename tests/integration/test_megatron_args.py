@@ -110,8 +110,9 @@ def test_param_gather_with_optimizer_step_is_refused_beside_the_checkpoints_auto
 
 
 def test_workload_refuses_what_the_planner_cannot_price():
-    with pytest.raises(PipetteError, match=r"^--moe-enable-deepep: this mixture-of-experts option is not modelled$"):
-        ma.workload_from_args(megatron_namespace(num_experts=64, moe_enable_deepep=True))
+    with pytest.raises(PipetteError, match=r"^--moe-shared-expert-gate: this mixture-of-experts option is not "
+                                           r"modelled$"):
+        ma.workload_from_args(megatron_namespace(num_experts=64, moe_shared_expert_gate=True))
     with pytest.raises(PipetteError) as every:
         ma.workload_from_args(megatron_namespace(hybrid_context_parallel=True, use_checkpoint_args=True))
     assert sorted(str(every.value).split("; ")) == [

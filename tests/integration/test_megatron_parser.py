@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.options import add_auto_parallel_args
 from megatron_pipette.spec.megatron_flags import ALLOWED_VALUES, flag_table, refusals
 
@@ -80,9 +81,9 @@ def test_megatrons_parsed_command_lines(megatron_parser):
     assert refusals(vars(megatron_parser.parse_args([]))) == []
     args = megatron_parser.parse_args(["--num-experts", "64", "--context-parallel-size", "2", "--lr", "3e-4",
                                        "--position-embedding-type", "yarn", "--no-overlap-p2p-communication",
-                                       "--cp-comm-type", "a2a", "p2p", "--moe-enable-deepep"])
+                                       "--cp-comm-type", "a2a", "p2p", "--moe-shared-expert-gate"])
     assert sorted(r.flag for r in refusals(vars(args))) == [
-        "--cp-comm-type", "--moe-enable-deepep", "--no-overlap-p2p-communication", "--position-embedding-type"]
+        "--cp-comm-type", "--moe-shared-expert-gate", "--no-overlap-p2p-communication", "--position-embedding-type"]
 
 
 def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
@@ -172,3 +173,20 @@ def test_model_flops_match_megatrons_count(megatron_parser, argv):
     workload = workload_from_args(args)
     args.padded_vocab_size = workload.padded_vocab_size(1)
     assert workload.model_flops_per_iteration() == pytest.approx(num_floating_point_operations(args, 8), rel=1e-12)
+
+
+def test_moe_enable_deepep_is_the_flex_dispatchers_deepep_backend(megatron_parser):
+    """TransformerConfig sets moe_flex_dispatcher_backend = "deepep" from the deprecated
+    --moe-enable-deepep, and raises without the flex dispatcher or beside another backend."""
+    from megatron_pipette.integration.megatron_args import workload_from_args
+
+    base = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+            "--num-experts", "8", "--disable-bias-linear", "--vocab-size", "1000", "--global-batch-size", "8",
+            "--bf16", "--moe-enable-deepep"]
+    args = megatron_parser.parse_args([*base, "--moe-token-dispatcher-type", "flex"])
+    assert refusals(vars(args)) == []
+    assert workload_from_args(args).moe_flex_dispatcher_backend == "deepep"
+    for wrong in (["--moe-token-dispatcher-type", "alltoall"],
+                  ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]):
+        with pytest.raises(PipetteError, match="--moe-enable-deepep needs --moe-token-dispatcher-type flex"):
+            workload_from_args(megatron_parser.parse_args([*base, *wrong]))

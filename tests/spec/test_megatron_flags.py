@@ -28,7 +28,7 @@ def test_megatron_defaults_are_never_refused():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"moe_enable_deepep": True}, "--moe-enable-deepep: this mixture-of-experts option is not modelled"),
+    ({"moe_shared_expert_gate": True}, "--moe-shared-expert-gate: this mixture-of-experts option is not modelled"),
     ({"hierarchical_context_parallel_sizes": [2, 2]}, "--hierarchical-context-parallel-sizes 2 2: hierarchical"),
     ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm: this mixture-of-experts"),
     ({"first_last_layers_bf16": True}, "--first-last-layers-bf16: FP8 options other than --fp8-format with"),
@@ -65,11 +65,11 @@ def test_enum_values_count_by_name():
 
 
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
-    assert len(refused(moe_enable_deepep=True, tp_comm_split_ag=False, fp4="nvfp4")) == 3
+    assert len(refused(moe_shared_expert_gate=True, tp_comm_split_ag=False, fp4="nvfp4")) == 3
     assert refusals({"fp4": "nvfp4"}) and not refusals({"save": "/ckpt", "auto_parallel": True, "fp8": "e4m3"})
-    with pytest.raises(PipetteError, match="^--moe-enable-deepep: this mixture-of-experts option is not modelled; "
+    with pytest.raises(PipetteError, match="^--moe-shared-expert-gate: this mixture-of-experts option is not modelled; "
                                            "--use-torch-fsdp2: fully sharded data parallelism"):
-        check_priced({"moe_enable_deepep": True, "use_torch_fsdp2": True, "lr": 0.1})
+        check_priced({"moe_shared_expert_gate": True, "use_torch_fsdp2": True, "lr": 0.1})
     check_priced({"num_experts": 8, "context_parallel_size": 2, "lr": 0.1})
 
 
