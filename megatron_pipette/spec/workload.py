@@ -345,8 +345,8 @@ class Workload:
         if self.bias_activation_fusion and not self.gated_linear_unit:
             raise UnrunnableFlags(
                 f"{flags} with GELU experts and biases: megatron-core fuses a routed expert's bias and activation "
-                "for SwiGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add "
-                "--swiglu --disable-bias-linear, --disable-bias-linear, or --no-bias-gelu-fusion")
+                "for SwiGLU and quick-GeGLU only (its first forward raises \"Only support fusion of swiglu and "
+                "quick_gelu\"); add --swiglu --disable-bias-linear, --disable-bias-linear, or --no-bias-gelu-fusion")
         if self.bias_activation_fusion and self.add_bias_linear and self.swiglu:   # quick-GeGLU's takes one
             raise UnrunnableFlags(
                 f"{flags} with biases: megatron-core's fused SwiGLU of routed experts takes no bias (its first "

@@ -94,8 +94,8 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
     (["plan", "--optimizer", "sgd"], "--optimizer sgd: only adam is modelled"),
     (["plan", "--num-experts", "4", "--moe-router-topk", "2"],
      "--num-experts 4 with GELU experts and biases: megatron-core fuses a routed expert's bias and activation for "
-     "SwiGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add --swiglu "
-     "--disable-bias-linear"),
+     "SwiGLU and quick-GeGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add "
+     "--swiglu --disable-bias-linear"),
     (["plan", "--num-experts", "4", "--swiglu", "--no-bias-gelu-fusion"], "--num-experts 4 --swiglu with biases"),
     (["plan", "--position-embedding-type", "yarn"], "--position-embedding-type must be one of"),
     (["plan", "--padded-vocab-size", "50304"], "--padded-vocab-size: not a pipette flag"),
