@@ -30,6 +30,7 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -74,12 +75,20 @@ def base_argv(row: dict) -> list[str]:
 def recipe_flags(row: dict) -> tuple[list[str], list[str]]:
     """The recipe's Megatron flags the planner prices: the row's `megatron_flags`, and of the
     settings the set lists as not expressible (each "FLAGS: why"), those the planner now models;
-    and the ones it still refuses, by their flags."""
+    and the ones it still refuses, by their flags. Resolved once per row (every pricing of the row,
+    and the fit's hundreds, reads them)."""
+    flags, left = _recipe_flags(json.dumps(row, sort_keys=True))
+    return list(flags), list(left)
+
+
+@cache
+def _recipe_flags(row_json: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    row = json.loads(row_json)
     flags, left = list(row["recipe"]["megatron_flags"]), list(row["recipe"]["not_expressible"])
     while taken := [entry for entry in left if priced(row, flags, entry)]:   # one may need another
         flags += [word for entry in taken for word in entry.split(":")[0].split()]
         left = [entry for entry in left if entry not in taken]
-    return flags, [entry.split(":")[0] for entry in left]
+    return tuple(flags), tuple(entry.split(":")[0] for entry in left)
 
 
 def priced(row: dict, flags: list[str], entry: str) -> bool:
