@@ -86,22 +86,40 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
     expert_act = (3 if w.gated_linear_unit else 2) * e * rows * fc2                          # the experts' activation
+    # The clamp's passes (clamp_half_bytes): forward 8 halves; backward each half's mask applied to its
+    # gradient (gradient and input read, one written) and the two concatenated for fc1: 10.
+    clamp_f, clamp_b = 8 * clamp_half_bytes(job), 10 * clamp_half_bytes(job)
     mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
            + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
            + expert_act + shared_act + ROUTER_BYTES_PER_SCORE * t * w.num_experts
            + expert_bias_bytes(job)) / memory_bandwidth_Bps
     parts = grouped + dense + shared_work
-    forward = Work(flops=sum(f for f, _, _ in parts), mem_s=mem + cast_f / memory_bandwidth_Bps)
+    forward = Work(flops=sum(f for f, _, _ in parts), mem_s=mem + (clamp_f + cast_f) / memory_bandwidth_Bps)
     redone = job.layout.selective_modules
     if "moe" in redone:
         recompute = forward
     else:
-        recompute = Work(mem_s=expert_act / memory_bandwidth_Bps) if "moe_act" in redone else Work()
+        recompute = Work(mem_s=(expert_act + clamp_f) / memory_bandwidth_Bps) if "moe_act" in redone else Work()
         if "shared_experts" in redone:
             recompute = recompute + Work(flops=sum(f for f, _, _ in shared_work),
                                          mem_s=shared_act / memory_bandwidth_Bps)
     return PartWork(forward=forward, recompute=recompute,
-                    backward=Work(flops=sum(d + g for _, d, g in parts), mem_s=2 * mem + cast_b / memory_bandwidth_Bps))
+                    backward=Work(flops=sum(d + g for _, d, g in parts),
+                                  mem_s=2 * mem + (clamp_b + cast_b) / memory_bandwidth_Bps))
+
+
+def clamp_half_bytes(job: Job) -> float:
+    """Bytes of one half of the routed experts' fc1 output where megatron-core clamps it in passes of
+    its own (0 elsewhere): --activation-func-clamp-value with the fused quick-GeGLU
+    (fusions/fused_bias_geglu.py, weighted_bias_quick_geglu_impl, megatron-core 0.19) clamps the gate
+    and the linear half (each read and written) and concatenates them (read and written) before its
+    kernel: 8 halves moved forward, and again where moe_act recomputes it; the concatenation is what
+    the kernel keeps. The fused SwiGLU ignores the clamp; an unfused activation is priced as fused,
+    its clamp included."""
+    w = job.workload
+    if w.activation_func_clamp_value is None or not (w.quick_geglu and w.bias_activation_fusion):
+        return 0.0
+    return w.bytes_per_element * routed_rows(job) * _expert_widths(job)[1]
 
 
 def probability_bytes(workload: Workload) -> int:
@@ -175,7 +193,8 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     lin = fp8_input_bytes(w)
     fc2_in = 0 if "moe_act" in redone else lin * fc2
     probs = probability_bytes(w)
-    return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + shared_bytes)
+    clamped = 0 if "moe_act" in redone else 2 * clamp_half_bytes(job)   # the clamped copy the kernel keeps
+    return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + clamped + shared_bytes)
 
 
 def fp8_input_bytes(workload: Workload) -> int:
@@ -185,6 +204,9 @@ def fp8_input_bytes(workload: Workload) -> int:
 
 
 def moe_backward_bytes(job: Job) -> int:
-    """Gradients of the experts' two wide tensors in flight during an MoE layer's backward."""
+    """Gradients of the experts' two wide tensors in flight during an MoE layer's backward; with the
+    clamp's passes (clamp_half_bytes) also the clamped halves' gradients beside their concatenation,
+    and the clamped copy where moe_act recomputed it."""
     fc1, fc2 = _expert_widths(job)
-    return round(job.workload.bytes_per_element * routed_rows(job) * (fc1 + fc2))
+    clamp = (4 if "moe_act" in job.layout.selective_modules else 2) * clamp_half_bytes(job)
+    return round(job.workload.bytes_per_element * routed_rows(job) * (fc1 + fc2) + clamp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -119,6 +120,10 @@ class Workload:
     quick_geglu: bool = False
     """--quick-geglu: gated MLP with a quick-GELU gate (GPT-OSS): the same GEMMs and kept tensors as
     --swiglu, another elementwise function (megatron/core/fusions/fused_bias_geglu.py)."""
+    activation_func_clamp_value: float | None = None
+    """--activation-func-clamp-value: a gated MLP's two halves clamped before the activation (GPT-OSS:
+    7). Megatron's fused quick-GeGLU clamps and re-concatenates them in separate passes
+    (fusions/fused_bias_geglu.py: weighted_bias_quick_geglu_impl); its fused SwiGLU ignores it."""
     vocab_size: int = 50257
     """--vocab-size (or the tokenizer's size) before Megatron pads it."""
     make_vocab_size_divisible_by: int = 128
@@ -240,6 +245,10 @@ class Workload:
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (isinstance(clamp, int | float) and not isinstance(clamp, bool)
+                                      and math.isfinite(clamp) and clamp > 0):
+            raise PipetteError(f"--activation-func-clamp-value must be a positive number, got {shown(clamp)}")
         for field in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, field)
             if not (isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value < 1.0):

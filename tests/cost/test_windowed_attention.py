@@ -2,6 +2,8 @@
 --window-attn-skip-freq), attention sinks (--softmax-type learnable) and quick-GeGLU experts
 (--quick-geglu), against megatron-core 0.19's own rules."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -136,3 +138,72 @@ def test_learnable_softmax_adds_one_offset_per_head_and_layer():
     assert gpt_oss(softmax_type="off-by-one").total_parameters() == vanilla.total_parameters()
     with pytest.raises(PipetteError, match="--softmax-type"):
         gpt_oss(softmax_type="sigmoid")
+
+
+def _saved_storages(clamp):
+    """Bytes of each storage megatron-core's fused weighted quick-GeGLU keeps for its backward."""
+    import torch
+    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+
+    fc1_output = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True) * 1.0
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        weighted_bias_quick_geglu_impl(fc1_output, None, torch.rand(64, 1), False, 1.0, clamp)
+    return sorted(size for size in kept.values() if size >= fc1_output.untyped_storage().nbytes())
+
+
+def test_the_clamp_keeps_a_concatenated_copy_as_megatron_core_does():
+    """weighted_bias_quick_geglu_impl with a clamp value keeps the clamped halves' concatenation
+    beside fc1's output (which the clamps' own backward holds): one fc1 output more."""
+    assert len(_saved_storages(7.0)) == len(_saved_storages(None)) + 1
+
+
+def _clamp_terms(workload, **layout):
+    from megatron_pipette.cost.experts import clamp_half_bytes, moe_activation_bytes, moe_backward_bytes
+
+    job = resolve_job(workload, Layout(data_parallel_size=1, **layout))
+    return job, clamp_half_bytes(job), moe_activation_bytes(job, job.layout.selective_modules), \
+        moe_backward_bytes(job)
+
+
+def test_the_clamp_is_priced_where_megatron_core_runs_its_passes():
+    """Fused quick-GeGLU experts: two clamps and a concatenation (8 halves moved forward, 10 back,
+    8 again where moe_act recomputes), the copy kept unless moe_act drops it; the fused SwiGLU ignores
+    the clamp, so nothing changes there."""
+    from megatron_pipette.cost.experts import routed_rows
+
+    plain, clamped = gpt_oss(), gpt_oss(activation_func_clamp_value=7.0)
+    job, half, kept, backward = _clamp_terms(clamped)
+    assert half == 2 * routed_rows(job) * 2880
+    _, none, kept0, backward0 = _clamp_terms(plain)
+    assert none == 0 and kept - kept0 == round(2 * half) and backward - backward0 == round(2 * half)
+    bandwidth = preset_cluster("dgx-h100", num_nodes=1, precision="bf16").memory_bandwidth_Bps
+    base, more = _work(plain), _work(clamped)
+    assert more.moe_layers.sum() == 8
+    np.testing.assert_allclose(more.forward.flops, base.forward.flops)
+    extra_f = (more.forward.mem_s - base.forward.mem_s)
+    extra_b = (more.backward.mem_s - base.backward.mem_s)
+    np.testing.assert_allclose(extra_b, extra_f * 10 / 8)
+    assert (extra_f > 0).all()
+    np.testing.assert_allclose(extra_f.sum(), 8 * 8 * half / bandwidth, rtol=1e-9)
+
+    act = dict(recompute_granularity="selective", recompute_modules=("moe_act",))
+    _, _, kept_act, backward_act = _clamp_terms(clamped, **act)
+    _, _, kept_act0, backward_act0 = _clamp_terms(plain, **act)
+    assert kept_act == kept_act0 and backward_act - backward_act0 == round(4 * half)
+    redo, redo0 = _work(clamped, **act).recompute.mem_s, _work(plain, **act).recompute.mem_s
+    np.testing.assert_allclose((redo - redo0).sum(), 8 * 8 * half / bandwidth, rtol=1e-9)
+
+    swiglu = gpt_oss(quick_geglu=False, swiglu=True, add_bias_linear=False)
+    assert _clamp_terms(dataclasses.replace(swiglu, activation_func_clamp_value=7.0))[1:] == _clamp_terms(swiglu)[1:]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "7"])
+def test_a_bad_clamp_value_names_the_flag(value):
+    with pytest.raises(PipetteError, match="--activation-func-clamp-value"):
+        gpt_oss(activation_func_clamp_value=value)

@@ -96,7 +96,7 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
 GPT_OSS_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
                 "--quick-geglu", "--num-experts", "8", "--moe-router-topk", "2", "--position-embedding-type", "rope",
                 "--window-size", "127,0", "--window-attn-skip-freq", "[1,1,0,1]", "--softmax-type", "learnable",
-                "--disable-bias-linear"]
+                "--disable-bias-linear", "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0"]
 
 
 def test_the_hook_reads_gpt_oss_attention_and_experts(megatron_parser):
@@ -109,6 +109,7 @@ def test_the_hook_reads_gpt_oss_attention_and_experts(megatron_parser):
     workload = workload_from_args(args)
     assert workload.window == 127 and workload.window_layer_pattern() == (True, True, False, True)
     assert workload.quick_geglu and workload.gated_linear_unit and workload.softmax_type == "learnable"
+    assert workload.activation_func_clamp_value == 7.0
 
 
 RECIPE_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
