@@ -81,10 +81,20 @@ def recipe_flags(row: dict) -> tuple[list[str], list[str]]:
     return list(flags), list(left)
 
 
+PROVIDER_FLAGS = {
+    "gpt_oss_120b_pretrain_64gpu_h100_bf16_config": ["--activation-func-clamp-value", "7.0",
+                                                     "--glu-linear-offset", "1.0"],
+}
+"""Architecture settings of a recipe's model provider that the set's `recipe` field leaves out, as
+Megatron flags: Megatron-Bridge 0.6.2 builds GPT-OSS from its Hugging Face bridge
+(models/gpt_oss/gpt_oss_bridge.py: activation_func_clamp_value 7.0, glu_linear_offset 1.0)."""
+
+
 @cache
 def _recipe_flags(row_json: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     row = json.loads(row_json)
-    flags, left = list(row["recipe"]["megatron_flags"]), list(row["recipe"]["not_expressible"])
+    flags = [*row["recipe"]["megatron_flags"], *PROVIDER_FLAGS.get(row["recipe"]["function"], [])]
+    left = list(row["recipe"]["not_expressible"])
     while taken := [entry for entry in left if priced(row, flags, entry)]:   # one may need another
         flags += [word for entry in taken for word in entry.split(":")[0].split()]
         left = [entry for entry in left if entry not in taken]

@@ -24,3 +24,14 @@ def test_settings_that_need_another_are_priced_whatever_their_order():
     assert left == []
     assert flags.index("--quick-geglu") > flags.index("--grad-reduce-in-bf16")
     assert {"--window-size", "--softmax-type", "--moe-router-force-load-balancing"} <= set(flags)
+
+
+def test_the_recipes_provider_settings_are_priced():
+    """GPT-OSS's provider clamps its activation (Megatron-Bridge's gpt_oss_bridge.py); the set's row
+    leaves it out, the benchmark adds it, and the model it builds has it."""
+    row = ROWS["mb25.11-gptoss"]
+    assert row["recipe"]["function"] in runs.PROVIDER_FLAGS
+    assert "--activation-func-clamp-value" not in row["model_flags"] + row["recipe"]["megatron_flags"]
+    priced = runs.build(runs.model_argv(row, recipe=True) + runs.layout_argv(row["published_layout"]))
+    assert priced.workload.activation_func_clamp_value == 7.0
+    assert runs.build(runs.base_argv(ROWS["mb26.04-qwen3-30b"])).workload.activation_func_clamp_value is None
