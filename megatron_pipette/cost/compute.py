@@ -191,9 +191,10 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length
                   * x.seq_length)
     mem = (hidden + act + _attention_elementwise_bytes(job) + scores) / memory_bandwidth_Bps
-    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + cast_f / memory_bandwidth_Bps)
+    rope_f, rope_b = _unfused_rope_bytes(job)
+    forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + (rope_f + cast_f) / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
-                    mem_s=BACKWARD_MEMORY_FACTOR * mem + cast_b / memory_bandwidth_Bps)
+                    mem_s=BACKWARD_MEMORY_FACTOR * mem + (rope_b + cast_b) / memory_bandwidth_Bps)
     if moe:
         mlp = moe_mlp(job, memory_bandwidth_Bps, gemm, linear)
         forward, backward = forward + mlp.forward, backward + mlp.backward
@@ -239,7 +240,23 @@ def _rope_bytes(job: Job) -> float:
     n, a, g, dq, e = x.tokens, x.heads, x.query_groups, x.query_head_dim, x.element_bytes
     if w.multi_latent_attention:
         return 2 * e * n * 2 * a * dq
-    return 2 * e * n * (a + g) * dq if w.position_embedding_type == "rope" else 0
+    return 2 * e * n * (a + g) * dq if w.position_embedding_type in ("rope", "yarn") else 0
+
+
+def _unfused_rope_bytes(job: Job) -> tuple[float, float]:
+    """(forward, backward) traffic RoPE adds beyond _rope_bytes' fused kernel where megatron-core
+    cannot fuse it: Transformer Engine's fused RoPE takes no scale, so a YaRN concentration factor
+    other than 1 (Workload.rope_concentration_factor) runs models/common/embeddings/rope_utils.py's
+    _apply_rotary_pos_emb_bshd on the query and key heads (megatron-core 0.19): the half negated
+    (1 pass of the heads read and written), the halves concatenated (2), the products with the
+    cosines and sines (2 each), their sum (3) and the final concatenation (2), 12 where the kernel
+    moves 2; its backward about as many (the products' gradients, 2 each; the negation's, 1; the
+    halves' gradients joined, 2; the two gradients summed, 3), 10 where the rule for elementwise
+    backwards (BACKWARD_MEMORY_FACTOR) gives the kernel 4."""
+    if job.workload.rope_concentration_factor == 1.0:
+        return 0.0, 0.0
+    heads = _rope_bytes(job) / 2
+    return 10 * heads, 6 * heads
 
 
 def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:

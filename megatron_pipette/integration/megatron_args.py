@@ -71,6 +71,8 @@ def workload_from_args(args: Any) -> Workload:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
+        rotary_scaling_factor=getattr(args, "rotary_scaling_factor", 1.0), mscale=getattr(args, "mscale", 1.0),
+        mscale_all_dim=getattr(args, "mscale_all_dim", 0.0),
         normalization=args.normalization, add_bias_linear=bool(args.add_bias_linear),
         bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", True)),
         bias_swiglu_fusion=bool(getattr(args, "bias_swiglu_fusion", True)),

@@ -95,7 +95,7 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
     recompute_kw: dict[str, Any] = {"recompute_granularity": recompute}
     if recompute == "full":
         recompute_kw.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=1, hidden_size=workload.hidden_size,
         num_attention_heads=workload.num_attention_heads // tp, num_query_groups=workload.query_groups // tp,
         ffn_hidden_size=workload.ffn // tp, kv_channels=workload.head_dim,
@@ -110,11 +110,17 @@ def layer_config(workload: Workload, tp: int, recompute: str | None, device: tor
         bias_activation_fusion=workload.bias_activation_fusion,
         bias_dropout_fusion=True, masked_softmax_fusion=fused_softmax(device),
         attention_softmax_in_fp32=False,
-        apply_rope_fusion=cuda and te and workload.position_embedding_type == "rope",
+        apply_rope_fusion=cuda and te and workload.position_embedding_type in ("rope", "yarn"),
         gradient_accumulation_fusion=False,
         attention_backend=AttnBackend[workload.attention_backend] if te else AttnBackend.local,
         **recompute_kw,
     )
+    if workload.position_embedding_type == "yarn":
+        # What training/argument_utils.py (_apply_yarn_config_from_args) sets: the attention scales
+        # RoPE's cosines and sines by YaRN's concentration factor, unfused where it is not 1.
+        config.yarn_rotary_scaling_factor = workload.rotary_scaling_factor
+        config.yarn_mscale, config.yarn_mscale_all_dim = workload.mscale, workload.mscale_all_dim
+    return config
 
 
 def layer_step(workload: Workload, tp: int, mbs: int, recompute: str | None, env: Any, te: bool) -> Step:
@@ -137,7 +143,7 @@ def layer_step(workload: Workload, tp: int, mbs: int, recompute: str | None, env
     # The local spec's unfused attention needs the causal mask GPTModel gets from the data
     # loader (its default mask would be made on "cuda"); TE builds its own.
     mask = None if te else torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    rope = _rope_table(workload, device) if workload.position_embedding_type == "rope" else None
+    rope = _rope_table(workload, device) if workload.position_embedding_type in ("rope", "yarn") else None
     shared += [t for t in (mask, rope) if t is not None]
     grad = torch.randn_like(x)
 
@@ -209,7 +215,8 @@ def output_step(workload: Workload, tp: int, mbs: int, env: Any, te: bool) -> St
 
 
 def _rope_table(workload: Workload, device: torch.device) -> torch.Tensor:
-    """RotaryEmbedding's table [s, 1, 1, head_dim] (base 10000, full rotary, not interleaved).
+    """RotaryEmbedding's table [s, 1, 1, head_dim] (base 10000, full rotary, not interleaved; YaRN's
+    differs in its frequencies, not in the work).
 
     Computed here because megatron's RotaryEmbedding moves its frequencies to CUDA; the
     table is shared by all layers, so it is not part of a layer's cost.

@@ -23,7 +23,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 """--moe-token-dispatcher-type values the cost model prices (flex: the backends below)."""
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -71,6 +71,20 @@ def attention_backend_built(attention_backend: str, transformer_engine: bool) ->
     local, or TE not installed) it is the local DotProductAttention, which keeps the s x s scores
     whatever --attention-backend says."""
     return attention_backend if transformer_engine else "local"
+
+
+def _number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: object) -> bool:
+    return _number(value) and value > 0
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    """megatron-core's _yarn_get_mscale (models/common/embeddings/yarn_rotary_pos_embedding.py)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def megatron_flag(field: str) -> str:
@@ -131,7 +145,15 @@ class Workload:
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: a separate output matrix."""
     position_embedding_type: str = "learned_absolute"
-    """--position-embedding-type: learned_absolute adds max_position_embeddings*h parameters."""
+    """--position-embedding-type: learned_absolute adds max_position_embeddings*h parameters; rope
+    and yarn (RoPE with YaRN's context extension, GPT-OSS) rotate the query and key heads."""
+    rotary_scaling_factor: float = 1.0
+    """--rotary-scaling-factor: YaRN's extension factor (GPT-OSS: 32); with --mscale and
+    --mscale-all-dim it sets the concentration factor that scales YaRN's cosines and sines."""
+    mscale: float = 1.0
+    """--mscale (YaRN)."""
+    mscale_all_dim: float = 0.0
+    """--mscale-all-dim (YaRN)."""
     max_position_embeddings: int | None = None
     """--max-position-embeddings; None: seq_length."""
     normalization: str = "LayerNorm"
@@ -245,9 +267,17 @@ class Workload:
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
+        if not _positive(self.rotary_scaling_factor):
+            raise PipetteError("--rotary-scaling-factor must be a positive number, "
+                               f"got {shown(self.rotary_scaling_factor)}")
+        for field in ("mscale", "mscale_all_dim"):
+            if not _number(getattr(self, field)):
+                raise PipetteError(f"{megatron_flag(field)} must be a number, got {shown(getattr(self, field))}")
+        if _yarn_mscale(self.rotary_scaling_factor, self.mscale_all_dim) == 0:
+            raise PipetteError(f"--mscale-all-dim {self.mscale_all_dim} makes YaRN's concentration factor divide "
+                               f"by zero at --rotary-scaling-factor {self.rotary_scaling_factor}")
         clamp = self.activation_func_clamp_value
-        if clamp is not None and not (isinstance(clamp, int | float) and not isinstance(clamp, bool)
-                                      and math.isfinite(clamp) and clamp > 0):
+        if clamp is not None and not _positive(clamp):
             raise PipetteError(f"--activation-func-clamp-value must be a positive number, got {shown(clamp)}")
         for field in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, field)
@@ -369,6 +399,16 @@ class Workload:
         --swiglu, else --bias-gelu-fusion, which validate_args turns off without biases
         (training/arguments.py, training/argument_utils.py)."""
         return self.bias_swiglu_fusion if self.swiglu else self.bias_gelu_fusion and self.add_bias_linear
+
+    @property
+    def rope_concentration_factor(self) -> float:
+        """What scales the cosines and sines of RoPE: YaRN's concentration factor (megatron-core
+        0.19's _yarn_get_concentration_factor, with the values training/argument_utils.py gives a
+        non-MLA model from --rotary-scaling-factor, --mscale and --mscale-all-dim), 1 otherwise."""
+        if self.position_embedding_type != "yarn" or self.multi_latent_attention:
+            return 1.0
+        scale = self.rotary_scaling_factor
+        return _yarn_mscale(scale, self.mscale) / _yarn_mscale(scale, self.mscale_all_dim)
 
     @property
     def gated_linear_unit(self) -> bool:

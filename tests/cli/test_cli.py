@@ -97,7 +97,7 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
      "SwiGLU and quick-GeGLU only (its first forward raises \"Only support fusion of swiglu and quick_gelu\"); add "
      "--swiglu --disable-bias-linear"),
     (["plan", "--num-experts", "4", "--swiglu", "--no-bias-gelu-fusion"], "--num-experts 4 --swiglu with biases"),
-    (["plan", "--position-embedding-type", "yarn"], "--position-embedding-type must be one of"),
+    (["plan", "--position-embedding-type", "mrope"], "--position-embedding-type must be one of"),
     (["plan", "--padded-vocab-size", "50304"], "--padded-vocab-size: not a pipette flag"),
 ])
 def test_megatron_flags_the_planner_cannot_price_are_one_line_errors(capsys, argv, message):

@@ -207,3 +207,20 @@ def test_the_clamp_is_priced_where_megatron_core_runs_its_passes():
 def test_a_bad_clamp_value_names_the_flag(value):
     with pytest.raises(PipetteError, match="--activation-func-clamp-value"):
         gpt_oss(activation_func_clamp_value=value)
+
+
+def test_yarn_runs_rope_unfused_where_its_factor_scales_it():
+    """Transformer Engine's fused RoPE takes no scale: YaRN with a concentration factor other than 1
+    runs megatron-core's unfused RoPE, 12 passes of the query and key heads forward where the kernel
+    moves 2, and 10 backward where the elementwise rule gives it 4; at factor 1 it is RoPE's price."""
+    rope, yarn = gpt_oss(), gpt_oss(position_embedding_type="yarn", rotary_scaling_factor=32.0)
+    assert yarn.rope_concentration_factor == pytest.approx(0.1 * np.log(32) + 1)
+    assert gpt_oss(position_embedding_type="yarn").rope_concentration_factor == 1.0
+    base, more = _work(rope), _work(yarn)
+    np.testing.assert_allclose(_work(gpt_oss(position_embedding_type="yarn")).forward.mem_s, base.forward.mem_s)
+    bandwidth = preset_cluster("dgx-h100", num_nodes=1, precision="bf16").memory_bandwidth_Bps
+    heads = 4096 * (64 + 8) * 64 * 2        # one micro-batch's query and key heads, bf16
+    np.testing.assert_allclose((more.forward.mem_s - base.forward.mem_s).sum(), 8 * 10 * heads / bandwidth)
+    np.testing.assert_allclose((more.backward.mem_s - base.backward.mem_s).sum(), 8 * 6 * heads / bandwidth)
+    with pytest.raises(PipetteError, match="--mscale-all-dim"):
+        gpt_oss(position_embedding_type="yarn", rotary_scaling_factor=32.0, mscale_all_dim=-10 / np.log(32))

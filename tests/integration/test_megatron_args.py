@@ -162,7 +162,7 @@ def test_expert_activations_megatron_cannot_run_stop_the_hook_before_planning(fl
                 ma.workload_from_args(args)
 
 
-@pytest.mark.parametrize("field, value", [("position_embedding_type", "yarn"), ("normalization", "GroupNorm"),
+@pytest.mark.parametrize("field, value", [("position_embedding_type", "mrope"), ("normalization", "GroupNorm"),
                                           ("attention_backend", "sparse")])
 def test_workload_refuses_values_it_does_not_know(field, value):
     with pytest.raises(PipetteError, match=f"^--{field.replace('_', '-')} {value}: only "):

@@ -80,7 +80,7 @@ def test_allowed_values_are_megatrons(megatron_parser):
 def test_megatrons_parsed_command_lines(megatron_parser):
     assert refusals(vars(megatron_parser.parse_args([]))) == []
     args = megatron_parser.parse_args(["--num-experts", "64", "--context-parallel-size", "2", "--lr", "3e-4",
-                                       "--position-embedding-type", "yarn", "--no-overlap-p2p-communication",
+                                       "--position-embedding-type", "mrope", "--no-overlap-p2p-communication",
                                        "--cp-comm-type", "a2a", "p2p", "--moe-shared-expert-gate"])
     assert sorted(r.flag for r in refusals(vars(args))) == [
         "--cp-comm-type", "--moe-shared-expert-gate", "--no-overlap-p2p-communication", "--position-embedding-type"]
@@ -94,8 +94,9 @@ def test_defaults_taken_from_the_environment_are_not_refused(monkeypatch):
 
 
 GPT_OSS_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
-                "--quick-geglu", "--num-experts", "8", "--moe-router-topk", "2", "--position-embedding-type", "rope",
-                "--window-size", "127,0", "--window-attn-skip-freq", "[1,1,0,1]", "--softmax-type", "learnable",
+                "--quick-geglu", "--num-experts", "8", "--moe-router-topk", "2", "--position-embedding-type", "yarn",
+                "--rotary-scaling-factor", "32", "--window-size", "127,0", "--window-attn-skip-freq", "[1,1,0,1]",
+                "--softmax-type", "learnable",
                 "--disable-bias-linear", "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0"]
 
 
@@ -110,6 +111,25 @@ def test_the_hook_reads_gpt_oss_attention_and_experts(megatron_parser):
     assert workload.window == 127 and workload.window_layer_pattern() == (True, True, False, True)
     assert workload.quick_geglu and workload.gated_linear_unit and workload.softmax_type == "learnable"
     assert workload.activation_func_clamp_value == 7.0
+
+
+def test_yarns_concentration_factor_is_megatrons(megatron_parser):
+    """What scales YaRN's cosines and sines (and so keeps Transformer Engine's fused RoPE out) is the
+    factor megatron-core computes from the config training/argument_utils.py fills from the flags."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+    from megatron.training.argument_utils import _apply_yarn_config_from_args
+
+    from megatron_pipette.integration.megatron_args import workload_from_args
+
+    for extra in ([], ["--mscale", "0.7", "--mscale-all-dim", "0.3"], ["--rotary-scaling-factor", "1"]):
+        args = megatron_parser.parse_args([*GPT_OSS_LIKE, *extra, "--vocab-size", "1000", "--global-batch-size", "8",
+                                           "--bf16"])
+        config = SimpleNamespace()
+        _apply_yarn_config_from_args(config, args)
+        assert workload_from_args(args).rope_concentration_factor == pytest.approx(
+            _yarn_get_concentration_factor_from_config(config))
 
 
 RECIPE_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",

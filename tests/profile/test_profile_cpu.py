@@ -268,3 +268,20 @@ def test_llama_style_layer_gqa_swiglu_rmsnorm_rope():
         print(f"llama-style tp{tp}: measured {measured} B, planner formula {formula} B, ratio "
               f"{measured / formula:.4f}; formula + RMSNorm/RoPE extras ratio {measured / (formula + extras):.4f}")
         assert measured == formula + extras
+
+
+def test_a_yarn_layer_keeps_what_a_rope_layer_keeps():
+    """YaRN scales RoPE's cosines and sines (megatron-core then runs RoPE unfused, which the planner
+    prices as traffic): the layer builds with the factor and keeps the same activations."""
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    kept = {}
+    for kind, extra in (("rope", {}), ("yarn", {"rotary_scaling_factor": 32.0})):
+        w = workload_from_preset("llama3-8b", hidden_size=128, num_attention_heads=8, num_query_groups=2,
+                                 ffn_hidden_size=256, seq_length=64, vocab_size=1000, precision="fp32",
+                                 position_embedding_type=kind, **extra)
+        assert (w.rope_concentration_factor != 1.0) == (kind == "yarn")
+        doc = profile_layers(w, tp_sizes=(1,), micro_batch_sizes=(1,), recompute=(None,), sequence_parallel=(False,),
+                             device="cpu", warmup=0, iters=1).to_json()
+        kept[kind] = profile_from_json(doc).layer(1, 1, False, None).activation_bytes
+    assert kept["yarn"] == kept["rope"]

@@ -37,7 +37,7 @@ def test_megatron_defaults_are_never_refused():
     ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
     ({"cp_comm_type": ["a2a+p2p"]}, "--cp-comm-type a2a+p2p: only p2p, a2a, allgather are modelled"),
     ({"mla_down_proj_fusion": True}, "--mla-down-proj-fusion: the fused multi-latent-attention down projection"),
-    ({"position_embedding_type": "yarn"}, "--position-embedding-type yarn: only learned_absolute, rope, none"),
+    ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope: only learned_absolute, rope, yarn, none"),
     ({"normalization": "GroupNorm"}, "--normalization GroupNorm: only LayerNorm, RMSNorm are modelled"),
     ({"transformer_impl": "inference_optimized"}, "--transformer-impl inference_optimized: only"),
     ({"optimizer": "sgd"}, "--optimizer sgd: only adam is modelled"),
