@@ -82,12 +82,19 @@ def recipe_flags(row: dict) -> tuple[list[str], list[str]]:
 
 
 PROVIDER_FLAGS = {
-    "gpt_oss_120b_pretrain_64gpu_h100_bf16_config": ["--activation-func-clamp-value", "7.0",
-                                                     "--glu-linear-offset", "1.0"],
+    "gpt_oss_120b_pretrain_64gpu_h100_bf16_config": [
+        "--activation-func-clamp-value", "7.0", "--glu-linear-offset", "1.0",
+        "--position-embedding-type", "yarn", "--rotary-scaling-factor", "32.0",
+        "--yarn-original-max-position-embeddings", "4096", "--yarn-beta-fast", "32.0", "--yarn-beta-slow", "1.0",
+        "--no-yarn-correction-range-round-to-int"],
 }
 """Architecture settings of a recipe's model provider that the set's `recipe` field leaves out, as
-Megatron flags: Megatron-Bridge 0.6.2 builds GPT-OSS from its Hugging Face bridge
-(models/gpt_oss/gpt_oss_bridge.py: activation_func_clamp_value 7.0, glu_linear_offset 1.0)."""
+Megatron flags (the set writes RoPE for GPT-OSS's YaRN; the later flag wins): Megatron-Bridge
+0.6.2 builds GPT-OSS from its Hugging Face bridge (models/gpt_oss/gpt_oss_bridge.py:
+activation_func_clamp_value 7.0, glu_linear_offset 1.0, position_embedding_type yarn with
+yarn_rotary_scaling_factor 32.0, original max positions 4096, beta fast 32 and slow 1, no rounding
+of the correction range, yarn_mscale and yarn_mscale_all_dim None, which give the concentration
+factor Megatron's --mscale 1 and --mscale-all-dim 0 give)."""
 
 
 @cache

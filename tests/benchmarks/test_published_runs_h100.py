@@ -34,4 +34,5 @@ def test_the_recipes_provider_settings_are_priced():
     assert "--activation-func-clamp-value" not in row["model_flags"] + row["recipe"]["megatron_flags"]
     priced = runs.build(runs.model_argv(row, recipe=True) + runs.layout_argv(row["published_layout"]))
     assert priced.workload.activation_func_clamp_value == 7.0
+    assert priced.workload.position_embedding_type == "yarn" and priced.workload.rotary_scaling_factor == 32.0
     assert runs.build(runs.base_argv(ROWS["mb26.04-qwen3-30b"])).workload.activation_func_clamp_value is None
