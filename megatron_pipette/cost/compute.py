@@ -271,6 +271,19 @@ def roofline_embedding(job: Job, memory_bandwidth_Bps: float) -> PartWork:
     return PartWork(forward=Work(mem_s=fwd / memory_bandwidth_Bps), backward=Work(mem_s=bwd / memory_bandwidth_Bps))
 
 
+def mtp_projection(job: Job, memory_bandwidth_Bps: float, linear: GemmCurve) -> PartWork:
+    """One MTP layer's own work beside its transformer layer, its embedding lookup and its output
+    layer and loss (megatron-core 0.19, MultiTokenPredictionLayer._concat_embeddings): the
+    embedding's and the hidden state's norms, their concatenation (2h a token read and written)
+    and the column-parallel 2h-to-h projection."""
+    x = _shape(job)
+    n, h, e, sp = x.tokens, x.hidden, x.element_bytes, x.sp
+    fwd, dgrad, wgrad = linear_work(linear, n, h // job.layout.tp, 2 * h, main_grad_bytes(job.workload))
+    mem = (2 * 2 * e * n * h + 2 * 2 * e * n * h) / sp / memory_bandwidth_Bps
+    return PartWork(forward=Work(flops=fwd, mem_s=mem),
+                    backward=Work(flops=dgrad + wgrad, mem_s=BACKWARD_MEMORY_FACTOR * mem))
+
+
 CROSS_ENTROPY_BANDWIDTH_SHARE = 0.715
 """The share of the measured copy rate the cross-entropy's passes attain: row reductions 16k-128k
 wide and in-place read-modify-writes run slower per byte than a copy. MEASURED on an H200
@@ -478,8 +491,15 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
         or roofline_output(job, bw, gemm)
     layers = np.array(job.chunk_sizes, dtype=float)
     recomputed = _recomputed_layers(layout, layers)
-    rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe, moe_rc = _moe_counts(job, layers)
+    mtp = w.mtp_layers
+    if mtp:   # the last chunk's; full recomputation checkpoints each whole (MultiTokenPredictionLayer)
+        full = layout.recompute_granularity == "full"
+        kind = moe if w.mtp_layer_is_moe else np.zeros_like(moe)
+        for counts, more in ((layers, mtp), (recomputed, mtp * full), (kind, mtp),
+                             (moe_rc, mtp * full * w.mtp_layer_is_moe)):
+            counts[-1, -1] += more
+    rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
     sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
     fwd = _chunks(layer.forward, sparse.forward, layers, moe)
@@ -489,6 +509,13 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     _add_at(bwd, 0, 0, embed.backward)
     _add_at(fwd, -1, -1, out.forward)
     _add_at(bwd, -1, -1, out.backward)
+    if mtp:   # each MTP layer embeds, projects, and computes the logits and loss again
+        projection = mtp_projection(job, bw, linear)
+        extra = _add(_add(embed, out), projection)
+        _add_at(fwd, -1, -1, extra.forward.scaled(mtp))
+        _add_at(bwd, -1, -1, extra.backward.scaled(mtp))
+        if layout.recompute_granularity == "full":
+            _add_at(rc, -1, -1, projection.forward.scaled(mtp))
     x = _shape(job)
     works = {name: linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w))
              for name, shape in _layer_linears(job).items()}

@@ -382,12 +382,12 @@ def communicators(job: Job, stage: int, domain: int = 1) -> tuple[Communicator, 
     model-parallel group (megatron/training/training.py: logical_and / reduce_max across it every
     step), the world group (barriers, timers), with the distributed optimizer its grad-stats group
     (core/optimizer/__init__.py: intra_dist_opt_group, every rank of a single optimizer instance,
-    a communicator of its own), for a tied embedding split over PP the embedding group on the
-    first and last stages, and for an MoE model the expert groups its dispatcher and expert
+    a communicator of its own), for an embedding copied to the last stage (tied, or for MTP) the
+    embedding group on the first and last stages, and for an MoE model the expert groups its dispatcher and expert
     gradients use (EP, ETP, expert DP; ETP x EP for the allgather dispatcher). NCCL allocates a
     communicator's buffers on first use, so groups Megatron creates but never uses are not counted."""
     layout, workload = job.layout, job.workload
-    tied_split = layout.pp > 1 and not workload.untie_embeddings_and_output_weights
+    tied_split = job.embedding_on_last_stage
     dispatcher = workload.moe_token_dispatcher_type if workload.num_experts is not None else None
     return _communicators(layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.etp, dispatcher,
                           layout.cp_comm_type, stage, tied_split, layout.use_distributed_optimizer, domain)
@@ -524,8 +524,27 @@ def _job_terms(job: Job) -> _JobTerms:
                      dense_backward=dense, moe_backward=moe, logits=e * tokens * vocab // t if e != 4 else 0)
 
 
+def _mtp_activations(job: Job, terms: _JobTerms, profile: LayerProfile | None) -> int:
+    """One micro-batch's activations of the MTP layers, which follow the loss's chunk's layers:
+    each a layer of the last decoder layer's kind, the norms' inputs (the embedding and the hidden
+    state) and the projection's concatenated input, its embedding's dropout mask and its own
+    output and loss; under full recomputation the checkpoint keeps its two inputs instead of the
+    layer and projection (MultiTokenPredictionLayer._checkpointed_forward)."""
+    w, layout = job.workload, job.layout
+    if not w.mtp_layers:
+        return 0
+    e, n, h = w.bytes_per_element, job.tokens_per_microbatch, w.hidden_size
+    sp = layout.tp if layout.sequence_parallel else 1
+    if layout.recompute_granularity == "full":
+        layer = 2 * e * n * h // sp
+    else:
+        layer = (_layer_bytes(job, layout.recompute_granularity, profile, moe=w.mtp_layer_is_moe)
+                 + (2 * e + 2 * fp8_input_bytes(w)) * n * h // sp)
+    return w.mtp_layers * (layer + terms.embedding + terms.output)
+
+
 def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerms, chunk_bytes,
-                  overheads: RuntimeOverheads, nvls_domain: int) -> StageMemory:
+                  overheads: RuntimeOverheads, nvls_domain: int, mtp: int) -> StageMemory:
     workload, layout = job.workload, job.layout
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
@@ -533,7 +552,7 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     chunks = [chunk_bytes(n, m) for n, m in zip(job.chunk_sizes[stage], moe)]
     recomputed = max(c.recomputed for c in chunks)
     embedding = terms.embedding if first else 0
-    output = terms.output if last else 0
+    output = terms.output + mtp if last else 0
     states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp)
     if vpp > 1 and (first or last):
         # The end ranks' states count chunk 0 and the last chunk apart: each weighs its own layers
@@ -587,7 +606,8 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     params = stage_parameters(job)
     terms = _job_terms(job)
     chunk_bytes = cache(lambda n, m: _chunk_activations(job, n, m, profile))     # stages share chunks
-    stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain)
+    mtp = _mtp_activations(job, terms, profile)
+    stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain, mtp)
                    for r in range(job.layout.pp))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 

@@ -63,21 +63,32 @@ def word_embedding_per_rank(workload: Workload, tp: int) -> int:
 def stage_parameters(job: Job) -> StageParameters:
     """Per stage: its layers, plus the word (vocab-parallel) and learned position (replicated)
     embeddings on stage 0, and the final norm and output layer on the last stage (a second copy
-    of a tied embedding when PP > 1)."""
+    of a tied embedding when PP > 1). MTP layers sit on the last stage, each a layer of the last
+    decoder layer's kind with its norms and projection (the projection column-parallel); with
+    PP > 1 that stage also builds an embedding for them, beside its output layer, tied or not
+    (GPTModel: "there will be both embedding layer and output layer in the mtp process stage")."""
     workload, layout = job.workload, job.layout
     tp, pp, h = layout.tp, layout.pp, workload.hidden_size
+    mtp = workload.mtp_layers
     layers = np.array(job.stage_layers, dtype=np.int64)
     moe = np.array([sum(chunks) for chunks in job.moe_layers], dtype=np.int64) if job.moe_layers \
         else np.zeros(pp, dtype=np.int64)
+    layers[-1] += mtp
+    moe[-1] += mtp if workload.mtp_layer_is_moe else 0
     dense = (layers - moe) * dense_layer_parameters(workload, tp)
     expert = np.zeros(pp, dtype=np.int64)
     if moe.any():
         dense += moe * dense_layer_parameters(workload, tp, moe=True)
         expert = moe * expert_layer_parameters(workload, layout.ep, layout.etp)
+    projection = 2 * h * h // tp
+    dense[-1] += mtp * projection
     in_layers = dense.copy()
     words = word_embedding_per_rank(workload, tp)
-    dense[0] += words + workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
-    dense[-1] += workload.norm_parameters()
+    positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
+    dense[0] += words + positions
+    dense[-1] += workload.norm_parameters() + mtp * (workload.mtp_extra_parameters() - 2 * h * h)
     if workload.untie_embeddings_and_output_weights or pp > 1:
         dense[-1] += words
+    if mtp and pp > 1:
+        dense[-1] += words + positions
     return StageParameters(dense=dense, expert=expert, dense_in_layers=in_layers)

@@ -267,6 +267,16 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
         tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
         tp_b[:, -1, -1] += output_bwd[:, -1, 0]
+        if workload.mtp_layers:
+            # Each MTP layer's embedding and output layer as the first and last stages', and its
+            # projection's: under SP its 2h-wide input gathered, then (no SP too) its output
+            # gathered over TP (gather_from_tensor_model_parallel_region); its backward collectives
+            # run behind its GEMMs as the other column-parallel linears' do.
+            embedding_f, embedding_b = (ag, ag) if sp else (ar, 0 * ar)
+            output_f = (ag if sp else 0 * ag)[:, -1, 0] + ce[:, -1]
+            projection_f = (3 if sp else 1) * ag[:, -1, 0]
+            tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f[:, -1, 0] + output_f + projection_f)
+            tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b[:, -1, 0] + output_bwd[:, -1, 0])
     fwd, bwd, rc = work.forward.seconds(rate), work.backward.seconds(rate), work.recompute.seconds(rate)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
@@ -438,7 +448,7 @@ def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, na
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
     t_sync = t_dp
-    if layout.pp > 1 and not workload.untie_embeddings_and_output_weights:
+    if job.embedding_on_last_stage:
         words = word_embedding_per_rank(workload, layout.tp) * workload.grad_bytes
         t_sync = max(t_dp, max(done[0], done[-1]) + float(links.embedding_groups.all_reduce_s(words).max()))
     optimizer = float(optimizer_s.max())

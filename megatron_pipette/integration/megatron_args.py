@@ -67,6 +67,7 @@ def workload_from_args(args: Any) -> Workload:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         swiglu=bool(args.swiglu), quick_geglu=bool(getattr(args, "quick_geglu", False)),
         activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         vocab_size=args.vocab_size or args.padded_vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),

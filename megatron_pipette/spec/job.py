@@ -47,6 +47,14 @@ class Job:
         return tuple(sum(chunks) for chunks in self.chunk_sizes)
 
     @property
+    def embedding_on_last_stage(self) -> bool:
+        """The last pipeline stage holds a copy of the word embedding, all-reduced with the first
+        stage's every step: as the tied output layer, or for the MTP layers' lookups (GPTModel
+        builds an embedding where mtp_process)."""
+        w = self.workload
+        return self.layout.pp > 1 and (not w.untie_embeddings_and_output_weights or w.mtp_layers > 0)
+
+    @property
     def virtual_stages(self) -> int:
         """Model chunks per pipeline rank (1 without interleaving)."""
         return len(self.chunk_sizes[0])

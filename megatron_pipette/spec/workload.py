@@ -138,6 +138,11 @@ class Workload:
     """--activation-func-clamp-value: a gated MLP's two halves clamped before the activation (GPT-OSS:
     7). Megatron's fused quick-GeGLU clamps and re-concatenates them in separate passes
     (fusions/fused_bias_geglu.py: weighted_bias_quick_geglu_impl); its fused SwiGLU ignores it."""
+    mtp_num_layers: int | None = None
+    """--mtp-num-layers: multi-token-prediction layers (DeepSeek-V3: 1) after the decoder, on the last
+    pipeline stage's last model chunk; each embeds the next tokens, norms them and the decoder's
+    output, projects the pair (2h to h), runs one layer of the last decoder layer's kind, and the
+    final norm, output layer and loss again (megatron-core 0.19, transformer/multi_token_prediction.py)."""
     vocab_size: int = 50257
     """--vocab-size (or the tokenizer's size) before Megatron pads it."""
     make_vocab_size_divisible_by: int = 128
@@ -251,7 +256,7 @@ class Workload:
             check_count(field, getattr(self, field))
         for field in ("ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "q_lora_rank",
                       "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups",
-                      "moe_router_group_topk"):
+                      "moe_router_group_topk", "mtp_num_layers"):
             if getattr(self, field) is not None:
                 check_count(field, getattr(self, field))
         if self.moe_router_dtype not in (None, "fp32", "fp64"):
@@ -614,6 +619,22 @@ class Workload:
     def norm_parameters(self) -> int:
         return self._norm_parameters(self.hidden_size)
 
+    @property
+    def mtp_layers(self) -> int:
+        """--mtp-num-layers, 0 without multi-token prediction."""
+        return self.mtp_num_layers or 0
+
+    @property
+    def mtp_layer_is_moe(self) -> bool:
+        """An MTP layer has the last decoder layer's spec (gpt_layer_specs.get_gpt_mtp_block_spec)."""
+        return self.moe_layer_pattern()[-1]
+
+    def mtp_extra_parameters(self) -> int:
+        """One MTP layer's parameters beyond its transformer layer: the embedding's and the hidden
+        state's norms, the 2h-to-h projection (no bias) and the final norm; it shares the word
+        embedding and the output layer."""
+        return 3 * self.norm_parameters() + 2 * self.hidden_size * self.hidden_size
+
     def _norm_parameters(self, width: int) -> int:
         return 2 * width if self.normalization == "LayerNorm" else width
 
@@ -628,13 +649,15 @@ class Workload:
         output = (self.padded_vocab_size(tensor_model_parallel_size) * self.hidden_size
                   if self.untie_embeddings_and_output_weights else 0)
         layers = sum(self.layer_parameters(moe) for moe in self.moe_layer_pattern())
-        return layers + self.embedding_parameters(tensor_model_parallel_size) + self.norm_parameters() + output
+        mtp = self.mtp_layers * (self.layer_parameters(self.mtp_layer_is_moe) + self.mtp_extra_parameters())
+        return layers + mtp + self.embedding_parameters(tensor_model_parallel_size) + self.norm_parameters() + output
 
     def model_flops_per_iteration(self) -> float:
         """Model FLOPs of one iteration (forward+backward, no recomputation), Megatron's MFU convention
         (megatron/training/training.py, num_floating_point_operations): an MoE layer counts its top-k
         routed experts and its shared experts, not the router; the core attention counts the causal
-        half of the scores only, whatever the backend computes."""
+        half of the scores only, whatever the backend computes; an MTP layer counts as a layer of the
+        last one's kind, its norms and projection as 3h + 2h^2 multiply-adds a token, its logits."""
         tokens = self.global_batch_size * self.seq_length
         h, s, a = self.hidden_size, self.seq_length, self.num_attention_heads
         stacked = 3 if self.swiglu else 2
@@ -643,13 +666,14 @@ class Workload:
             projections += self.kv_lora_rank + (0 if self.q_lora_rank is None else self.q_lora_rank)
         # QK^T and AV per token, multiply-adds, over the causal half (s/2 keys)
         attention = s * a * (self.query_head_dim + self.value_head_dim) / 2
-        pattern = self.moe_layer_pattern()
-        moe_layers = sum(pattern)
+        mtp = self.mtp_layers
+        layers = self.num_layers + mtp
+        moe_layers = sum(self.moe_layer_pattern()) + (mtp if self.mtp_layer_is_moe else 0)
         shared = self.moe_shared_expert_intermediate_size or 0
-        mlp = stacked * h * (self.ffn * (self.num_layers - moe_layers)
+        mlp = stacked * h * (self.ffn * (layers - moe_layers)
                              + (self.moe_ffn * self.moe_router_topk + shared) * moe_layers)
-        per_token = self.num_layers * (2 * projections + 2 * attention) + 2 * mlp
-        logits = 2 * h * self.padded_vocab_size(1)
+        per_token = layers * (2 * projections + 2 * attention) + 2 * mlp + 2 * mtp * (3 * h + 2 * h * h)
+        logits = 2 * h * self.padded_vocab_size(1) * (1 + mtp)
         return 3.0 * tokens * (per_token + logits)
 
 

@@ -137,7 +137,8 @@ RECIPE_LIKE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-hea
                "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
                "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32",
                "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16",
-               "--exp-avg-sq-dtype", "bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--grad-reduce-in-bf16"]
+               "--exp-avg-sq-dtype", "bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--grad-reduce-in-bf16",
+               "--mtp-num-layers", "1"]
 
 
 @pytest.mark.parametrize("argv", [RECIPE_LIKE, GPT_OSS_LIKE])
@@ -171,10 +172,13 @@ def test_the_hook_and_the_cli_read_the_same_model(megatron_parser, monkeypatch, 
     ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
      "--multi-latent-attention", "--q-lora-rank", "96", "--kv-lora-rank", "64", "--qk-head-dim", "32",
      "--qk-pos-emb-head-dim", "16", "--v-head-dim", "24", "--qk-layernorm", "--swiglu", "--num-experts", "8",
-     "--moe-layer-freq", "([0]+[1]*3)", "--disable-bias-linear", "--position-embedding-type", "rope"],
+     "--moe-layer-freq", "([0]+[1]*3)", "--disable-bias-linear", "--position-embedding-type", "rope",
+     "--mtp-num-layers", "1"],
     ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
      "--multi-latent-attention", "--kv-lora-rank", "64", "--qk-head-dim", "32", "--v-head-dim", "32"],
     GPT_OSS_LIKE,
+    ["--num-layers", "3", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+     "--mtp-num-layers", "2"],
 ])
 def test_model_flops_match_megatrons_count(megatron_parser, argv):
     """Our TFLOP/s use Megatron's convention: its own num_floating_point_operations, on its parsed

@@ -47,9 +47,10 @@ class NoParameters(torch.nn.Module):
 
 
 def megatron_decoder_parameters(w: Workload) -> tuple[int, int]:
-    """(decoder parameters, whole-model parameters) of megatron-core's GPTModel for this workload."""
+    """(decoder parameters, whole-model parameters) of megatron-core's GPTModel for this workload
+    (its MTP block too, where --mtp-num-layers)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     pattern = [int(x) for x in w.moe_layer_pattern()] if w.num_experts else 1
@@ -64,14 +65,16 @@ def megatron_decoder_parameters(w: Workload) -> tuple[int, int]:
         normalization=w.normalization, add_bias_linear=w.add_bias_linear, num_moe_experts=w.num_experts,
         moe_router_topk=w.moe_router_topk, moe_ffn_hidden_size=w.moe_ffn if w.num_experts else None,
         moe_shared_expert_intermediate_size=w.moe_shared_expert_intermediate_size, moe_layer_freq=pattern,
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False)
+        mtp_num_layers=w.mtp_num_layers, params_dtype=torch.float32, use_cpu_initialization=True,
+        perform_initialization=False)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=w.normalization)
     if w.multi_latent_attention:  # the local DotProductAttention takes no MLA head widths; it has no parameters
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = NoParameters
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if w.mtp_num_layers else None
     model = GPTModel(config, spec, vocab_size=w.padded_vocab_size(1), max_sequence_length=w.max_positions,
                      position_embedding_type=w.position_embedding_type,
-                     share_embeddings_and_output_weights=not w.untie_embeddings_and_output_weights)
+                     share_embeddings_and_output_weights=not w.untie_embeddings_and_output_weights, mtp_block_spec=mtp)
     decoder = sum(p.numel() for p in model.decoder.parameters())
     return decoder, sum(p.numel() for p in model.parameters())
 
@@ -87,4 +90,17 @@ def test_parameter_counts_match_megatron(fields, monkeypatch):
         decoder, total = megatron_decoder_parameters(w)
     ours_decoder = sum(w.layer_parameters(moe) for moe in w.moe_layer_pattern()) + w.norm_parameters()
     assert ours_decoder == decoder
+    assert w.total_parameters() == total
+
+
+
+@pytest.mark.parametrize("fields", [CASES[0], CASES[1], CASES[5]], ids=["mixtral-like", "deepseek-like", "dense"])
+@pytest.mark.parametrize("mtp", [1, 2])
+def test_mtp_parameter_counts_match_megatron(fields, mtp, monkeypatch):
+    """--mtp-num-layers: each MTP layer a layer of the last decoder layer's kind, two norms, the 2h-to-h
+    projection and a final norm, sharing the embedding and the output layer (one pipeline stage)."""
+    w = Workload(seq_length=64, global_batch_size=8, vocab_size=1000, mtp_num_layers=mtp, **fields)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    with single_device_megatron(torch.device("cpu")):
+        _, total = megatron_decoder_parameters(w)
     assert w.total_parameters() == total
