@@ -96,6 +96,20 @@ yarn_rotary_scaling_factor 32.0, original max positions 4096, beta fast 32 and s
 of the correction range, yarn_mscale and yarn_mscale_all_dim None, which give the concentration
 factor Megatron's --mscale 1 and --mscale-all-dim 0 give)."""
 
+RECIPE_LAYOUTS = {"deepseek_v3_pretrain_1024gpu_h100_fp8cs_config": "Et|(tt|)*30mL"}
+"""A recipe's --pipeline-model-parallel-layout where it places layers the set's published layout
+leaves out: Megatron-Bridge 0.6.2's DeepSeek-V3 recipe (perf_recipes/deepseek/h100/deepseek_v3.py)
+puts its MTP layer (m) on the last stage, which the row's note records and its layout, written
+when MTP could not be priced, omits. Used with the recipe's flags, which then include
+--mtp-num-layers."""
+
+
+def recipe_layout(row: dict) -> dict:
+    """The published layout as the recipe spells it (RECIPE_LAYOUTS)."""
+    spelt = RECIPE_LAYOUTS.get(row["recipe"]["function"])
+    return row["published_layout"] if spelt is None else {**row["published_layout"],
+                                                          "pipeline_model_parallel_layout": spelt}
+
 
 @cache
 def _recipe_flags(row_json: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -114,7 +128,7 @@ def priced(row: dict, flags: list[str], entry: str) -> bool:
         return False
     try:
         check_user_layout(Layout(**build(with_recipe(base_argv(row), [*flags, *entry.split(":")[0].split()])
-                                         + layout_argv(row["published_layout"])).fields))
+                                         + layout_argv(recipe_layout(row))).fields))
     except (PipetteError, Infeasible):
         return False
     return True
@@ -198,7 +212,8 @@ def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,
     """Time and memory of the published layout; where its micro-batch size is not published, of
     the fastest fitting one (and interleaving) the search finds with the rest fixed."""
     try:
-        priced = build([*model_argv(row, recipe), *layout_argv(row["published_layout"]), *OVERLAPS],
+        published = recipe_layout(row) if recipe else row["published_layout"]
+        priced = build([*model_argv(row, recipe), *layout_argv(published), *OVERLAPS],
                        environment(row, recipe))
         model = CostModel(with_execution(priced.cluster, step_fraction), execution=execution,
                           overheads=priced.overheads)

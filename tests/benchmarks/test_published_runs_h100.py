@@ -36,3 +36,14 @@ def test_the_recipes_provider_settings_are_priced():
     assert priced.workload.activation_func_clamp_value == 7.0
     assert priced.workload.position_embedding_type == "yarn" and priced.workload.rotary_scaling_factor == 32.0
     assert runs.build(runs.base_argv(ROWS["mb26.04-qwen3-30b"])).workload.activation_func_clamp_value is None
+
+
+def test_the_recipes_mtp_layer_is_priced_where_its_layout_puts_it():
+    """DeepSeek-V3's recipe sets --mtp-num-layers 1 and spells its layer (m) in its layout; the row's
+    layout, written without it, would not resolve with it (Megatron counts the m)."""
+    row = ROWS["mb25.09-deepseekv3"]
+    flags, _ = runs.recipe_flags(row)
+    assert flags[flags.index("--mtp-num-layers") + 1] == "1"
+    assert "m" not in row["published_layout"]["pipeline_model_parallel_layout"]
+    assert runs.recipe_layout(row)["pipeline_model_parallel_layout"].endswith("mL")
+    assert "error_message" not in runs.pinned(row, recipe=True)
