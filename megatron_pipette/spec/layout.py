@@ -351,8 +351,10 @@ def _spelt_chunks(workload: Workload, layout: Layout) -> list[list[int]]:
     if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
         raise Infeasible(f"{flag} must start with the embedding (E) and end with the loss (L), once each")
     if flat.count("m") != workload.mtp_layers:
-        raise Infeasible(f"{flag} places {flat.count('m')} multi-token-prediction layers (m), not --mtp-num-layers "
-                         f"{workload.mtp_num_layers} (Megatron's rule)")
+        wanted = f"not --mtp-num-layers {workload.mtp_num_layers}" if workload.mtp_num_layers else \
+            "without --mtp-num-layers"
+        raise Infeasible(f"{flag} places {flat.count('m')} multi-token-prediction layers (m), {wanted} "
+                         "(Megatron's rule)")
     if "m" in flat and ("m" in "".join(stages[:-1]) or "t" in stages[-1][stages[-1].index("m"):]):
         raise Infeasible(f"{flag} places multi-token-prediction layers (m) before the last virtual stage's end: "
                          "only there, after its transformer layers (as Megatron runs them without "
