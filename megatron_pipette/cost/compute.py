@@ -494,11 +494,12 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     moe, moe_rc = _moe_counts(job, layers)
     mtp = w.mtp_layers
     if mtp:   # the last chunk's; full recomputation checkpoints each whole (MultiTokenPredictionLayer)
-        full = layout.recompute_granularity == "full"
-        kind = moe if w.mtp_layer_is_moe else np.zeros_like(moe)
-        for counts, more in ((layers, mtp), (recomputed, mtp * full), (kind, mtp),
-                             (moe_rc, mtp * full * w.mtp_layer_is_moe)):
-            counts[-1, -1] += more
+        redone = mtp if layout.recompute_granularity == "full" else 0
+        layers[-1, -1] += mtp
+        recomputed[-1, -1] += redone
+        if w.mtp_layer_is_moe:
+            moe[-1, -1] += mtp
+            moe_rc[-1, -1] += redone
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
     sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer

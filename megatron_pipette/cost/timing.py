@@ -272,11 +272,11 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
             # projection's: under SP its 2h-wide input gathered, then (no SP too) its output
             # gathered over TP (gather_from_tensor_model_parallel_region); its backward collectives
             # run behind its GEMMs as the other column-parallel linears' do.
-            embedding_f, embedding_b = (ag, ag) if sp else (ar, 0 * ar)
-            output_f = (ag if sp else 0 * ag)[:, -1, 0] + ce[:, -1]
+            embedding_f, embedding_b = (ag[:, -1, 0], ag[:, -1, 0]) if sp else (ar[:, -1, 0], 0)
+            output_f = (ag[:, -1, 0] if sp else 0) + ce[:, -1]
             projection_f = (3 if sp else 1) * ag[:, -1, 0]
-            tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f[:, -1, 0] + output_f + projection_f)
-            tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b[:, -1, 0] + output_bwd[:, -1, 0])
+            tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f + output_f + projection_f)
+            tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b + output_bwd[:, -1, 0])
     fwd, bwd, rc = work.forward.seconds(rate), work.backward.seconds(rate), work.recompute.seconds(rate)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)

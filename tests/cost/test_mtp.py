@@ -121,3 +121,15 @@ def test_an_untied_embedding_is_all_reduced_once_mtp_copies_it():
     untied = cost.time(resolve_job(model(), layout)).breakdown
     with_mtp = cost.time(resolve_job(model(mtp_num_layers=1), layout)).breakdown
     assert untied.embedding_allreduce_s == 0 and with_mtp.embedding_allreduce_s > 0
+
+
+def test_mtp_pays_its_tensor_parallel_collectives():
+    """With TP the MTP layer's embedding, projection and output gather and reduce as the first and
+    last stages' do, beside the layer's own collectives; without TP there are none."""
+    cost = CostModel(CLUSTER)
+    tp = Layout(tensor_model_parallel_size=2, sequence_parallel=True, data_parallel_size=4)
+    one, two = (cost.time(resolve_job(model(mtp_num_layers=n), tp)).breakdown.tp_comm_s for n in (1, 2))
+    zero = cost.time(resolve_job(model(), tp)).breakdown.tp_comm_s
+    assert two - one == pytest.approx(one - zero) and one - zero > (zero / 8)   # more than a layer's share
+    solo = Layout(data_parallel_size=8)
+    assert cost.time(resolve_job(model(mtp_num_layers=1), solo)).breakdown.tp_comm_s == 0
