@@ -284,6 +284,15 @@ def mtp_projection(job: Job, memory_bandwidth_Bps: float, linear: GemmCurve) -> 
                     backward=Work(flops=dgrad + wgrad, mem_s=BACKWARD_MEMORY_FACTOR * mem))
 
 
+def _mtp_acceptance_bytes(job: Job) -> float:
+    """An MTP layer's acceptance count in training (process_mtp_loss, _compute_mtp_acceptance_counts):
+    an argmax over its vocab-parallel logits, one more read of them (its two per-token all-gathers
+    over TP are left out)."""
+    layout = job.layout
+    return job.workload.bytes_per_element * job.tokens_per_microbatch * \
+        (job.workload.padded_vocab_size(layout.tp) // layout.tp)
+
+
 CROSS_ENTROPY_BANDWIDTH_SHARE = 0.715
 """The share of the measured copy rate the cross-entropy's passes attain: row reductions 16k-128k
 wide and in-place read-modify-writes run slower per byte than a copy. MEASURED on an H200
@@ -510,10 +519,11 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     _add_at(bwd, 0, 0, embed.backward)
     _add_at(fwd, -1, -1, out.forward)
     _add_at(bwd, -1, -1, out.backward)
-    if mtp:   # each MTP layer embeds, projects, and computes the logits and loss again
+    if mtp:   # each MTP layer embeds, projects, and computes the logits, loss and acceptance again
         projection = mtp_projection(job, bw, linear)
         extra = _add(_add(embed, out), projection)
-        _add_at(fwd, -1, -1, extra.forward.scaled(mtp))
+        accept = Work(mem_s=_mtp_acceptance_bytes(job) / bw)
+        _add_at(fwd, -1, -1, (extra.forward + accept).scaled(mtp))
         _add_at(bwd, -1, -1, extra.backward.scaled(mtp))
         if layout.recompute_granularity == "full":
             _add_at(rc, -1, -1, projection.forward.scaled(mtp))
