@@ -302,6 +302,9 @@ class Workload:
             if self.num_attention_heads % self.num_query_groups:
                 raise PipetteError(f"--num-attention-heads {self.num_attention_heads} is not divisible "
                                    f"by --num-query-groups {self.num_query_groups}")
+        if self.mtp_num_layers and self.position_embedding_type == "yarn":
+            raise PipetteError("--mtp-num-layers with --position-embedding-type yarn: Megatron asserts multi-token "
+                               "prediction takes learned_absolute, rope, mrope or none (validate_args)")
         if self.swiglu and self.quick_geglu:
             raise PipetteError("--quick-geglu and --swiglu exclude each other (Megatron asserts not args.swiglu)")
         self.window_layer_pattern()  # raises on a malformed --window-size or --window-attn-skip-freq

@@ -12,6 +12,7 @@ from megatron_pipette.cost.gemm import Work, gemm_curve
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import dense_layer_parameters, expert_layer_parameters, stage_parameters
+from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Infeasible, Layout
@@ -137,3 +138,8 @@ def test_mtp_pays_its_tensor_parallel_collectives():
     assert two - one == pytest.approx(one - zero) and one - zero > (zero / 8)   # more than a layer's share
     solo = Layout(data_parallel_size=8)
     assert cost.time(resolve_job(model(mtp_num_layers=1), solo)).breakdown.tp_comm_s == 0
+
+
+def test_mtp_refuses_yarn_positions_as_megatron_does():
+    with pytest.raises(PipetteError, match="--mtp-num-layers with --position-embedding-type yarn"):
+        model(mtp_num_layers=1, position_embedding_type="yarn")
