@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.expressions import in_range
 from megatron_pipette.spec.hardware import Cluster, LinkLevel, check_cluster_shape, gpu_catalog
 
 SCHEMA = "megatron-pipette/cluster"
@@ -50,17 +50,6 @@ MAX_LATENCY_S = 10.0
 """The longest start-up time of a message a file may give: longer is a failed link, not a slow one."""
 MIN_FLOPS = 1e6
 """The slowest GEMM rate a file may give, FLOP/s (per device)."""
-
-
-def _in_range(value: Any, low: float, high: float = math.inf, *, above: bool = False) -> bool:
-    """A finite number (not a bool) in [low, high], or (low, high] with `above`."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        number = float(value)
-    except OverflowError:
-        return False
-    return math.isfinite(number) and (number > low if above else number >= low) and number <= high
 
 
 def encode_matrix(m: np.ndarray) -> list | dict:
@@ -126,7 +115,7 @@ def _positive_vector(devices: dict, key: str, n: int, where: str, required: bool
     values = devices.get(key)
     if values is None and not required:
         return None
-    if not isinstance(values, list) or len(values) != n or not all(_in_range(v, DEVICE_MINIMA[key]) for v in values):
+    if not isinstance(values, list) or len(values) != n or not all(in_range(v, DEVICE_MINIMA[key]) for v in values):
         raise PipetteError(f"{where}: devices.{key} must list a finite number of at least {DEVICE_MINIMA[key]:g} "
                            f"for each of the {n} devices")
     return np.array(values, dtype=float)
@@ -170,7 +159,7 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
     levels = tuple(_level(level, gpn, f"{where}: intra_node[{k}]") for k, level in enumerate(intra))
     factor = inter.get("cross_rail_bandwidth_factor", 1.0) if isinstance(inter, dict) else 1.0
     extra = inter.get("cross_rail_latency_s", 0.0) if isinstance(inter, dict) else 0.0
-    if not _in_range(factor, 0.0, 1.0, above=True) or not _in_range(extra, 0.0, MAX_LATENCY_S):
+    if not in_range(factor, 0.0, 1.0, above=True) or not in_range(extra, 0.0, MAX_LATENCY_S):
         raise PipetteError(f"{where}: inter_node cross_rail_bandwidth_factor must be in (0, 1] and "
                            f"cross_rail_latency_s in [0, {MAX_LATENCY_S:g}]")
     return Cluster(name=str(data.get("name", "probed")), num_nodes=num_nodes, gpus_per_node=gpn,
@@ -304,7 +293,7 @@ def _from_version_1(data: dict, where: str) -> Cluster:
         hosts.append(str(names.pop()))
     for d in devices:
         for key in ("memory_bytes", "gemm_flops"):
-            if not _in_range(d.get(key), DEVICE_MINIMA[key]):
+            if not in_range(d.get(key), DEVICE_MINIMA[key]):
                 raise PipetteError(f"{where}: device {d['rank']} needs a finite '{key}' of at least "
                                    f"{DEVICE_MINIMA[key]:g}")
     names = {str(d.get("gpu")) for d in devices}
@@ -340,7 +329,7 @@ def _from_version_1(data: dict, where: str) -> Cluster:
 
     mem_bw = [d.get("memory_bandwidth_Bps") for d in devices]
     gpu = gpu_catalog().get(str(names.pop()).lower()) if len(names) == 1 else None
-    if all(_in_range(b, MIN_BANDWIDTH_BPS) for b in mem_bw):
+    if all(in_range(b, MIN_BANDWIDTH_BPS) for b in mem_bw):
         memory_bandwidth = float(min(mem_bw))
     elif gpu is not None:
         memory_bandwidth = gpu.memory_bandwidth_Bps

@@ -11,6 +11,8 @@ MAX_INTEGER before computing it, so any text ends in a value or a PipetteError a
 from __future__ import annotations
 
 import ast
+import math
+from typing import Any
 
 from megatron_pipette.errors import PipetteError
 
@@ -37,6 +39,18 @@ def list_expression(text: str, *, max_length: int, flag: str) -> list[int]:
         raise PipetteError(f"{flag} {shown(text)}: not a list expression of integers, +, * and parentheses "
                            f"such as \"([0]+[1]*3)\"")
     return value
+
+
+def in_range(value: Any, low: float, high: float = math.inf, *, above: bool = False) -> bool:
+    """A finite number (not a bool) in [low, high], or (low, high] with `above`; an integer too large
+    for a float is out of range, not an error."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and (number > low if above else number >= low) and number <= high
 
 
 def shown(value: object, limit: int = 60) -> str:

@@ -30,12 +30,12 @@ entry with `"context_parallel_size": CP` (absent: 1) times one CP rank's seq_len
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.expressions import in_range
 from megatron_pipette.spec.hardware import Cluster, gpu_catalog
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
@@ -143,8 +143,8 @@ def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
             raise PipetteError(f"{where}: {key}[{i}] is malformed ({e!r})") from None
         entry = out[-1]
         sizes = (entry.tensor_model_parallel_size, entry.micro_batch_size, entry.context_parallel_size)
-        if not (all(_finite(t, above=0) for t in (entry.forward_s, entry.backward_s)) and entry.activation_bytes >= 0
-                and all(0 < n <= MAX_SIZE for n in sizes)):
+        if not (all(in_range(t, 0, above=True) for t in (entry.forward_s, entry.backward_s))
+                and entry.activation_bytes >= 0 and all(0 < n <= MAX_SIZE for n in sizes)):
             raise PipetteError(f"{where}: {key}[{i}] needs finite positive times, non-negative activation bytes, "
                                f"and tensor-parallel, micro-batch and context-parallel sizes in 1..{MAX_SIZE}")
     return tuple(out)
@@ -163,7 +163,7 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
     if not isinstance(device, dict) or not isinstance(model, dict):
         raise PipetteError(f"{where}: 'device' and 'model' must be objects")
     rate, rank = device.get("gemm_flops"), device.get("rank", 0)
-    if rate is not None and not _finite(rate, above=0):
+    if rate is not None and not in_range(rate, 0, above=True):
         raise PipetteError(f"{where}: device.gemm_flops must be a positive number, got {rate!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise PipetteError(f"{where}: device.rank must be a non-negative integer, got {rank!r}")
@@ -171,12 +171,6 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
                         gemm_flops=None if rate is None else float(rate),
                         layers=layers, embedding=_entries(data, "embedding", where),
                         output_layer=_entries(data, "output_layer", where), model=dict(model))
-
-
-def _finite(value: Any, above: float) -> bool:
-    """A finite number (not a bool) above `above`."""
-    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            and value > above)
 
 
 def profile_model_fields(workload: Workload) -> dict:

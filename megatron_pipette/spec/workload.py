@@ -17,7 +17,7 @@ from functools import cached_property
 from importlib import resources
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
-from megatron_pipette.spec.expressions import MAX_INTEGER, list_expression, shown
+from megatron_pipette.spec.expressions import MAX_INTEGER, in_range, list_expression, shown
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -71,15 +71,6 @@ def attention_backend_built(attention_backend: str, transformer_engine: bool) ->
     local, or TE not installed) it is the local DotProductAttention, which keeps the s x s scores
     whatever --attention-backend says."""
     return attention_backend if transformer_engine else "local"
-
-
-def _number(value: object) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive(value: object) -> bool:
-    return _number(value) and value > 0
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -272,17 +263,17 @@ class Workload:
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
-        if not _positive(self.rotary_scaling_factor):
+        if not in_range(self.rotary_scaling_factor, 0, above=True):
             raise PipetteError("--rotary-scaling-factor must be a positive number, "
                                f"got {shown(self.rotary_scaling_factor)}")
         for field in ("mscale", "mscale_all_dim"):
-            if not _number(getattr(self, field)):
+            if not in_range(getattr(self, field), -math.inf):
                 raise PipetteError(f"{megatron_flag(field)} must be a number, got {shown(getattr(self, field))}")
         if _yarn_mscale(self.rotary_scaling_factor, self.mscale_all_dim) == 0:
             raise PipetteError(f"--mscale-all-dim {self.mscale_all_dim} makes YaRN's concentration factor divide "
                                f"by zero at --rotary-scaling-factor {self.rotary_scaling_factor}")
         clamp = self.activation_func_clamp_value
-        if clamp is not None and not _positive(clamp):
+        if clamp is not None and not in_range(clamp, 0, above=True):
             raise PipetteError(f"--activation-func-clamp-value must be a positive number, got {shown(clamp)}")
         for field in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, field)
