@@ -262,21 +262,25 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         redone = work.layers if "core_attn" in layout.selective_modules else work.recomputed_layers
         cp_f, cp_b = one_f * work.layers, one_b * work.layers + one_f * redone
     if links.tp > 1:
-        ce = _cross_entropy_comm(ring, tokens, workload.cross_entropy_fusion).T
-        tp_f[:, 0, 0] += (ag if sp else ar)[:, 0, 0]
-        tp_b[:, 0, 0] += ag[:, 0, 0] if sp else 0
-        tp_f[:, -1, -1] += (ag[:, -1, 0] if sp else 0) + ce[:, -1]
-        tp_b[:, -1, -1] += output_bwd[:, -1, 0]
+        # The embedding's collectives (its vocab-parallel output reduced, or reduce-scattered under
+        # SP and gathered back in the backward) and the output layer's (its input gathered under SP,
+        # the loss's statistics), (dp, pp): on the first stage and the last.
+        none = np.zeros_like(ar[:, :, 0])
+        embedding_f, embedding_b = (ag[:, :, 0], ag[:, :, 0]) if sp else (ar[:, :, 0], none)
+        output_f = (ag[:, :, 0] if sp else none) + _cross_entropy_comm(ring, tokens, workload.cross_entropy_fusion).T
+        output_b = output_bwd[:, :, 0]
+        tp_f[:, 0, 0] += embedding_f[:, 0]
+        tp_b[:, 0, 0] += embedding_b[:, 0]
+        tp_f[:, -1, -1] += output_f[:, -1]
+        tp_b[:, -1, -1] += output_b[:, -1]
         if workload.mtp_layers:
-            # Each MTP layer's embedding and output layer as the first and last stages', and its
-            # projection's: under SP its 2h-wide input gathered, then (no SP too) its output
-            # gathered over TP (gather_from_tensor_model_parallel_region); its backward collectives
-            # run behind its GEMMs as the other column-parallel linears' do.
-            embedding_f, embedding_b = (ag[:, -1, 0], ag[:, -1, 0]) if sp else (ar[:, -1, 0], 0)
-            output_f = (ag[:, -1, 0] if sp else 0) + ce[:, -1]
+            # Each MTP layer's embedding and output layer again, and its projection's: under SP its
+            # 2h-wide input gathered, then (no SP too) its output gathered over TP
+            # (gather_from_tensor_model_parallel_region); its backward collectives run behind its
+            # GEMMs as the other column-parallel linears' do.
             projection_f = (3 if sp else 1) * ag[:, -1, 0]
-            tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f + output_f + projection_f)
-            tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b + output_bwd[:, -1, 0])
+            tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f[:, -1] + output_f[:, -1] + projection_f)
+            tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b[:, -1] + output_b[:, -1])
     fwd, bwd, rc = work.forward.seconds(rate), work.backward.seconds(rate), work.recompute.seconds(rate)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
