@@ -88,7 +88,8 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     expert_act = (3 if w.gated_linear_unit else 2) * e * rows * fc2                          # the experts' activation
     # The clamp's passes (clamp_half_bytes): forward 8 halves; backward each half's mask applied to its
     # gradient (gradient and input read, one written) and the two concatenated for fc1: 10.
-    clamp_f, clamp_b = 8 * clamp_half_bytes(job), 10 * clamp_half_bytes(job)
+    clamp = clamp_half_bytes(job)
+    clamp_f, clamp_b = 8 * clamp, 10 * clamp
     mem = (4 * moved + t * h * e                        # permute and unpermute (gather, scatter-add), probs
            + (2 * rows * h * e if layout.etp > 1 else 0)    # regrouping rows after the ETP all-gather
            + expert_act + shared_act + ROUTER_BYTES_PER_SCORE * t * w.num_experts

@@ -86,7 +86,7 @@ def stage_parameters(job: Job) -> StageParameters:
     words = word_embedding_per_rank(workload, tp)
     positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * h
     dense[0] += words + positions
-    dense[-1] += workload.norm_parameters() + mtp * (workload.mtp_extra_parameters() - 2 * h * h)
+    dense[-1] += workload.norm_parameters() + mtp * workload.mtp_norm_parameters()
     if workload.untie_embeddings_and_output_weights or pp > 1:
         dense[-1] += words
     if mtp and pp > 1:

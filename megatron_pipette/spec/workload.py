@@ -623,11 +623,14 @@ class Workload:
         """An MTP layer has the last decoder layer's spec (gpt_layer_specs.get_gpt_mtp_block_spec)."""
         return self.moe_layer_pattern()[-1]
 
+    def mtp_norm_parameters(self) -> int:
+        """One MTP layer's norms: the embedding's, the hidden state's and the final one."""
+        return 3 * self.norm_parameters()
+
     def mtp_extra_parameters(self) -> int:
-        """One MTP layer's parameters beyond its transformer layer: the embedding's and the hidden
-        state's norms, the 2h-to-h projection (no bias) and the final norm; it shares the word
-        embedding and the output layer."""
-        return 3 * self.norm_parameters() + 2 * self.hidden_size * self.hidden_size
+        """One MTP layer's parameters beyond its transformer layer: its norms and the 2h-to-h
+        projection (no bias); it shares the word embedding and the output layer."""
+        return self.mtp_norm_parameters() + 2 * self.hidden_size * self.hidden_size
 
     def _norm_parameters(self, width: int) -> int:
         return 2 * width if self.normalization == "LayerNorm" else width
