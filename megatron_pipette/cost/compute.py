@@ -76,7 +76,7 @@ def _layer_linears(job: Job) -> dict[str, tuple[int, int, int]]:
     per_rank = {"column": lambda out, inp: (n, out // t, inp), "row": lambda out, inp: (n, out, inp // t),
                 "duplicated": lambda out, inp: (n // x.sp, out, inp)}
     attention = {name: per_rank[split](out, inp) for name, (out, inp, split) in w.attention_linears().items()}
-    return {**attention, "fc1": (n, f * (2 if w.gated_linear_unit else 1), h), "fc2": (n, h, f)}
+    return {**attention, "fc1": (n, f * w.fc1_widening, h), "fc2": (n, h, f)}
 
 
 def _column_attention(workload: Workload) -> list[str]:
@@ -185,7 +185,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     norm = 2 * e * n * h / sp
-    act = 0 if moe else (3 if w.gated_linear_unit else 2) * e * n * f
+    act = 0 if moe else (w.fc1_widening + 1) * e * n * f
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
         scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length

@@ -54,7 +54,7 @@ def routed_rows(job: Job) -> float:
 def _expert_widths(job: Job) -> tuple[int, int]:
     """(fc1 output, fc2 input) of one routed expert on one expert-TP rank."""
     w, etp = job.workload, job.layout.etp
-    return w.moe_ffn * (2 if w.gated_linear_unit else 1) // etp, w.moe_ffn // etp
+    return w.moe_ffn * w.fc1_widening // etp, w.moe_ffn // etp
 
 
 def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: GemmCurve | None = None) -> PartWork:
@@ -80,12 +80,12 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
     shared_work, shared_act = [], 0
     if shared is not None:
         width = shared // layout.tp
-        fp8_gemms += [(n, width * (2 if w.gated_linear_unit else 1), h), (n, h, width)]
+        fp8_gemms += [(n, width * w.fc1_widening, h), (n, h, width)]
         shared_work = [linear_work(linear, rows_, out, inp, grads) for rows_, out, inp in fp8_gemms[2:]]
-        shared_act = (3 if w.gated_linear_unit else 2) * e * n * width
+        shared_act = (w.fc1_widening + 1) * e * n * width
     cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
-    expert_act = (3 if w.gated_linear_unit else 2) * e * rows * fc2                          # the experts' activation
+    expert_act = (w.fc1_widening + 1) * e * rows * fc2   # the experts' activation: fc1's output in, its own out
     # The clamp's passes (clamp_half_bytes): forward 8 halves; backward each half's mask applied to its
     # gradient (gradient and input read, one written) and the two concatenated for fc1: 10.
     clamp = clamp_half_bytes(job)
@@ -190,7 +190,7 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     fc1, fc2 = _expert_widths(job)
     shared = w.moe_shared_expert_intermediate_size
     shared_bytes = 0 if shared is None or "shared_experts" in redone else e * job.tokens_per_microbatch * (
-        shared // layout.tp) * (3 if w.gated_linear_unit else 2)
+        shared // layout.tp) * (w.fc1_widening + 1)
     lin = fp8_input_bytes(w)
     fc2_in = 0 if "moe_act" in redone else lin * fc2
     probs = probability_bytes(w)

@@ -205,7 +205,7 @@ def _attention_kept(workload: Workload) -> tuple[int, int, int, int]:
 
 def _fc1_width(workload: Workload) -> int:
     """fc1's output: SwiGLU's gate and up projections side by side."""
-    return 2 * workload.ffn if workload.gated_linear_unit else workload.ffn
+    return workload.fc1_widening * workload.ffn
 
 
 def _score_elements(job: Job) -> int:

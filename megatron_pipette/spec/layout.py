@@ -457,7 +457,7 @@ def _validate_experts(workload: Workload, layout: Layout) -> None:
     if layout.world_size % (etp * ep * layout.pp):
         raise Infeasible(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} x "
                          f"--pipeline-model-parallel-size {layout.pp} does not divide the {layout.world_size} GPUs")
-    width = workload.moe_ffn * (2 if workload.gated_linear_unit else 1)
+    width = workload.moe_ffn * workload.fc1_widening
     if width % etp or workload.moe_ffn % etp:
         raise Infeasible(f"--moe-ffn-hidden-size {workload.moe_ffn} is not divisible by "
                          f"--expert-tensor-parallel-size {etp}")

@@ -415,6 +415,12 @@ class Workload:
         return self.swiglu or self.quick_geglu
 
     @property
+    def fc1_widening(self) -> int:
+        """fc1's output over the MLP's width: 2 for a gated MLP (the gate and the value side by
+        side), else 1."""
+        return 2 if self.gated_linear_unit else 1
+
+    @property
     def cross_entropy_fusion(self) -> str | None:
         """The fused cross entropy language_module.compute_language_model_loss runs (native, te);
         None: the plain vocab_parallel_cross_entropy."""
@@ -593,7 +599,7 @@ class Workload:
     def mlp_parameters(self, ffn: int) -> int:
         """One MLP of FFN width `ffn` (fc1, with SwiGLU's gate, and fc2)."""
         h, bias = self.hidden_size, self.add_bias_linear
-        fc1_out = 2 * ffn if self.gated_linear_unit else ffn
+        fc1_out = self.fc1_widening * ffn
         return h * fc1_out + (fc1_out if bias else 0) + ffn * h + (h if bias else 0)
 
     def router_parameters(self) -> int:
