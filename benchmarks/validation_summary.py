@@ -29,7 +29,7 @@ def _load_part(folder: str, name: str) -> dict:
 
 
 def rows() -> list[list[str]]:
-    h100_folder = "published_runs_h100-2026-11-26-mtp"
+    h100_folder = "published_runs_h100-2026-11-26-ep-overlap"
     h100 = _load(h100_folder)
     s = h100["summary"]["recipe"]
     a100 = _load("published_runs-2026-11-26-cross-entropy")["summary"]

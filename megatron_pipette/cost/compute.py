@@ -465,6 +465,10 @@ class StageWork:
     does not time, are the roofline's; so is every layer under a CP size whose shard it did not time)."""
     linears: LayerLinears
     """One layer's linears (and the output layer's), for the TP collectives beside them (cost.timing)."""
+    moe_layer: PartWork | None = None
+    """One MoE layer's work, and of it the MLP half (cost.experts.moe_mlp), for the schedule that
+    runs their parts apart (--overlap-moe-expert-parallel-comm, cost.timing); None without it."""
+    moe_mlp: PartWork | None = None
 
 
 def _chunks(dense: Work, moe: Work, count: np.ndarray, moe_count: np.ndarray) -> ChunkWork:
@@ -512,6 +516,8 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
     sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
+    # The MLP half apart only where a schedule runs it apart (cost.timing._expert_overlap_saving).
+    experts = moe_mlp(job, bw, gemm, linear) if moe.any() and layout.overlap_moe_expert_parallel_comm else None
     fwd = _chunks(layer.forward, sparse.forward, layers, moe)
     bwd = _chunks(layer.backward, sparse.backward, layers, moe)
     rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)
@@ -546,7 +552,8 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
-                     attention_core=core, profiled=profiled, linears=linears)
+                     attention_core=core, profiled=profiled, linears=linears,
+                     moe_layer=sparse if experts else None, moe_mlp=experts)
 
 
 def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: ForwardBackward,

@@ -43,5 +43,5 @@ class Execution:
 
 DEFAULT_EXECUTION = Execution(nccl_compute_share=0.10, moe_layer_fixed_s=1.6e-3)
 """Fitted on the development set of published H100 runs only (benchmarks/fit_execution.py; raw
-output benchmarks/results/fit_execution-2026-11-26-mtp): the share at the low end of its physical range,
+output benchmarks/results/fit_execution-2026-11-26-ep-overlap): the share at the low end of its physical range,
 which decided it (docs/time-model.md), the MoE fixed cost in its upper half."""

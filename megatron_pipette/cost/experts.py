@@ -106,7 +106,8 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
                                          mem_s=shared_act / memory_bandwidth_Bps)
     return PartWork(forward=forward, recompute=recompute,
                     backward=Work(flops=sum(d + g for _, d, g in parts),
-                                  mem_s=2 * mem + (clamp_b + cast_b) / memory_bandwidth_Bps))
+                                  mem_s=2 * mem + (clamp_b + cast_b) / memory_bandwidth_Bps),
+                    wgrad=Work(flops=sum(g for _, _, g in grouped)))
 
 
 def clamp_half_bytes(job: Job) -> float:

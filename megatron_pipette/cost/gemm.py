@@ -248,3 +248,6 @@ class PartWork:
     """Without recomputation."""
     recompute: Work = Work()
     """Extra forward work redone in the backward, when this part is recomputed."""
+    wgrad: Work = Work()
+    """Of the backward, the weight-gradient GEMMs, where a schedule runs them apart (priced for the
+    routed experts, whose wgrad --delay-wgrad-compute defers)."""

@@ -284,28 +284,37 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
 
 # In-flight micro-batches, as megatron-core 0.19's schedules run them.
 
-def _warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int) -> int:
-    """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP)."""
-    return simulator.interleaved_warmup(pp, rank, num_microbatches, vpp, pp)
+def _warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> int:
+    """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP), `extra`
+    more under --overlap-moe-expert-parallel-comm (combined_1f1b: one forward alone first)."""
+    return min(simulator.interleaved_warmup(pp, rank, num_microbatches, vpp, pp) + extra, num_microbatches * vpp)
 
 
-def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1) -> int:
+def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1, extra: int = 0) -> int:
     """Model chunks (micro-batch x chunk) whose activations pipeline rank `rank` holds at its peak.
 
     1F1B runs warmup forwards, then one forward before each backward, so the peak is warmup + 1,
     capped at all of them. Example: PP 4, 8 micro-batches: ranks hold 4, 3, 2, 1; interleaved
-    with 2 chunks: 11, 9, 7, 5 (warmup (4-r-1)*2 + (2-1)*4, plus one).
+    with 2 chunks: 11, 9, 7, 5 (warmup (4-r-1)*2 + (2-1)*4, plus one). `extra`: the forwards
+    --overlap-moe-expert-parallel-comm adds to the warmup (without a pipeline too, where the next
+    micro-batch's forward runs beside the backward: two).
     """
-    if pp == 1:
-        return 1
     total = num_microbatches * vpp
-    return min(_warmup_microbatches(pp, rank, num_microbatches, vpp) + 1, total)
+    if pp == 1:
+        return min(1 + extra, total)
+    return min(_warmup_microbatches(pp, rank, num_microbatches, vpp, extra) + 1, total)
+
+
+def extra_warmup(job: Job) -> int:
+    """Forwards --overlap-moe-expert-parallel-comm adds before the first backward."""
+    return 1 if job.layout.overlap_moe_expert_parallel_comm else 0
 
 
 def in_flight_microbatches(job: Job) -> tuple[int, ...]:
     """microbatches_in_flight of every pipeline rank of this job."""
     pp = job.layout.pp
-    return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
+    return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages, extra_warmup(job))
+                 for r in range(pp))
 
 
 class InFlight(NamedTuple):
@@ -320,7 +329,7 @@ class InFlight(NamedTuple):
 
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
-def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[InFlight]:
+def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> frozenset[InFlight]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
 
     Stage 0's chunk 0 holds the embedding and the last stage's last chunk the output layer, so there
@@ -329,13 +338,13 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
     (get_model_chunk_id).
     """
     if vpp == 1:
-        n = microbatches_in_flight(pp, rank, num_microbatches)
+        n = microbatches_in_flight(pp, rank, num_microbatches, extra=extra)
         return frozenset({InFlight(chunks=n, first_chunk=n, last_chunk=n)})
     if 0 < rank < pp - 1:  # holds neither embedding nor output: only the total matters
-        return frozenset({InFlight(chunks=microbatches_in_flight(pp, rank, num_microbatches, vpp), first_chunk=0,
-                                   last_chunk=0)})
+        return frozenset({InFlight(chunks=microbatches_in_flight(pp, rank, num_microbatches, vpp, extra),
+                                   first_chunk=0, last_chunk=0)})
     order = simulator.forward_chunks(num_microbatches, vpp, pp)
-    warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp)
+    warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp, extra)
     live, states = [0] * vpp, set()
     for step in range(len(order)):
         live[order[step]] += 1
@@ -347,11 +356,11 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> fr
 
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
-def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[InFlight, ...]:
+def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> tuple[InFlight, ...]:
     """The in-flight states (chunks, of them chunk 0, of them the last chunk) no other state
     matches or exceeds in each of chunk 0's count, the last chunk's and the other chunks': a peak of
     bytes that grow with each of those (each chunk kind its own bytes) is always among them."""
-    states = _in_flight_states(pp, rank, num_microbatches, vpp)
+    states = _in_flight_states(pp, rank, num_microbatches, vpp, extra)
     kinds = {s: (s.chunks - s.first_chunk - s.last_chunk, s.first_chunk, s.last_chunk) if vpp > 1 else s
              for s in states}
     return tuple(a for a in states
@@ -553,7 +562,7 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     recomputed = max(c.recomputed for c in chunks)
     embedding = terms.embedding if first else 0
     output = terms.output + mtp if last else 0
-    states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp)
+    states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp, extra_warmup(job))
     if vpp > 1 and (first or last):
         # The end ranks' states count chunk 0 and the last chunk apart: each weighs its own layers
         # (the embedding or the loss counted in the split shortens it, sometimes to none), the rest

@@ -29,6 +29,7 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
+from megatron_pipette.cost.gemm import Work
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
@@ -173,6 +174,50 @@ def _dispatch(job: Job, links: GroupLinks) -> np.ndarray:
     return 2 * experts.etp_ep_groups.all_gather_s(volume["etp-ep"])
 
 
+def _expert_overlap_saving(job: Job, work: StageWork, links: GroupLinks, rate: np.ndarray,
+                           share: float) -> np.ndarray:
+    """(dp, pp, 1) seconds one MoE layer saves where --overlap-moe-expert-parallel-comm runs its
+    forward for one micro-batch together with its backward for another (megatron-core 0.19,
+    TransformerLayerSchedulePlan.run), against running them one after the other:
+
+        communication stream:  combine bwd     | dispatch fwd, dispatch bwd      | combine fwd
+        compute stream:        pre-dispatch fwd | MLP bwd, (its wgrad), MLP fwd | pre-dispatch bwd
+
+    each part starting when its stream is free and its input is ready: the MLP backward after the
+    combine's backward, the dispatch's after the MLP's backward (and after its experts' weight
+    gradients, unless --delay-wgrad-compute defers them), and so on. Pre-dispatch is the attention
+    with its norms and TP collectives' compute; the MLP is the router, permutations and experts
+    (cost.experts.moe_mlp). The time the two streams run together costs Execution's
+    nccl_compute_share of it, as behind_gemms prices. The layer's fixed cost and its TP
+    collectives stay as they are."""
+    layer, mlp = work.moe_layer, work.moe_mlp
+
+    def seconds(w: Work) -> np.ndarray:
+        return w.flops / rate + w.mem_s
+
+    wgrad = seconds(mlp.wgrad) if job.layout.delay_wgrad_compute else 0.0
+    pre_f = seconds(layer.forward + mlp.forward.scaled(-1))
+    pre_b = seconds(layer.backward + layer.recompute + (mlp.backward + mlp.recompute).scaled(-1))
+    mlp_f, mlp_b = seconds(mlp.forward), seconds(mlp.backward + mlp.recompute) - wgrad
+    a2a = _dispatch(job, links)[None, :, None] / 2           # a dispatch, or a combine, one direction
+    start = np.maximum(pre_f, a2a)                              # the first column above
+    dispatch_b_end = start + np.maximum(a2a, mlp_b) + a2a
+    mlp_f_end = start + np.maximum(mlp_b + wgrad, a2a) + mlp_f
+    together = np.maximum(mlp_f_end, dispatch_b_end) + np.maximum(a2a, pre_b)
+    apart = pre_f + mlp_f + pre_b + mlp_b + wgrad + 4 * a2a
+    return (1 - share) * (apart - together)
+
+
+def _paired_share(job: Job) -> np.ndarray:
+    """(pp, 1) share of a stage's forwards that run paired with a backward under
+    --overlap-moe-expert-parallel-comm: all but its warmup, which the schedule lengthens by one
+    forward (get_pp_rank_microbatches; without a pipeline the first forward runs alone)."""
+    layout, total = job.layout, job.num_microbatches * job.virtual_stages
+    warmup = [min(simulator.interleaved_warmup(layout.pp, r, job.num_microbatches, job.virtual_stages, layout.pp) + 1,
+                  total) for r in range(layout.pp)]
+    return (1 - np.array(warmup, dtype=float) / total)[:, None]
+
+
 def _cross_entropy_comm(ring: Rings, tokens: int, fusion: str | None) -> np.ndarray:
     """The cross entropy's tensor-parallel collectives of fp32 per-token values: all-reduces of the
     max, then of the predicted logit and the sum of exponentials (native: both in one message); te
@@ -282,14 +327,23 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
             tp_f[:, -1, -1] += workload.mtp_layers * (embedding_f[:, -1] + output_f[:, -1] + projection_f)
             tp_b[:, -1, -1] += workload.mtp_layers * (embedding_b[:, -1] + output_b[:, -1])
     fwd, bwd, rc = work.forward.seconds(rate), work.backward.seconds(rate), work.recompute.seconds(rate)
+    forward_s, backward_s = fwd + tp_f + cp_f + ep_f, bwd + rc + tp_b + cp_b + ep_b
+    ep = ep_f + ep_b
+    if work.moe_layer is not None:
+        # Per micro-batch, what its steady-state pairs save (the forwards before the first backward,
+        # and the last backwards, run alone), taken from its forward and backward in proportion.
+        saved = work.moe_layers * _expert_overlap_saving(job, work, links, rate, share) * _paired_share(job)
+        total = forward_s + backward_s
+        forward_s, backward_s, ep = (forward_s - saved * forward_s / total, backward_s - saved * backward_s / total,
+                                     ep - saved)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
-    times = schedules.StageTimes(forward_s=fwd + tp_f + cp_f + ep_f, backward_s=bwd + rc + tp_b + cp_b + ep_b,
+    times = schedules.StageTimes(forward_s=forward_s, backward_s=backward_s,
                                  fwd_comm_s=hop.activation, bwd_comm_s=hop.gradient,
                                  fwd_xchg_s=None if xchg is None else xchg.activation,
                                  bwd_xchg_s=None if xchg is None else xchg.gradient)
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
-                   ep_comm=ep_f + ep_b)
+                   ep_comm=ep)
 
 
 def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool) -> schedules.PipelineTime:

@@ -98,6 +98,13 @@ class Layout:
     """--context-parallel-size: the sequence split over this many ranks (two chunks each, for causal balance)."""
     cp_comm_type: str = "p2p"
     """--cp-comm-type: how attention exchanges keys and values across context-parallel ranks."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """--overlap-moe-expert-parallel-comm: the 1F1B steady state runs one micro-batch's forward and
+    another's backward layer by layer together, each one's dispatch and combine beside the other's
+    compute (megatron-core's combined 1F1B schedule)."""
+    delay_wgrad_compute: bool = False
+    """--delay-wgrad-compute: under that overlap, the experts' weight-gradient GEMMs run after the
+    backward dispatch is issued, so it need not wait for them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute_modules, list):     # from a plan document or Megatron's args
@@ -167,6 +174,8 @@ class Layout:
             parts.append("+loss")
         if self.sequence_parallel:
             parts.append("sp" + ("+tpo" if self.tp_comm_overlap else ""))
+        if self.overlap_moe_expert_parallel_comm:
+            parts.append("epo" + ("+dw" if self.delay_wgrad_compute else ""))
         if self.use_distributed_optimizer:
             parts.append("dopt" + ("+opg" if self.overlap_param_gather else "")
                          + ("+step" if self.overlap_param_gather_with_optimizer_step else ""))
@@ -202,7 +211,9 @@ class Layout:
                     ("--overlap-param-gather", self.overlap_param_gather),
                     ("--overlap-param-gather-with-optimizer-step", self.overlap_param_gather_with_optimizer_step),
                     ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split),
-                    ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split))
+                    ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split),
+                    ("--overlap-moe-expert-parallel-comm", self.overlap_moe_expert_parallel_comm),
+                    ("--delay-wgrad-compute", self.delay_wgrad_compute))
         return args + [flag for flag, on in switches if on]
 
 
@@ -469,6 +480,34 @@ def _validate_experts(workload: Workload, layout: Layout) -> None:
     if workload.moe_token_dispatcher_type == "flex" and ep * etp == 1:
         raise Infeasible("--moe-token-dispatcher-type flex needs --expert-tensor-parallel-size x "
                          "--expert-model-parallel-size above 1 (MoEFlexTokenDispatcher asserts it)")
+    _validate_expert_overlap(workload, layout)
+
+
+def _validate_expert_overlap(workload: Workload, layout: Layout) -> None:
+    """TransformerConfig.__post_init__'s rules for --overlap-moe-expert-parallel-comm and
+    --delay-wgrad-compute (megatron-core 0.19), and what the cost model does not price with them."""
+    if layout.delay_wgrad_compute and not layout.overlap_moe_expert_parallel_comm:
+        raise Infeasible("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron's rule)")
+    if not layout.overlap_moe_expert_parallel_comm:
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if layout.ep == 1:
+        raise Infeasible(f"{flag} needs --expert-model-parallel-size > 1 (Megatron's rule)")
+    if workload.moe_token_dispatcher_type not in ("alltoall", "flex"):
+        raise Infeasible(f"{flag} needs --moe-token-dispatcher-type alltoall or flex, not "
+                         f"{workload.moe_token_dispatcher_type} (Megatron's rule)")
+    if layout.pp > 1 and len(chunk_sizes(workload, layout)[0]) == 1:
+        raise Infeasible(f"{flag} with --pipeline-model-parallel-size {layout.pp} needs the interleaved schedule "
+                         "(--num-layers-per-virtual-pipeline-stage or a --pipeline-model-parallel-layout; "
+                         "Megatron's rule)")
+    if layout.recompute_granularity == "full":
+        raise Infeasible(f"{flag} excludes --recompute-granularity full (Megatron's rule)")
+    if layout.recompute_granularity == "selective" and "moe" in layout.selective_modules:
+        raise Infeasible(f"{flag} excludes --recompute-modules moe (Megatron's rule)")
+    if workload.mtp_layers > 1:
+        raise Infeasible(f"{flag} allows at most one --mtp-num-layers, not {workload.mtp_layers} (Megatron's rule)")
+    if workload.window_size is not None:
+        raise Infeasible(f"{flag} with --window-size is not modelled (the overlap is priced with full attention)")
 
 
 def _validate_recompute(layout: Layout, layers: list[int]) -> None:

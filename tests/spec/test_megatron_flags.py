@@ -30,7 +30,7 @@ def test_megatron_defaults_are_never_refused():
 @pytest.mark.parametrize("values, message", [
     ({"moe_shared_expert_gate": True}, "--moe-shared-expert-gate: this mixture-of-experts option is not modelled"),
     ({"hierarchical_context_parallel_sizes": [2, 2]}, "--hierarchical-context-parallel-sizes 2 2: hierarchical"),
-    ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm: this mixture-of-experts"),
+    ({"overlap_dispatch_backward_with_experts_wgrad": True}, "--overlap-dispatch-backward-with-experts-wgrad: this"),
     ({"first_last_layers_bf16": True}, "--first-last-layers-bf16: FP8 options other than --fp8-format with"),
     ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8: only delayed, tensorwise are modelled"),
     ({"tp_comm_overlap_rs_dgrad": True}, "--tp-comm-overlap-rs-dgrad: the model prices --tp-comm-overlap with"),
