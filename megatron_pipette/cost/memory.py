@@ -284,9 +284,9 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
 
 # In-flight micro-batches, as megatron-core 0.19's schedules run them.
 
-def _warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> int:
+def warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> int:
     """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP), `extra`
-    more under --overlap-moe-expert-parallel-comm (combined_1f1b: one forward alone first)."""
+    more under --overlap-moe-expert-parallel-comm (extra_warmup)."""
     return min(simulator.interleaved_warmup(pp, rank, num_microbatches, vpp, pp) + extra, num_microbatches * vpp)
 
 
@@ -302,11 +302,12 @@ def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int =
     total = num_microbatches * vpp
     if pp == 1:
         return min(1 + extra, total)
-    return min(_warmup_microbatches(pp, rank, num_microbatches, vpp, extra) + 1, total)
+    return min(warmup_microbatches(pp, rank, num_microbatches, vpp, extra) + 1, total)
 
 
 def extra_warmup(job: Job) -> int:
-    """Forwards --overlap-moe-expert-parallel-comm adds before the first backward."""
+    """Forwards --overlap-moe-expert-parallel-comm adds before the first backward (its combined 1F1B
+    runs one forward alone first, so that each later forward pairs with an independent backward)."""
     return 1 if job.layout.overlap_moe_expert_parallel_comm else 0
 
 
@@ -344,7 +345,7 @@ def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int, extra
         return frozenset({InFlight(chunks=microbatches_in_flight(pp, rank, num_microbatches, vpp, extra),
                                    first_chunk=0, last_chunk=0)})
     order = simulator.forward_chunks(num_microbatches, vpp, pp)
-    warmup = _warmup_microbatches(pp, rank, num_microbatches, vpp, extra)
+    warmup = warmup_microbatches(pp, rank, num_microbatches, vpp, extra)
     live, states = [0] * vpp, set()
     for step in range(len(order)):
         live[order[step]] += 1

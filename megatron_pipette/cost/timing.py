@@ -30,6 +30,7 @@ from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
 from megatron_pipette.cost.gemm import Work
+from megatron_pipette.cost.memory import extra_warmup, warmup_microbatches
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
@@ -212,10 +213,9 @@ def _paired_share(job: Job) -> np.ndarray:
     """(pp, 1) share of a stage's forwards that run paired with a backward under
     --overlap-moe-expert-parallel-comm: all but its warmup, which the schedule lengthens by one
     forward (get_pp_rank_microbatches; without a pipeline the first forward runs alone)."""
-    layout, total = job.layout, job.num_microbatches * job.virtual_stages
-    warmup = [min(simulator.interleaved_warmup(layout.pp, r, job.num_microbatches, job.virtual_stages, layout.pp) + 1,
-                  total) for r in range(layout.pp)]
-    return (1 - np.array(warmup, dtype=float) / total)[:, None]
+    m, v = job.num_microbatches, job.virtual_stages
+    warmup = [warmup_microbatches(job.layout.pp, r, m, v, extra_warmup(job)) for r in range(job.layout.pp)]
+    return (1 - np.array(warmup, dtype=float) / (m * v))[:, None]
 
 
 def _cross_entropy_comm(ring: Rings, tokens: int, fusion: str | None) -> np.ndarray:
