@@ -333,8 +333,9 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         # Per micro-batch, what its steady-state pairs save (the forwards before the first backward,
         # and the last backwards, run alone), taken from its forward and backward in proportion.
         saved = work.moe_layers * _expert_overlap_saving(job, work, links, rate, share) * _paired_share(job)
-        total = forward_s + backward_s
-        forward_s, backward_s, ep = (forward_s - saved * forward_s / total, backward_s - saved * backward_s / total,
+        forward_share = np.divide(forward_s, forward_s + backward_s, out=np.zeros_like(forward_s),
+                                  where=saved > 0)     # a chunk without MoE layers saves nothing
+        forward_s, backward_s, ep = (forward_s - saved * forward_share, backward_s - saved * (1 - forward_share),
                                      ep - saved)
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
