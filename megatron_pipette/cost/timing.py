@@ -186,8 +186,8 @@ def _expert_overlap_saving(job: Job, work: StageWork, links: GroupLinks, rate: n
 
     each part starting when its stream is free and its input is ready: the MLP backward after the
     combine's backward, the dispatch's after the MLP's backward (and after its experts' weight
-    gradients, unless --delay-wgrad-compute defers them), and so on. Pre-dispatch is the attention
-    with its norms and TP collectives' compute; the MLP is the router, permutations and experts
+    gradients, unless --delay-wgrad-compute defers them), and so on. Pre-dispatch is the layer's work
+    less its MLP (the attention with its norms); the MLP is the router, permutations and experts
     (cost.experts.moe_mlp). The time the two streams run together costs Execution's
     nccl_compute_share of it, as behind_gemms prices. The layer's fixed cost and its TP
     collectives stay as they are."""

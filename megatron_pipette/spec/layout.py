@@ -506,7 +506,7 @@ def _validate_expert_overlap(workload: Workload, layout: Layout) -> None:
         raise Infeasible(f"{flag} excludes --recompute-modules moe (Megatron's rule)")
     if workload.mtp_layers > 1:
         raise Infeasible(f"{flag} allows at most one --mtp-num-layers, not {workload.mtp_layers} (Megatron's rule)")
-    if workload.window_size is not None:
+    if workload.window is not None:
         raise Infeasible(f"{flag} with --window-size is not modelled (the overlap is priced with full attention)")
 
 
