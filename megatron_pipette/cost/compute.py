@@ -165,19 +165,19 @@ def windowed_share(s: int, window: int) -> float:
 
 
 def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None = None,
-                   attention: AttentionCurve | None = None, *, moe: bool = False,
+                   attention: AttentionCurve | None = None, *, moe: PartWork | None = None,
                    linear: GemmCurve | None = None) -> PartWork:
     """One transformer layer on one TP rank; `gemm` None: the parametric curve (no GPU named);
-    `attention`: the causal kernel's measured curve, where the GPU has one; `moe`: an MoE layer,
-    whose MLP is cost.experts.moe_mlp; `linear`: the curve of the layer's linears where it differs
-    from `gemm` (FP8: cost.gemm.fp8_curve)."""
+    `attention`: the causal kernel's measured curve, where the GPU has one; `moe`: an MoE layer's
+    MLP (cost.experts.moe_mlp), in place of the dense one; `linear`: the curve of the layer's
+    linears where it differs from `gemm` (FP8: cost.gemm.fp8_curve)."""
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, f, e, sp = x.tokens, x.hidden, x.ffn, x.element_bytes, x.sp
     gemm = gemm or gemm_curve(None, w.precision)
     core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
                                          x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     shapes = _layer_linears(job)
-    if moe:
+    if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
     linear = linear or gemm
     linears = [linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)) for shape in shapes.values()]
@@ -185,7 +185,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     norm = 2 * e * n * h / sp
-    act = 0 if moe else (w.fc1_widening + 1) * e * n * f
+    act = 0 if moe is not None else (w.fc1_widening + 1) * e * n * f
     scores = 0.0
     if w.attention_backend not in FLASH_BACKENDS:
         scores = ((2 * e + (2 * e + 1 if w.attention_dropout > 0 else 0)) * x.micro_batch * x.heads * x.seq_length
@@ -195,9 +195,8 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     forward = Work(flops=core + sum(fwd for fwd, _, _ in linears), mem_s=mem + (rope_f + cast_f) / memory_bandwidth_Bps)
     backward = Work(flops=core_backward + sum(dgrad + wgrad for _, dgrad, wgrad in linears),
                     mem_s=BACKWARD_MEMORY_FACTOR * mem + (rope_b + cast_b) / memory_bandwidth_Bps)
-    if moe:
-        mlp = moe_mlp(job, memory_bandwidth_Bps, gemm, linear)
-        forward, backward = forward + mlp.forward, backward + mlp.backward
+    if moe is not None:
+        forward, backward = forward + moe.forward, backward + moe.backward
     if layout.recompute_granularity == "full":
         recompute = forward
     else:
@@ -209,8 +208,8 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         if "mla_up_proj" in redone:   # MLA's up projections and the query and key they assemble
             up = [fwd for name, (fwd, _, _) in zip(shapes, linears) if name in _column_attention(w)]
             recompute = recompute + Work(flops=sum(up), mem_s=_rope_bytes(job) / memory_bandwidth_Bps)
-        if moe:
-            recompute = recompute + mlp.recompute + (Work(mem_s=norm / memory_bandwidth_Bps) if "layernorm" in redone
+        if moe is not None:
+            recompute = recompute + moe.recompute + (Work(mem_s=norm / memory_bandwidth_Bps) if "layernorm" in redone
                                                      else Work())
         elif "mlp" in redone:
             forward_flops = {name: fwd for name, (fwd, _, _) in zip(shapes, linears)}
@@ -393,8 +392,7 @@ def _measured_layer(job: Job, cluster: Cluster, rate: float, base, with_rc) -> P
     else:
         model = roofline_layer(job, cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, job.workload.precision),
                                attention_curve(cluster.gpu, job.workload.attention_backend))
-        redone = model.recompute.flops / rate + model.recompute.mem_s
-        share = redone / (model.forward.flops / rate + model.forward.mem_s)
+        share = model.recompute.seconds(rate) / model.forward.seconds(rate)
         extra = fwd * share
     backward = base.backward_s if base is not None else with_rc.backward_s - extra
     return _profiled(fwd, backward, extra, rate)
@@ -515,9 +513,9 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
             moe_rc[-1, -1] += redone
     rc_layers = layers if layout.recompute_granularity == "selective" else recomputed
     moe_rc_layers = moe if layout.recompute_granularity == "selective" else moe_rc
-    sparse = roofline_layer(job, bw, gemm, attention, moe=True, linear=linear) if moe.any() else layer
-    # The MLP half apart only where a schedule runs it apart (cost.timing._expert_overlap_saving).
-    experts = moe_mlp(job, bw, gemm, linear) if moe.any() and layout.overlap_moe_expert_parallel_comm else None
+    experts = moe_mlp(job, bw, gemm, linear) if moe.any() else None
+    paired = experts is not None and layout.overlap_moe_expert_parallel_comm   # cost.timing runs its halves apart
+    sparse = roofline_layer(job, bw, gemm, attention, moe=experts, linear=linear) if experts is not None else layer
     fwd = _chunks(layer.forward, sparse.forward, layers, moe)
     bwd = _chunks(layer.backward, sparse.backward, layers, moe)
     rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)
@@ -553,7 +551,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
                      attention_core=core, profiled=profiled, linears=linears,
-                     moe_layer=sparse if experts else None, moe_mlp=experts)
+                     moe_layer=sparse if paired else None, moe_mlp=experts if paired else None)
 
 
 def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: ForwardBackward,

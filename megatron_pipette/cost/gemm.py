@@ -238,6 +238,10 @@ class Work:
     def scaled(self, k: float) -> Work:
         return Work(flops=self.flops * k, mem_s=self.mem_s * k)
 
+    def seconds(self, rate):
+        """Seconds at `rate` GEMM FLOP/s (a number, or an array it broadcasts against)."""
+        return self.flops / rate + self.mem_s
+
 
 @dataclass(frozen=True, kw_only=True)
 class PartWork:

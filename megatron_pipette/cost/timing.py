@@ -29,7 +29,6 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
-from megatron_pipette.cost.gemm import Work
 from megatron_pipette.cost.memory import extra_warmup, warmup_microbatches
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
@@ -192,14 +191,10 @@ def _expert_overlap_saving(job: Job, work: StageWork, links: GroupLinks, rate: n
     nccl_compute_share of it, as behind_gemms prices. The layer's fixed cost and its TP
     collectives stay as they are."""
     layer, mlp = work.moe_layer, work.moe_mlp
-
-    def seconds(w: Work) -> np.ndarray:
-        return w.flops / rate + w.mem_s
-
-    wgrad = seconds(mlp.wgrad) if job.layout.delay_wgrad_compute else 0.0
-    pre_f = seconds(layer.forward + mlp.forward.scaled(-1))
-    pre_b = seconds(layer.backward + layer.recompute + (mlp.backward + mlp.recompute).scaled(-1))
-    mlp_f, mlp_b = seconds(mlp.forward), seconds(mlp.backward + mlp.recompute) - wgrad
+    wgrad = mlp.wgrad.seconds(rate) if job.layout.delay_wgrad_compute else 0.0
+    pre_f = (layer.forward + mlp.forward.scaled(-1)).seconds(rate)
+    pre_b = (layer.backward + layer.recompute + (mlp.backward + mlp.recompute).scaled(-1)).seconds(rate)
+    mlp_f, mlp_b = mlp.forward.seconds(rate), (mlp.backward + mlp.recompute).seconds(rate) - wgrad
     a2a = _dispatch(job, links)[None, :, None] / 2           # a dispatch, or a combine, one direction
     start = np.maximum(pre_f, a2a)                              # the first column above
     dispatch_b_end = start + np.maximum(a2a, mlp_b) + a2a

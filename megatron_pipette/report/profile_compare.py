@@ -44,8 +44,8 @@ def compare(profiled: ProfileFile, gpu: GPU | None) -> list[dict]:
         if gpu is not None:
             rate = gpu.peak(workload.precision) * DEFAULT_GEMM_EFFICIENCY
             work = roofline_layer(job, gpu.memory_bandwidth_Bps)
-            fwd = work.forward.flops / rate + work.forward.mem_s
-            bwd = (work.backward.flops + work.recompute.flops) / rate + work.backward.mem_s + work.recompute.mem_s
+            fwd = work.forward.seconds(rate)
+            bwd = (work.backward + work.recompute).seconds(rate)
             row.update(forward_s=e.forward_s, model_forward_s=fwd, forward_ratio=e.forward_s / fwd,
                        backward_s=e.backward_s, model_backward_s=bwd, backward_ratio=e.backward_s / bwd)
         rows.append(row)

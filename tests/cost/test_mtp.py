@@ -8,6 +8,7 @@ import pytest
 
 from megatron_pipette.cost import compute
 from megatron_pipette.cost.compute import mtp_projection, roofline_embedding, roofline_output, stage_work
+from megatron_pipette.cost.experts import moe_mlp
 from megatron_pipette.cost.gemm import Work, gemm_curve
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
@@ -63,7 +64,8 @@ def test_mtp_work_is_on_the_last_chunk_only(layout):
     np.testing.assert_array_equal(b.layers - a.layers, more)
     np.testing.assert_array_equal(b.moe_layers - a.moe_layers, more)
     bw, gemm = CLUSTER.memory_bandwidth_Bps, gemm_curve(CLUSTER.gpu, "bf16")
-    layer = compute.roofline_layer(mtp, bw, gemm, compute.attention_curve(CLUSTER.gpu, "auto"), moe=True)
+    layer = compute.roofline_layer(mtp, bw, gemm, compute.attention_curve(CLUSTER.gpu, "auto"),
+                                   moe=moe_mlp(mtp, bw, gemm))
     extras = [roofline_embedding(mtp, bw), roofline_output(mtp, bw, gemm), mtp_projection(mtp, bw, gemm)]
     logits = 2 * 2048 * mtp.workload.padded_vocab_size(layout.get("tensor_model_parallel_size", 1)) \
         // layout.get("tensor_model_parallel_size", 1)
