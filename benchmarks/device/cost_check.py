@@ -34,12 +34,14 @@ Parts:
              `bytes_per_logit_attained` is the time in bytes at the full rate.
   moe        megatron-core's MoE layer whole (router, alltoall dispatcher with EP 1, the local
              spec's experts, SwiGLU, bf16), forward and backward, at the tokens of micro-batches 1-4
-             (MOE_LAYER_TOKENS) for Qwen3's two expert shapes and 8 or 16 local experts; a line
-             fitted through each pass's times splits it into a per-micro-batch cost (the
-             intercept) and a per-token one, against the planner: its price of the layer's kernels
+             (MOE_LAYER_TOKENS) for Qwen3's two expert shapes and 8 or 16 local experts, dropless
+             and dropping and padding to capacity (MOE_LAYER_DISPATCH); a line fitted through
+             each pass's times splits it into a per-micro-batch cost (the intercept) and a
+             per-token one, against the planner: its price of the layer's kernels
              (cost.experts.moe_mlp) and Execution.moe_layer_fixed_s, the per-micro-batch cost it
-             fitted on published runs without telling the two apart. Megatron's router and
-             dispatcher need CUDA: the dry run prices the shapes only. Not yet run on a GPU.
+             fitted on published runs without telling the two apart; the two dispatches'
+             intercepts differ by the dropless host wait. Megatron's router and dispatcher need
+             CUDA: the dry run prices the shapes only. Not yet run on a GPU.
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
              2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
              Megatron falls back to without Apex or TE, mock data) through
@@ -58,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -113,9 +116,16 @@ MOE_LAYER_EXPERTS, MOE_LAYER_TOPK = (16, 8), 8
 """Local experts (what EP 8 and EP 16 leave of Qwen3's 128) and the router's top-k, Qwen3's."""
 MOE_LAYER_TOKENS = (2048, 4096, 8192, 16384)
 """Tokens a micro-batch brings the layer: micro-batches 1-4 at s 4096, TP 1."""
+MOE_LAYER_DISPATCH = ("dropless", "drop-and-pad")
+"""How the alltoall dispatcher sizes its output (megatron-core 0.19,
+MoEAlltoAllTokenDispatcher.preprocess): dropless, it copies the token counts to the host and the
+host waits for them (its cuda_sync_point); dropping and padding to capacity (factor 1.0, what
+25.09's Qwen3 runs used) fixes every size on the host, with no wait. Execution.moe_layer_fixed_s
+charges both alike: the difference of their intercepts is what it should not charge the second."""
 QUICK = dict(n=256, moe_shapes=((64, 24), (128, 48)), experts=(4, 2), rows=(16, 32),
              skinny=[(256, 256, 16), (256, 256, 64), (16, 512, 512)], train=(2, 3), loss=[(64, 1000)],
-             moe_layer=dict(shapes=((64, 32),), experts=(4,), topk=2, tokens=(32, 64, 128)))
+             moe_layer=dict(shapes=((64, 32),), experts=(4,), topk=2, tokens=(32, 64, 128),
+                            dispatch=MOE_LAYER_DISPATCH))
 """The dry run's shapes, and its (warm-up, timed) training iterations."""
 TRAIN_MODEL = ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
                "--max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 2 --global-batch-size 8")
@@ -381,21 +391,24 @@ def _time_losses(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: di
 
 # -- a whole MoE layer -----------------------------------------------------------------------------
 
-def moe_layer_price(gpu: GPU, hidden: int, ffn: int, experts: int, topk: int, tokens: int) -> tuple[float, float]:
+def moe_layer_price(gpu: GPU, hidden: int, ffn: int, experts: int, topk: int, tokens: int,
+                    padded: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds the planner prices one MoE layer's MLP at on one GPU of `gpu` (EP 1,
-    bf16, SwiGLU, alltoall dispatcher): its kernels (cost.experts.moe_mlp) at the tables' rate, without
-    the fixed cost (Execution.moe_layer_fixed_s) or any dispatch collective."""
+    bf16, SwiGLU, alltoall dispatcher; `padded`: dropping and padding to capacity 1.0): its kernels
+    (cost.experts.moe_mlp) at the tables' rate, without the fixed cost (Execution.moe_layer_fixed_s)
+    or any dispatch collective."""
     workload = Workload(num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
                         seq_length=tokens, global_batch_size=1, ffn_hidden_size=4 * hidden, swiglu=True,
                         num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
                         add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
                         vocab_size=32000, untie_embeddings_and_output_weights=True,
-                        moe_token_dispatcher_type="alltoall", precision="bf16")
+                        moe_token_dispatcher_type="alltoall", precision="bf16",
+                        moe_expert_capacity_factor=1.0 if padded else None, moe_pad_expert_input_to_capacity=padded)
     job = resolve_job(workload, Layout(data_parallel_size=1))
     cluster = preset_cluster(PRESET, num_nodes=1, gpus_per_node=1, gpu=gpu.name)
     work = moe_mlp(job, cluster.memory_bandwidth_Bps, gemm_curve(gpu, "bf16"))
     rate = large_gemm_flops(gpu)
-    return work.forward.flops / rate + work.forward.mem_s, work.backward.flops / rate + work.backward.mem_s
+    return work.forward.seconds(rate), work.backward.seconds(rate)
 
 
 def split_fixed(tokens: list[int], seconds: list[float]) -> dict | None:
@@ -407,42 +420,52 @@ def split_fixed(tokens: list[int], seconds: list[float]) -> dict | None:
     return {"fixed_s": sig(float(fixed)), "per_token_s": sig(float(per_token))}
 
 
-def build_moe_layer(device: torch.device, hidden: int, ffn: int, experts: int, topk: int):
-    """megatron-core's MoELayer as the local spec builds it, bf16, one GPU (EP 1)."""
+def moe_layer_config(hidden: int, ffn: int, experts: int, topk: int, padded: bool):
+    """megatron-core's TransformerConfig of the timed MoE layer, bf16; `padded`: capacity 1.0, padded."""
     import torch.nn.functional as F
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
-                               num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
-                               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bf16=True,
-                               params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
-                               moe_aux_loss_coeff=0.0)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
+                             num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bf16=True,
+                             params_dtype=torch.bfloat16, moe_token_dispatcher_type="alltoall",
+                             moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=1.0 if padded else None,
+                             moe_pad_expert_input_to_capacity=padded)
+
+
+def build_moe_layer(device: torch.device, config):
+    """megatron-core's MoELayer as the local spec builds it, one GPU (EP 1)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return spec.submodules.mlp(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
 
 
 def part_moe(ns: argparse.Namespace, device: torch.device, gpu: GPU, doc: dict) -> None:
     quick = QUICK["moe_layer"]
-    shapes, local, topk, tokens = ((quick["shapes"], quick["experts"], quick["topk"], quick["tokens"])
-                                   if ns.dry_run else (MOE_LAYER_SHAPES, MOE_LAYER_EXPERTS, MOE_LAYER_TOPK,
-                                                       MOE_LAYER_TOKENS))
-    doc["planned"], doc["moe_layer_fixed_s"] = len(shapes) * len(local), DEFAULT_EXECUTION.moe_layer_fixed_s
+    shapes, local, topk, tokens, dispatches = (
+        (quick["shapes"], quick["experts"], quick["topk"], quick["tokens"], quick["dispatch"]) if ns.dry_run
+        else (MOE_LAYER_SHAPES, MOE_LAYER_EXPERTS, MOE_LAYER_TOPK, MOE_LAYER_TOKENS, MOE_LAYER_DISPATCH))
+    doc["planned"] = len(shapes) * len(local) * len(dispatches)
+    doc["moe_layer_fixed_s"] = DEFAULT_EXECUTION.moe_layer_fixed_s
     timer, deadline = Timer(device), time.monotonic() + ns.budget_s
     with single_device_megatron(device):
-        for (hidden, ffn), experts in ((shape, e) for shape in shapes for e in local):
-            row = {"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "points": []}
+        for (hidden, ffn), experts, dispatch in itertools.product(shapes, local, dispatches):
+            padded = dispatch == "drop-and-pad"
+            row = {"hidden": hidden, "ffn": ffn, "experts": experts, "topk": topk, "dispatch": dispatch,
+                   "points": []}
             doc["rows"].append(row)
             try:
-                layer = build_moe_layer(device, hidden, ffn, experts, topk) if device.type == "cuda" else None
-            except (RuntimeError, torch.OutOfMemoryError, AssertionError, TypeError) as e:
+                config = moe_layer_config(hidden, ffn, experts, topk, padded)
+                layer = build_moe_layer(device, config) if device.type == "cuda" else None
+            except (RuntimeError, torch.OutOfMemoryError, AssertionError, TypeError, ValueError) as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 layer = None
             for t in tokens:
                 if time.monotonic() > deadline:
                     break
-                forward_price, backward_price = moe_layer_price(gpu, hidden, ffn, experts, topk, t)
+                forward_price, backward_price = moe_layer_price(gpu, hidden, ffn, experts, topk, t, padded)
                 point = {"tokens": t, "predicted_s": {"forward": forward_price, "backward": backward_price}}
                 if layer is not None:
                     try:
@@ -625,7 +648,7 @@ def moe_lines(doc: dict) -> list[str]:
     lines = [f"moe layer: per-micro-batch cost (intercept) and per-token cost, measured and the planner's kernels "
              f"(its fitted fixed cost: {doc['moe_layer_fixed_s'] * 1e3:.2f} ms per pass)"]
     for r in doc["rows"]:
-        head = f"  h {r['hidden']} ffn {r['ffn']} E {r['experts']} top-{r['topk']}:"
+        head = f"  h {r['hidden']} ffn {r['ffn']} E {r['experts']} top-{r['topk']} {r['dispatch']}:"
         if "error" in r:
             lines.append(f"{head} {r['error']}")
             continue

@@ -2,6 +2,7 @@
 training step it runs (given the very flags Megatron gets), and it reads Megatron's log as
 Megatron writes it. Runs on CPU; the measurements themselves need the GPU."""
 
+import itertools
 import json
 import math
 import statistics
@@ -100,7 +101,30 @@ def test_the_moe_part_dry_run_prices_every_point(tmp_path):
     assert cost_check.main(["moe", "--dry-run", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     quick = cost_check.QUICK["moe_layer"]
+    assert [r["dispatch"] for r in doc["rows"]] == list(cost_check.MOE_LAYER_DISPATCH) * (
+        len(quick["shapes"]) * len(quick["experts"]))
     assert [len(r["points"]) for r in doc["rows"]] == [len(quick["tokens"])] * len(doc["rows"])
     assert all(r["priced_kernels"]["forward"]["per_token_s"] > 0 and r["measured"]["forward"] is None
                for r in doc["rows"])
     assert doc["moe_layer_fixed_s"] > 0 and cost_check.moe_lines(doc)[0].startswith("moe layer")
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("dispatch", cost_check.MOE_LAYER_DISPATCH)
+def test_megatron_accepts_each_timed_moe_layer(dispatch):
+    """The GPU's time is scarce: megatron-core's TransformerConfig takes both dispatches' layers here,
+    and only the padded one drops and pads to capacity."""
+    padded = dispatch == "drop-and-pad"
+    for (hidden, ffn), experts in itertools.product(cost_check.MOE_LAYER_SHAPES, cost_check.MOE_LAYER_EXPERTS):
+        config = cost_check.moe_layer_config(hidden, ffn, experts, cost_check.MOE_LAYER_TOPK, padded)
+        assert config.moe_pad_expert_input_to_capacity is padded
+        assert config.moe_expert_capacity_factor == (1.0 if padded else None)
+
+
+def test_padding_to_capacity_prices_the_same_kernels():
+    """At capacity factor 1.0 a padded layer's experts get the rows a balanced dropless one does, so
+    its kernels are priced alike: what the GPU part finds between the two is the host wait."""
+    gpu = lookup_gpu("H100-80GB")
+    for t in cost_check.MOE_LAYER_TOKENS:
+        assert cost_check.moe_layer_price(gpu, 2048, 768, 16, 8, t, padded=True) == pytest.approx(
+            cost_check.moe_layer_price(gpu, 2048, 768, 16, 8, t))
