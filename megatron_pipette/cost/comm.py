@@ -133,20 +133,18 @@ class AllToAll(LinkSummary):
 
 def all_to_all(devices: np.ndarray, cluster: Cluster, *, split: bool = False) -> AllToAll:
     """All-to-alls over the last axis of `devices`: n - 1 rotations of the group, each a vector of
-    links; `split` keeps the links inside and beyond the NVLink domain apart."""
+    links (Cluster.all_to_all_links); `split` keeps the links inside and beyond the NVLink domain apart."""
     n = devices.shape[-1]
     z = np.zeros(devices.shape[:-1])
     if n == 1:
         return AllToAll(size=1, alpha_s=z, inv_bw_s_per_B=z, near_inv_bw_s_per_B=z if split else None,
                         far_inv_bw_s_per_B=z if split else None)
-    domain = cluster.domains[devices // cluster.gpus_per_node]
     alpha, near, far = np.zeros(devices.shape), np.zeros(devices.shape), np.zeros(devices.shape)
     for k in range(1, n):
-        lat, bw = cluster.link(devices, np.roll(devices, -k, axis=-1), two_way=True)
-        same = domain == np.roll(domain, -k, axis=-1)
+        lat, inside, beyond = cluster.all_to_all_links(devices, np.roll(devices, -k, axis=-1))
         alpha = np.maximum(alpha, lat)
-        near += np.where(same, 1.0 / bw, 0.0)
-        far += np.where(same, 0.0, 1.0 / bw)
+        near += inside
+        far += beyond
     return AllToAll(size=n, alpha_s=alpha.max(axis=-1), inv_bw_s_per_B=np.maximum(near, far).max(axis=-1),
                     near_inv_bw_s_per_B=near.max(axis=-1) if split else None,
                     far_inv_bw_s_per_B=far.max(axis=-1) if split else None)

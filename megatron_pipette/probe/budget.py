@@ -3,8 +3,9 @@
 Why: a probe run inside a training job spends GPU-hours of the whole job, so it
 must end when the caller said, at any scale. The compute check runs for fixed
 windows (a share of the budget); the intra-node rounds get a share of the rest
-by their count (at least INTRA_MIN_SHARE), the inter-node rounds what is left,
-and each phase re-plans every round from the costs measured so far (cutting
+by their count (at least INTRA_MIN_SHARE), the inter-node rounds what is left
+but what the all-to-all after them needs (`all_to_all_reserve_s`, with two nodes
+or more), and each phase re-plans every round from the costs measured so far (cutting
 repeats first, then the large message, then whole rounds). Every input to a
 decision is agreed across ranks (all-reduce MAX) before it is used, so all
 ranks take the same decision without talking again. Pure Python: unit-tested
@@ -22,6 +23,7 @@ COMPUTE_MIN_S, COMPUTE_MAX_S = 0.04, 1.0
 GEMM_FRACTION = 0.6          # of the compute slice; the rest times the memory copy
 FINAL_SHARE = 0.05           # gather, build, validate, write, broadcast
 INTRA_MIN_SHARE = 0.2        # of the point-to-point time, when there are inter-node rounds too
+ALL_TO_ALL_SHARE = 0.1       # at most, of the inter-node time, what the all-to-all after it keeps
 FINAL_MIN_S, FINAL_MAX_S = 0.05, 5.0
 SAFETY = 1.25
 """Estimated costs are inflated by this factor before they are compared with the time left:
@@ -100,3 +102,11 @@ def choose_round(costs: RoundCosts, *, time_left_s: float, rounds_left: int, max
             return RoundConfig(1, True)
     cheapest = RoundConfig(1, False)
     return cheapest if costs.round_s(cheapest) <= time_left_s else None
+
+
+def all_to_all_reserve_s(costs: RoundCosts, time_left_s: float, repeats: int) -> float:
+    """What the inter-node rounds keep for the all-to-all after them (probe.engine), priced from
+    their calibration: its untimed first one as two large parts, then `repeats` timed ones as one
+    each, every one with a round's overhead and the SAFETY margin; at most ALL_TO_ALL_SHARE of the
+    `time_left_s`, so that on a slow fabric the node pairs keep most of it."""
+    return min(SAFETY * (repeats + 2) * (costs.overhead_s + costs.large_s), ALL_TO_ALL_SHARE * time_left_s)

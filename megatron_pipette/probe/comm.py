@@ -82,3 +82,16 @@ def exchange(group: dist.ProcessGroup | None, device: torch.device, me: int, pee
     _wait(_post(ops if me < peer else ops[::-1], group, device), device, timeout)
     synchronize(device)
     return time.perf_counter() - start
+
+
+def all_to_all(group: dist.ProcessGroup | None, device: torch.device, peers: list[int], send: torch.Tensor,
+               recv: torch.Tensor, timeout: timedelta) -> float:
+    """Row k of `send` to peers[k] (global ranks) and row k of `recv` from it, all at once: one
+    batch on NCCL, as its all-to-all runs; seconds on this rank. Every receive is posted before any
+    send, so a backend whose sends block until matched cannot deadlock."""
+    start = time.perf_counter()
+    ops = [(dist.irecv, recv[k], peer) for k, peer in enumerate(peers)] + \
+          [(dist.isend, send[k], peer) for k, peer in enumerate(peers)]
+    _wait(_post(ops, group, device), device, timeout)
+    synchronize(device)
+    return time.perf_counter() - start

@@ -15,7 +15,9 @@ import numpy as np
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.probe import fit
 from megatron_pipette.probe.engine import Measurements, PhaseResult
+from megatron_pipette.probe.schedule import ALL_TO_ALL_NODES
 from megatron_pipette.spec.cluster_file import cluster_document
+from megatron_pipette.spec.hardware import Cluster, LinkLevel
 
 
 def gpus_per_node(hosts: Sequence[str]) -> int:
@@ -72,6 +74,27 @@ def _skips(phase: PhaseResult, name: str, max_repeats: int, filled: str) -> list
     return skipped
 
 
+def _level(figures: fit.Figures) -> LinkLevel:
+    return LinkLevel(bandwidth_Bps=figures.bandwidth_Bps, latency_s=figures.latency_s,
+                     exchange_bandwidth_Bps=figures.exchange_bandwidth_Bps,
+                     exchange_latency_s=figures.exchange_latency_s)
+
+
+def _all_to_all(m: Measurements, links: Cluster) -> tuple[float, dict | None, list[dict]]:
+    """(the cluster's all-to-all factor, the probe block's report of it, what the budget skipped)."""
+    if m.all_to_all is None:
+        return 1.0, None, []
+    got = fit.all_to_all_fit(m.all_to_all, links)
+    report = {"nodes_per_block": ALL_TO_ALL_NODES, "bytes_per_peer": m.all_to_all.bytes_per_peer,
+              "repeats": int(m.all_to_all.block_s.shape[1]),
+              "bandwidth_factor": None if got is None else got.factor,
+              "block_share": None if got is None else [None if np.isnan(x) else round(x, 4) for x in got.block_share]}
+    if m.all_to_all.block_s.shape[1] == 0:
+        return 1.0, report, [{"what": "all_to_all", "phase": "all-to-all", "rounds": 1,
+                              "reason": "budget: the all-to-all did not run; its bandwidth factor is 1, assumed"}]
+    return (1.0 if got is None else got.factor), report, []
+
+
 def build_document(m: Measurements, identities: Sequence[dict], *, name: str, precision: str, small_bytes: int,
                    large_bytes: int, max_repeats: int, probe_meta: dict[str, Any],
                    extra_skipped: Sequence[dict] = ()) -> dict:
@@ -87,14 +110,23 @@ def build_document(m: Measurements, identities: Sequence[dict], *, name: str, pr
     domain = fit.domains(inter, classes, node_class) if on_gpu else None
     hosts = [identities[k * m.gpus_per_node]["host"] for k in range(m.num_nodes)]
     gpus = {ident.get("gpu") for ident in identities}
+    devices = _devices(identities, m)
+    links = Cluster(name=name, num_nodes=m.num_nodes, gpus_per_node=m.gpus_per_node,
+                    memory_bytes=min(devices["memory_bytes"]), memory_bandwidth_Bps=float(m.copy_Bps.min()),
+                    gemm_flops=m.gemm_flops, intra_node=tuple(_level(c) for c in classes),
+                    node_class=np.asarray(node_class), inter_node=_level(inter.figures),
+                    cross_rail_bandwidth_factor=inter.cross_rail_bandwidth_factor,
+                    cross_rail_latency_s=inter.cross_rail_latency_s, domain_of_node=domain)
+    all_to_all, all_to_all_report, all_to_all_skipped = _all_to_all(m, links)
     skipped = (_skips(m.intra, "intra-node", max_repeats, "the median of the node's measured links")
-               + _skips(m.inter, "inter-node", max_repeats, "filled from the per-node fit") + list(extra_skipped))
+               + _skips(m.inter, "inter-node", max_repeats, "filled from the per-node fit") + all_to_all_skipped
+               + list(extra_skipped))
     return cluster_document(
         name=name, precision=precision, gpu=gpus.pop() if len(gpus) == 1 else None,
         device_name=identities[0].get("device_name", "unknown"), hosts=hosts, node_class=node_class,
-        domains=domain if domain is not None else range(m.num_nodes), devices=_devices(identities, m),
+        domains=domain if domain is not None else range(m.num_nodes), devices=devices,
         intra_node=classes, inter_node=inter.figures, cross_rail_bandwidth_factor=inter.cross_rail_bandwidth_factor,
-        cross_rail_latency_s=inter.cross_rail_latency_s,
+        cross_rail_latency_s=inter.cross_rail_latency_s, all_to_all_bandwidth_factor=all_to_all,
         probe={**probe_meta, "world_size": m.world_size, "duration_s": round(m.duration_s, 4),
                "intra_rounds": len(m.intra.rounds), "intra_rounds_measured": m.intra.measured,
                "inter_rounds": len(m.inter.rounds), "inter_rounds_measured": m.inter.measured,
@@ -104,7 +136,7 @@ def build_document(m: Measurements, identities: Sequence[dict], *, name: str, pr
                "small_bytes": int(small_bytes), "large_bytes": int(large_bytes),
                "exchange_bytes": [fit.medium_bytes(small_bytes, large_bytes), int(large_bytes)],
                "repeats": int(max_repeats), "skipped": skipped,
-               "slow_links": inter.slow_links, "slow_nodes": inter.slow_nodes,
+               "slow_links": inter.slow_links, "slow_nodes": inter.slow_nodes, "all_to_all": all_to_all_report,
                "fit": None if m.num_nodes == 1 else {
                    "fabric_Bps": inter.fabric_Bps, "node_out_rate_Bps": inter.out_rate_Bps.tolist(),
                    "node_in_rate_Bps": inter.in_rate_Bps.tolist()}})

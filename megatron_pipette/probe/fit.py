@@ -21,8 +21,9 @@ from functools import cached_property
 import numpy as np
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.probe.engine import METRICS, Measurements, PhaseResult
-from megatron_pipette.probe.schedule import round_partners
+from megatron_pipette.probe.engine import METRICS, AllToAllResult, Measurements, PhaseResult
+from megatron_pipette.probe.schedule import ALL_TO_ALL_NODES, all_to_all_peers, round_partners
+from megatron_pipette.spec.hardware import Cluster
 
 WELL_CONDITIONED = 0.5
 """Fit beta from the size difference only when t(L) - t(S) >= this fraction of t(L)."""
@@ -378,3 +379,38 @@ def domains(inter: InterFit, intra: list[Figures], node_class: np.ndarray) -> np
     if np.unique(labels).size == nodes:
         return None
     return np.unique(labels, return_inverse=True)[1]
+
+
+@dataclass(frozen=True)
+class AllToAllFit:
+    """The all-to-all's share of its links' rate (Cluster.all_to_all_bandwidth_factor)."""
+
+    factor: float
+    """The median over the blocks timed of each one's share, at most 1."""
+    block_share: list[float]
+    """Each block's share (NaN where it sat out or its traffic stays inside an NVLink domain)."""
+
+
+def all_to_all_fit(result: AllToAllResult | None, links: Cluster) -> AllToAllFit | None:
+    """What the all-to-all blocks attained against the probed links (`links`, whose own factor is
+    1): per block, the links' price of its slowest rank's traffic beyond the NVLink domain over
+    the time it measured (median of the repeats) less the start-up; None where none was timed or
+    every block stays inside an NVLink domain (GB200 NVL72's 18 hosts: blocks of four share one),
+    which the factor does not describe."""
+    if result is None or result.block_s.shape[1] == 0:
+        return None
+    ranks = np.arange(links.world_size)
+    alpha, near, far = links.all_to_all_sums(ranks, all_to_all_peers(ranks, links.num_nodes, links.gpus_per_node))
+    starts = np.arange(0, links.world_size, ALL_TO_ALL_NODES * links.gpus_per_node)   # blocks: runs of ranks
+    price = np.maximum.reduceat(result.bytes_per_peer * far, starts)
+    alpha = np.maximum.reduceat(alpha, starts)
+    inside = np.maximum.reduceat(near, starts) > 0
+    timed = np.isfinite(result.block_s).any(axis=1)
+    measured = np.full(timed.size, np.nan)
+    measured[timed] = np.nanmedian(result.block_s[timed], axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(inside | ~(price > 0), np.nan, price / (measured - alpha))
+    share[~np.isfinite(share) | ~(share > 0)] = np.nan
+    if np.isnan(share).all():
+        return None
+    return AllToAllFit(factor=float(min(1.0, np.nanmedian(share))), block_share=share.tolist())

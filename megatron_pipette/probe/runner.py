@@ -79,7 +79,7 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     measured, note = compute.gemm_precision(precision, device)
     transport = TorchTransport(group, device, gpus_per_node=int(gpn), precision=measured,
                                small_bytes=small_bytes, large_bytes=large_bytes, timeout=timeout)
-    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats)
+    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes)
     probed: ClusterFile | None = None
     answer: object = None
     failure: BaseException | None = None

@@ -23,6 +23,10 @@ import numpy as np
 Pair = tuple[int, int]
 CROSS_RAIL_ROUNDS = 2
 """Inter-node rounds repeated with shifted rails (the first ones in the spread order)."""
+ALL_TO_ALL_NODES = 4
+"""Nodes of each block of the probe's all-to-all (`all_to_all_peers`): an expert-parallel group of
+32 GPUs over four 8-GPU nodes, as NVIDIA runs Qwen3-235B, the span at which an all-to-all's
+many-to-many traffic meets at receivers and in the spine where one node pair's does not."""
 ORDER_SEED = 0
 
 
@@ -132,3 +136,24 @@ def node_pairs_met(num_nodes: int, gpus_per_node: int, inter_rounds_run: int) ->
             has = np.flatnonzero(partner >= 0)
             met[has, partner[has]] = True
     return met
+
+
+def all_to_all_peers(ranks: np.ndarray, num_nodes: int, gpus_per_node: int) -> np.ndarray:
+    """(len(ranks), (ALL_TO_ALL_NODES - 1) x gpus_per_node): the global ranks each of `ranks` sends to
+    in the probe's all-to-all, -1 padding. Nodes form blocks of ALL_TO_ALL_NODES in rank order (the
+    last may be smaller; alone, it sits out), and every block runs at once: each rank exchanges with
+    every rank of its block on the other nodes, in NCCL's all-to-all order (from the rank after
+    it, cyclically). Only the traffic between nodes is measured: what the links inside a node carry
+    in an all-to-all the intra-node rounds price already. O(ranks) memory, vectorised."""
+    ranks = np.asarray(ranks, dtype=np.int64)
+    g = gpus_per_node
+    node = ranks // g
+    first = node // ALL_TO_ALL_NODES * ALL_TO_ALL_NODES
+    size = (np.minimum(first + ALL_TO_ALL_NODES, num_nodes) - first) * g          # ranks of the block
+    at = ranks - first * g                                                       # place in the block
+    k = np.arange(1, ALL_TO_ALL_NODES * g)
+    place = (at[:, None] + k) % size[:, None]
+    peer = first[:, None] * g + place
+    keep = (k < size[:, None]) & (place // g != at[:, None] // g)
+    first = np.argsort(~keep, axis=1, kind="stable")[:, :(ALL_TO_ALL_NODES - 1) * g]    # the peers, in order
+    return np.where(np.take_along_axis(keep, first, axis=1), np.take_along_axis(peer, first, axis=1), -1)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pipette.measure import compute
-from megatron_pipette.probe.comm import Clock, exchange, one_way
+from megatron_pipette.probe.comm import Clock, all_to_all, exchange, one_way
 from megatron_pipette.probe.fit import medium_bytes
 from megatron_pipette.probe.transport import PairTimes
 
@@ -91,3 +91,11 @@ class TorchTransport:
                                 time.perf_counter() - start))
             big, medium, full, large_wall = (statistics.median(column) for column in zip(*samples))
         return PairTimes(*(np.array([v]) for v in (small, big, medium, full, small_wall, large_wall)))
+
+    def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
+        mine = [self._global(int(p)) for p in peers[0] if p >= 0]
+        if not mine:
+            return np.array([float("nan")])
+        rows = len(mine) * nbytes
+        send, recv = (buf[:rows].view(len(mine), nbytes) for buf in self.large)
+        return np.array([all_to_all(self.group, self.device, mine, send, recv, self.timeout)])

@@ -60,3 +60,8 @@ class Transport(Protocol):
         small message (connection set-up, both partners start together), then `repeats` times the
         one-way small message each way, and with `large` the one-way large message each way and the
         medium and large exchanges."""
+
+    def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
+        """(len(ranks),) seconds each played rank takes to send `nbytes` to every rank of its row of
+        `peers` (-1: none) and receive as much from each, all at once (an all-to-all on the
+        group's communicator); NaN for a rank without peers. The peers are mutual."""

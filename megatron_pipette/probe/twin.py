@@ -7,8 +7,9 @@ noise, and a simulated clock advances by what the real ranks would wait: a round
 long as its slowest pair, a collective by a tree model. The rail-to-rail rounds are exactly
 the load the truth's node x node figures are defined under (every local rank of both nodes
 busy, each on its own rail), so no further contention applies; cross-rail pairs get the
-truth's cross-rail figures. `probe.engine` and `probe.document` then run unchanged: the
-twin is not a second implementation of the probe. Pure: numpy only.
+truth's cross-rail figures, and the all-to-all the truth's all-to-all factor. `probe.engine`
+and `probe.document` then run unchanged: the twin is not a second implementation of the
+probe. Pure: numpy only.
 """
 
 from __future__ import annotations
@@ -131,6 +132,15 @@ class TwinTransport:
         return PairTimes(**result)
 
 
+    def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
+        alpha, near, far = self.truth.all_to_all_sums(self.ranks, peers)
+        sends = (peers >= 0).any(axis=1)
+        t = self._noisy(np.where(sends, alpha + nbytes * np.maximum(near, far), np.nan))[0]
+        if sends.any():
+            self.clock += float(np.nanmax(t))
+        return t
+
+
 def twin_identities(truth: Cluster) -> list[dict]:
     """What each simulated rank would report about itself."""
     name = truth.gpu.name if truth.gpu else "simulated"
@@ -156,7 +166,7 @@ def run_twin(truth: Cluster, *, budget_s: float, small_bytes: int, large_bytes: 
     """The probe, every rank at once, on the simulated `truth`."""
     transport = TwinTransport(truth, TwinSettings(small_bytes=small_bytes, large_bytes=large_bytes, noise=noise,
                                                   seed=seed))
-    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats)
+    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes)
     build = partial(build_document, measurements, twin_identities(truth), name=f"twin-of-{truth.name}",
                     precision=precision, small_bytes=small_bytes, large_bytes=large_bytes, max_repeats=repeats,
                     probe_meta={"backend": "twin", "budget_s": float(budget_s), "noise": noise, "seed": seed})

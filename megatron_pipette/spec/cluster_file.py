@@ -14,7 +14,8 @@ files (a GPU x GPU matrix per figure) still load, converted (`_from_version_1`).
       "intra_node": [{"bandwidth_Bps": G x G, "latency_s": G x G,
                       "exchange_bandwidth_Bps": G x G, "exchange_latency_s": G x G}],
       "inter_node": {"bandwidth_Bps": N x N, "latency_s": N x N, ...,
-                     "cross_rail_bandwidth_factor": 0.9, "cross_rail_latency_s": 2e-6},
+                     "cross_rail_bandwidth_factor": 0.9, "cross_rail_latency_s": 2e-6,
+                     "all_to_all_bandwidth_factor": 0.8},
       "probe": {...}
     }
 
@@ -159,15 +160,19 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
     levels = tuple(_level(level, gpn, f"{where}: intra_node[{k}]") for k, level in enumerate(intra))
     factor = inter.get("cross_rail_bandwidth_factor", 1.0) if isinstance(inter, dict) else 1.0
     extra = inter.get("cross_rail_latency_s", 0.0) if isinstance(inter, dict) else 0.0
+    all_to_all = inter.get("all_to_all_bandwidth_factor", 1.0) if isinstance(inter, dict) else 1.0
     if not in_range(factor, 0.0, 1.0, above=True) or not in_range(extra, 0.0, MAX_LATENCY_S):
         raise PipetteError(f"{where}: inter_node cross_rail_bandwidth_factor must be in (0, 1] and "
                            f"cross_rail_latency_s in [0, {MAX_LATENCY_S:g}]")
+    if not in_range(all_to_all, 0.0, 1.0, above=True):
+        raise PipetteError(f"{where}: inter_node all_to_all_bandwidth_factor must be in (0, 1], got {all_to_all!r}")
     return Cluster(name=str(data.get("name", "probed")), num_nodes=num_nodes, gpus_per_node=gpn,
                    memory_bytes=int(memory.min()),
                    memory_bandwidth_Bps=float(mem_bw.min()) if mem_bw is not None else gpu.memory_bandwidth_Bps,
                    gemm_flops=gemm, intra_node=levels, node_class=np.array(classes, dtype=np.int64),
                    inter_node=_level(inter, num_nodes, f"{where}: inter_node"),
                    cross_rail_bandwidth_factor=float(factor), cross_rail_latency_s=float(extra),
+                   all_to_all_bandwidth_factor=float(all_to_all),
                    domain_of_node=None if domains == list(range(num_nodes)) else np.array(domains, dtype=np.int64),
                    gpu=gpu, hosts=tuple(str(x.get("host", f"node{k}")) for k, x in enumerate(nodes)))
 
@@ -175,7 +180,8 @@ def cluster_from_json(data: Any, where: str = "--cluster") -> Cluster:
 def cluster_document(*, name: str, precision: str, gpu: str | None, device_name: str, hosts: Sequence[str],
                      node_class: Sequence[int], domains: Sequence[int], devices: Mapping[str, list],
                      intra_node: Sequence[Any], inter_node: Any, cross_rail_bandwidth_factor: float,
-                     cross_rail_latency_s: float, probe: Mapping[str, Any] | None = None) -> dict:
+                     cross_rail_latency_s: float, all_to_all_bandwidth_factor: float,
+                     probe: Mapping[str, Any] | None = None) -> dict:
     """The one writer of the schema (version 2), for the probe's measurements and for a Cluster alike:
     `devices` holds the per-device lists, each level of `intra_node` and `inter_node` has the
     LEVEL_KEYS figures as attributes (a LinkLevel, the probe's fitted figures); `probe` is the
@@ -188,7 +194,8 @@ def cluster_document(*, name: str, precision: str, gpu: str | None, device_name:
         "devices": dict(devices),
         "intra_node": [_level_json(level) for level in intra_node],
         "inter_node": {**_level_json(inter_node), "cross_rail_bandwidth_factor": cross_rail_bandwidth_factor,
-                       "cross_rail_latency_s": cross_rail_latency_s},
+                       "cross_rail_latency_s": cross_rail_latency_s,
+                       "all_to_all_bandwidth_factor": all_to_all_bandwidth_factor},
     }
     return doc if probe is None else {**doc, "probe": dict(probe)}
 
@@ -205,7 +212,8 @@ def cluster_to_json(cluster: Cluster, precision: str = "bf16") -> dict:
                  "gemm_flops": cluster.gemm_flops.tolist()},
         intra_node=cluster.intra_node, inter_node=cluster.inter_node,
         cross_rail_bandwidth_factor=cluster.cross_rail_bandwidth_factor,
-        cross_rail_latency_s=cluster.cross_rail_latency_s)
+        cross_rail_latency_s=cluster.cross_rail_latency_s,
+        all_to_all_bandwidth_factor=cluster.all_to_all_bandwidth_factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +230,9 @@ class ProbeReport:
     inter_rounds: int | None
     inter_rounds_measured: int | None
     node_pairs_measured: int | None
+    all_to_all_nodes_per_block: int | None
+    """Nodes of each block whose all-to-all measured the file's all-to-all factor; None where it was
+    not measured (one node, no time left, or blocks inside one NVLink domain)."""
     slow_nodes: tuple[str, ...]
     slow_links: tuple[str, ...]
     skipped: tuple[str, ...]
@@ -232,9 +243,12 @@ class ProbeReport:
             return tuple(str(x.get("reason", x.get("what", x))) if isinstance(x, dict) else str(x)
                          for x in block.get(key) or ())
 
+        all_to_all = block.get("all_to_all") or {}
         return cls(**{k: block.get(k) for k in ("backend", "world_size", "duration_s", "budget_s", "intra_rounds",
                                                 "intra_rounds_measured", "inter_rounds", "inter_rounds_measured",
                                                 "node_pairs_measured")},
+                   all_to_all_nodes_per_block=(all_to_all.get("nodes_per_block")
+                                               if all_to_all.get("bandwidth_factor") is not None else None),
                    slow_nodes=reasons("slow_nodes"), slow_links=reasons("slow_links"), skipped=reasons("skipped"))
 
 

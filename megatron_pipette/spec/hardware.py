@@ -192,6 +192,11 @@ class Cluster:
     of the rail-to-rail rate (their traffic crosses the fabric's spine, or a PXN hop inside the node)."""
     cross_rail_latency_s: float = 0.0
     """Extra start-up time of such cross-rail messages, seconds."""
+    all_to_all_bandwidth_factor: float = 1.0
+    """An all-to-all's traffic between nodes attains this fraction of what its links' figures give
+    alone: many-to-many flows meet at receivers and in the fabric's spine, where the rail-to-rail
+    rounds load each link one pair at a time. Measured by the probe (all-to-alls among blocks of
+    nodes); 1.0 in the presets, where it is assumed."""
     domain_of_node: np.ndarray | None = None
     """(num_nodes,) NVLink domain of each node (GB200 NVL72: 18 hosts of 4 GPUs share one);
     None: every node is its own domain. Tensor-parallel groups stay inside a domain."""
@@ -257,6 +262,26 @@ class Cluster:
             lat[across] = inter_lat[a, b] + np.where(rail, 0.0, self.cross_rail_latency_s)
             bw[across] = inter_bw[a, b] * np.where(rail, 1.0, self.cross_rail_bandwidth_factor)
         return lat.reshape(shape), bw.reshape(shape)
+
+    def all_to_all_links(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(latency_s, near, far) of the messages src -> dst inside an all-to-all (every message of
+        it runs beside its reverse): the inverse bandwidth, s/B, of each message inside its NVLink
+        domain (near) and beyond it (far, at all_to_all_bandwidth_factor of the link's rate), zero
+        in the other."""
+        lat, bw = self.link(src, dst, two_way=True)
+        domain = self.domains
+        same = domain[np.asarray(src) // self.gpus_per_node] == domain[np.asarray(dst) // self.gpus_per_node]
+        return lat, np.where(same, 1.0 / bw, 0.0), np.where(same, 0.0, 1.0 / (bw * self.all_to_all_bandwidth_factor))
+
+    def all_to_all_sums(self, ranks: np.ndarray, peers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(alpha, near, far), each (len(ranks),), of each rank's all-to-all with its row of `peers`
+        (-1: none): the largest start-up of its messages and their inverse bandwidths
+        (all_to_all_links) summed inside and beyond its NVLink domain."""
+        has = peers >= 0
+        lat, near, far = (np.zeros(peers.shape) for _ in range(3))
+        lat[has], near[has], far[has] = self.all_to_all_links(np.broadcast_to(np.asarray(ranks)[:, None],
+                                                                              peers.shape)[has], peers[has])
+        return lat.max(axis=1), near.sum(axis=1), far.sum(axis=1)
 
     @property
     def domains(self) -> np.ndarray:

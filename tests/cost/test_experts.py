@@ -79,6 +79,17 @@ def test_all_to_all_adds_up_each_ranks_peers_per_link_kind():
     assert summary.all_to_all_s(16e6)[0] == pytest.approx(summary.alpha_s[0] + 1e6 * max(7 / nv, 8 / nic))
 
 
+def test_the_all_to_all_factor_slows_the_traffic_between_nodes_only():
+    """At a factor f the NIC part costs 1/f as much; the NVLink part does not change (one node)."""
+    c = preset_cluster("dgx-h100", num_nodes=2)
+    slowed = dataclasses.replace(c, all_to_all_bandwidth_factor=0.5)
+    one, half = all_to_all(np.arange(16)[None], c, split=True), all_to_all(np.arange(16)[None], slowed, split=True)
+    assert half.far_inv_bw_s_per_B[0] == pytest.approx(2 * one.far_inv_bw_s_per_B[0])
+    assert half.near_inv_bw_s_per_B[0] == pytest.approx(one.near_inv_bw_s_per_B[0])
+    inside = np.arange(8)[None]
+    assert all_to_all(inside, slowed).inv_bw_s_per_B[0] == pytest.approx(all_to_all(inside, c).inv_bw_s_per_B[0])
+
+
 def test_dispatch_across_nodes_costs_more_than_inside_one():
     """EP 8 inside a node against EP 8 spread over 8 nodes (the placement puts each expert group's
     ranks on different nodes): the all-to-alls cross the NICs."""

@@ -33,6 +33,12 @@ def test_summarize_names_the_weak_spots():
     assert "7 of 7 intra-node and 2 of 3 inter-node rounds" in text
     assert "node 0 -> node 3: 1 GB/s" in text
     assert "budget: 1 of 3 rounds not run" in text
+    assert "all-to-alls between NVLink domains get 100% of their links' rate (assumed)" in text
+    doc = synthetic_doc()
+    doc["inter_node"]["all_to_all_bandwidth_factor"] = 0.7
+    doc["probe"]["all_to_all"] = {"nodes_per_block": 4, "bandwidth_factor": 0.7}
+    assert "get 70% of their links' rate (measured: all-to-alls among 4 nodes at once)" in summarize(
+        ClusterFile.from_json(doc))
 
 
 def test_the_file_reads_without_changing_and_rejects_non_cluster_documents():

@@ -2,7 +2,15 @@
 
 import pytest
 
-from megatron_pipette.probe.budget import RoundConfig, RoundCosts, choose_round, plan_budget
+from megatron_pipette.probe.budget import (
+    ALL_TO_ALL_SHARE,
+    SAFETY,
+    RoundConfig,
+    RoundCosts,
+    all_to_all_reserve_s,
+    choose_round,
+    plan_budget,
+)
 
 
 def test_plan_budget_fits_inside_the_budget():
@@ -43,3 +51,9 @@ def test_bandwidth_first_cuts_rounds_before_the_large_message():
                         bandwidth_first=True) == RoundConfig(1, True)
     assert choose_round(COSTS, time_left_s=0.12, rounds_left=10, max_repeats=5,
                         bandwidth_first=True) == RoundConfig(1, False)
+
+
+def test_the_all_to_all_keeps_what_it_needs_and_at_most_its_share():
+    costs = RoundCosts(overhead_s=0.01, small_s=0.001, large_s=0.05)
+    assert all_to_all_reserve_s(costs, 30.0, 3) == pytest.approx(SAFETY * 5 * 0.06)
+    assert all_to_all_reserve_s(costs, 1.0, 3) == pytest.approx(ALL_TO_ALL_SHARE * 1.0)

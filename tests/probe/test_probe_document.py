@@ -75,7 +75,7 @@ def identities(truth):
 
 def probe_twin(truth, budget_s=30.0, noise=0.0, seed=0, repeats=3):
     transport = TwinTransport(truth, TwinSettings(small_bytes=S, large_bytes=L, noise=noise, seed=seed))
-    m = run_engine(transport, plan_budget(budget_s), repeats=repeats)
+    m = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=L)
     doc = build_document(m, identities(truth), name="twin", precision="bf16", small_bytes=S, large_bytes=L,
                          max_repeats=repeats, probe_meta={"backend": "twin"})
     return cluster_from_json(json.loads(json.dumps(doc))), doc, transport.clock
@@ -157,3 +157,31 @@ def test_the_twin_is_deterministic_for_a_seed():
     truth = uneven_truth(4, 3)
     assert probe_twin(truth, noise=0.1, seed=3)[1] == probe_twin(truth, noise=0.1, seed=3)[1]
     assert probe_twin(truth, noise=0.1, seed=3)[1] != probe_twin(truth, noise=0.1, seed=4)[1]
+
+
+@pytest.mark.parametrize("nodes, factor", [(4, 0.6), (9, 1.0), (2, 0.45)])
+def test_the_twin_finds_its_truths_all_to_all_factor(nodes, factor):
+    """Blocks of four nodes (a last one of one node sits out, nine nodes) time their all-to-all; the
+    probed file's factor is the truth's, which prices the all-to-all between nodes and nothing else."""
+    truth = dataclasses.replace(preset_cluster("dgx-h100", num_nodes=nodes), all_to_all_bandwidth_factor=factor)
+    probed, doc, _ = probe_twin(truth)
+    report = doc["probe"]["all_to_all"]
+    assert report["repeats"] == 3 and report["bytes_per_peer"] == L // (3 * 8)
+    assert probed.all_to_all_bandwidth_factor == pytest.approx(factor, rel=1e-6)
+    assert report["block_share"][-1] is None if nodes % 4 == 1 else report["block_share"][-1] == pytest.approx(factor)
+
+
+def test_one_node_has_no_all_to_all_and_a_spent_budget_says_it_skipped_it():
+    one, doc, _ = probe_twin(preset_cluster("dgx-h100", num_nodes=1))
+    assert one.all_to_all_bandwidth_factor == 1.0 and doc["probe"]["all_to_all"] is None
+    truth = dataclasses.replace(preset_cluster("dgx-h100", num_nodes=64), all_to_all_bandwidth_factor=0.5)
+    probed, doc, clock = probe_twin(truth, budget_s=0.05)
+    assert probed.all_to_all_bandwidth_factor == 1.0 and doc["probe"]["all_to_all"]["repeats"] == 0
+    assert "all_to_all" in [s["what"] for s in doc["probe"]["skipped"]]
+
+
+def test_blocks_inside_one_nvlink_domain_measure_no_all_to_all_factor():
+    """GB200 NVL72: four hosts of one domain talk over NVLink, which the factor does not describe."""
+    truth = preset_cluster("gb200-nvl72", num_nodes=36)
+    probed, doc, _ = probe_twin(dataclasses.replace(truth, all_to_all_bandwidth_factor=0.5))
+    assert doc["probe"]["all_to_all"]["bandwidth_factor"] is None and probed.all_to_all_bandwidth_factor == 1.0

@@ -10,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_pipette.probe.schedule import (
+    ALL_TO_ALL_NODES,
     CROSS_RAIL_ROUNDS,
+    all_to_all_peers,
     partner_in,
     probe_rounds,
     round_partners,
@@ -90,3 +92,25 @@ def test_pure_parts_import_without_torch():
             "megatron_pipette.probe.twin, megatron_pipette.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@given(st.integers(min_value=1, max_value=11), st.integers(min_value=1, max_value=8))
+def test_all_to_all_peers_are_every_rank_of_the_block_on_other_nodes_and_mutual(nodes, gpn):
+    ranks = np.arange(nodes * gpn)
+    peers = all_to_all_peers(ranks, nodes, gpn)
+    assert peers.shape == (ranks.size, (ALL_TO_ALL_NODES - 1) * gpn)
+    for r in ranks:
+        mine = peers[r][peers[r] >= 0]
+        block = [q for q in ranks
+                 if q // gpn // ALL_TO_ALL_NODES == r // gpn // ALL_TO_ALL_NODES and q // gpn != r // gpn]
+        assert sorted(mine.tolist()) == block                      # each once, none on its own node
+        assert all(r in peers[q] for q in mine)                     # mutual
+    # a full block fills the row: (ALL_TO_ALL_NODES - 1) x gpn peers, the padding only after them
+    assert all((row >= 0).sum() == len(row) or np.all(row[(row >= 0).sum():] < 0) for row in peers)
+    if nodes >= ALL_TO_ALL_NODES:
+        assert (peers[:gpn * ALL_TO_ALL_NODES] >= 0).all()
+
+
+def test_a_lone_last_node_sits_out_of_the_all_to_all():
+    peers = all_to_all_peers(np.arange(10), 5, 2)
+    assert (peers[8:] < 0).all() and (peers[:8] >= 0).any(axis=1).all()

@@ -90,6 +90,9 @@ def test_cluster_json_keeps_classes_two_way_figures_and_cross_rail():
         for a, b in zip(back.link(src, dst, two_way=two_way), c.link(src, dst, two_way=two_way)):
             np.testing.assert_array_equal(a, b)
     assert not back.full_duplex and back.node_class.tolist() == [0, 1]
+    measured = cluster_from_json(json.loads(json.dumps(cluster_to_json(
+        dataclasses.replace(c, all_to_all_bandwidth_factor=0.7)))))
+    assert back.all_to_all_bandwidth_factor == 1.0 and measured.all_to_all_bandwidth_factor == 0.7
 
 
 def test_large_node_matrices_travel_base64_encoded():
@@ -150,6 +153,7 @@ def test_bad_cluster_files_are_clear_errors_version_1():
     (lambda d: d["inter_node"].update(bandwidth_Bps={"float32_base64": "@@", "shape": [2, 2]}), "not a valid"),
     (lambda d: d["nodes"][1].update({"class": 4}), "'class' must index 'intra_node'"),
     (lambda d: d["inter_node"].update(cross_rail_bandwidth_factor=1.5), "cross_rail_bandwidth_factor"),
+    (lambda d: d["inter_node"].update(all_to_all_bandwidth_factor=0), "all_to_all_bandwidth_factor must be in"),
     (lambda d: d.pop("intra_node"), "'intra_node' must be a non-empty list"),
 ])
 def test_bad_cluster_files_are_clear_errors(mutate, message):
