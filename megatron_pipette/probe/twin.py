@@ -131,7 +131,6 @@ class TwinTransport:
             self.clock += float(np.max(pair_s))
         return PairTimes(**result)
 
-
     def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
         alpha, near, far = self.truth.all_to_all_sums(self.ranks, peers)
         sends = (peers >= 0).any(axis=1)

@@ -95,7 +95,8 @@ def summarize(shown: ClusterFile) -> str:
                   f"{cluster.cross_rail_bandwidth_factor:.0%} of it"
                   + (f" and +{_time(cluster.cross_rail_latency_s)} latency" if cluster.cross_rail_latency_s else ""),
                   f"  all-to-alls between NVLink domains get {cluster.all_to_all_bandwidth_factor:.0%} of their "
-                  "links' rate " + (f"(measured: all-to-alls among {probe.all_to_all_nodes_per_block} nodes at once)"
+                  "links' rate "
+                  + (f"(measured: all-to-alls among {probe.all_to_all_nodes_per_block} nodes at once)"
                      if probe is not None and probe.all_to_all_nodes_per_block else "(assumed)")]
         lines.append("  slowest node pairs:")
         for i in order:

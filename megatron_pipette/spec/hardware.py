@@ -193,10 +193,10 @@ class Cluster:
     cross_rail_latency_s: float = 0.0
     """Extra start-up time of such cross-rail messages, seconds."""
     all_to_all_bandwidth_factor: float = 1.0
-    """An all-to-all's traffic between nodes attains this fraction of what its links' figures give
-    alone: many-to-many flows meet at receivers and in the fabric's spine, where the rail-to-rail
-    rounds load each link one pair at a time. Measured by the probe (all-to-alls among blocks of
-    nodes); 1.0 in the presets, where it is assumed."""
+    """An all-to-all's traffic between NVLink domains attains this fraction of what its links'
+    figures give alone: many-to-many flows meet at receivers and in the fabric's spine, where the
+    rail-to-rail rounds load each link one node pair at a time. Measured by the probe (all-to-alls
+    among blocks of nodes); 1.0 in the presets, where it is assumed."""
     domain_of_node: np.ndarray | None = None
     """(num_nodes,) NVLink domain of each node (GB200 NVL72: 18 hosts of 4 GPUs share one);
     None: every node is its own domain. Tensor-parallel groups stay inside a domain."""
