@@ -39,9 +39,10 @@ MAX_NOISE = 10.0
 
 def add_probe_parser(sub) -> None:
     p = sub.add_parser("probe", help="measure this job's cluster (run under torchrun) and write the cluster file",
-                       description="Measure the links inside and between nodes and every device, within a time "
-                                   "budget; rank 0 writes the cluster file. Run on every rank: `torchrun ... -m "
-                                   "megatron_pipette.probe --out cluster.json` (or `... -m megatron_pipette probe`).")
+                       description="Measure the links inside and between nodes, an all-to-all among every "
+                                   "four nodes, and every device, within a time budget; rank 0 writes the cluster "
+                                   "file. Run on every rank: `torchrun ... -m megatron_pipette.probe --out "
+                                   "cluster.json` (or `... -m megatron_pipette probe`).")
     p.add_argument("--out", required=True, help="cluster JSON to write (rank 0 writes it atomically)")
     p.add_argument("--budget-s", type=float, default=30.0, help="seconds the probe may take (default 30)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -49,8 +50,10 @@ def add_probe_parser(sub) -> None:
     p.add_argument("--precision", default="bf16", help="training precision of the GEMM check (default bf16)")
     p.add_argument("--small-bytes", type=parse_size, default=4096, help="latency message size (default 4K)")
     p.add_argument("--large-bytes", type=parse_size, default=None,
-                   help="bandwidth message size (default 64M on GPU, 4M on CPU)")
-    p.add_argument("--repeats", type=int, default=5, help="timed exchanges per size and pair (default 5)")
+                   help="bandwidth message size, and what each rank sends in the all-to-all (default 64M on GPU, "
+                        "4M on CPU)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed exchanges per size and pair, and timed all-to-alls (default 5)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="give up on an unresponsive peer after this long (default 60 s + the budget)")
     p.add_argument("-v", "--verbose", action="store_true", help="log each stage's timing on every rank")
@@ -179,8 +182,9 @@ def add_probe_sim_parser(sub) -> None:
                    help="sigma of a lognormal factor on every simulated timing (default 0: exact)")
     t.add_argument("--small-bytes", type=parse_size, default=4096, help="latency message size (default 4K)")
     t.add_argument("--large-bytes", type=parse_size, default=DEFAULT_LARGE_CUDA,
-                   help="bandwidth message size (default 64M)")
-    t.add_argument("--repeats", type=int, default=3, help="timed repeats per size and pair (default 3)")
+                   help="bandwidth message size, and what each rank sends in the all-to-all (default 64M)")
+    t.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats per size and pair, and timed all-to-alls (default 3)")
     t.add_argument("--out", required=True, help="the cluster file the probe would write")
     t.set_defaults(run=cmd_probe_sim)
 
