@@ -116,12 +116,16 @@ def probe_fidelity(out: Path, nodes: int, nproc: int, rate: float, slow_node: in
 
 GPT = ["--hidden-size", "256", "--num-attention-heads", "4",
        "--seq-length", "256", "--max-position-embeddings", "256", "--untie-embeddings-and-output-weights",
-       "--micro-batch-size", "4",
        "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--num-workers", "0",
        "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-       "--distributed-backend", "gloo", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-       "--tensor-model-parallel-size", "1"]
+       "--distributed-backend", "gloo", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"]
+"""The tiny GPT, without layout flags: a pinned plan supplies them, and a flag typed beside it that the
+plan does not match makes the hook plan again (plan_check), so that run would train another layout."""
+PLACEMENT_LAYOUT = ["--tensor-model-parallel-size", "1", "--micro-batch-size", "4"]
+"""Section 2's search space: TP 1, micro-batch 4 (PP = nodes is typed too, in `placement`)."""
+CHOSEN = re.compile(r"> auto-parallel: chosen layout (\S.*?): --")
+PINNED_USED = "> auto-parallel: using the plan in {}"
 
 
 def gpt_size(nodes: int) -> list[str]:
@@ -131,17 +135,39 @@ def gpt_size(nodes: int) -> list[str]:
     return ["--num-layers", str(nodes), "--global-batch-size", str(4 * nodes)]
 
 
-def train(desc: dict, out: Path, name: str, extra: list[str], iters: int, pp: int,
-          timeout: float = 420) -> tuple[list[float], str]:
+def train(desc: dict, out: Path, name: str, extra: list[str], iters: int,
+          timeout: float = 420, pinned: Path | None = None) -> tuple[list[float], str]:
+    """Train the tiny GPT under --auto-parallel with `extra` flags; with `pinned`, the plan file it
+    must train as written (trained_as_pinned), which also supplies every layout flag."""
+    pin = [] if pinned is None else ["--auto-parallel-plan-file", str(pinned)]
     with EmuCluster(desc, tag=name[:4]) as cl:
         res = cl.torchrun([str(REPO / "examples" / "pretrain_gpt.py"), *GPT, *gpt_size(desc["nodes"]),
-                           "--train-iters", str(iters), "--pipeline-model-parallel-size", str(pp), *extra],
+                           "--train-iters", str(iters), "--auto-parallel", *pin, *extra],
                           nproc_per_node=1, timeout=timeout, cwd=str(REPO), env=ENV, logdir=out / name)
     text = "\n".join(r.output for r in res)
     if any(r.returncode != 0 for r in res):
         raise RuntimeError(f"{name} failed:\n" + "\n".join(r.output[-3000:] for r in res))
+    if pinned is not None:
+        trained_as_pinned(text, pinned)
     times = {int(i): float(ms) for i, ms in ITER_MS.findall(text)}
     return [times[i] for i in sorted(times)], text
+
+
+def trained_as_pinned(log: str, plan_file: Path) -> None:
+    """Raise (MismatchedLayout) unless the job's log says it took the pinned plan and trained its layout:
+    a time measured under another layout must never be scored as this one's."""
+    from megatron_pipette.report.plan_document import PlanRecord
+
+    pinned = PlanRecord.from_json(json.loads(plan_file.read_text()), str(plan_file)).best.layout.describe()
+    chosen = CHOSEN.findall(log)
+    if PINNED_USED.format(plan_file) not in log or chosen != [pinned]:
+        raise MismatchedLayout(f"{plan_file.name}: pinned {pinned}, the job trained "
+                               f"{' then '.join(chosen) or 'no logged layout'}"
+                               + ("" if PINNED_USED.format(plan_file) in log else " (the pinned plan was not used)"))
+
+
+class MismatchedLayout(RuntimeError):
+    """A pinned run trained a layout other than the one it is scored as."""
 
 
 def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, skip: int) -> dict:
@@ -154,8 +180,9 @@ def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, sk
     cache = where / "cache"
     timeout = 150 * nodes
     planned, _ = train(desc, where, "planned",
-                         ["--auto-parallel", "--auto-parallel-budget-s", str(30 * nodes),
-                          "--auto-parallel-cache-dir", str(cache)], iters, nodes, timeout)
+                       [*PLACEMENT_LAYOUT, "--pipeline-model-parallel-size", str(nodes),
+                        "--auto-parallel-budget-s", str(30 * nodes), "--auto-parallel-cache-dir", str(cache)],
+                       iters, timeout)
     (plan_file,) = cache.glob("*/plan.json")
     doc = json.loads(plan_file.read_text())
     order = doc["candidates"][0]["placement"]["node_order"]
@@ -164,9 +191,8 @@ def placement(out: Path, fast: float, slow_node: int, nodes: int, iters: int, sk
     ident["candidates"][0]["placement"]["node_order"] = list(range(nodes))
     ident_file = where / "identity_plan.json"
     ident_file.write_text(json.dumps(ident))
-    default, _ = train(desc, where, "default",
-                       ["--auto-parallel", "--auto-parallel-plan-file", str(ident_file),
-                        "--auto-parallel-cache-dir", str(where / "cache-identity")], iters, nodes, timeout)
+    default, _ = train(desc, where, "default", ["--auto-parallel-cache-dir", str(where / "cache-identity")],
+                       iters, timeout, pinned=ident_file)
     p_med = statistics.median(planned[skip:])
     d_med = statistics.median(default[skip:])
     print(f"\n## Placement: {nodes} nodes x 1 process, PP={nodes}, rates (Mbit/s) {rates}")
@@ -309,13 +335,12 @@ def predictions(out: Path, placed: dict, iters: int, skip: int, held_out: bool =
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(doc))
         pred = predict(cache_dir, fields, order)
-        pp, mbs = fields["pipeline_model_parallel_size"], fields["micro_batch_size"]
         try:
             times, _ = train(desc, out / "layouts", name,
-                             ["--auto-parallel", "--auto-parallel-plan-file", str(f),
-                              "--auto-parallel-cache-dir", str(out / "layouts" / "cache"),
-                              "--micro-batch-size", str(mbs)], iters, pp)
+                             ["--auto-parallel-cache-dir", str(out / "layouts" / "cache")], iters, pinned=f)
             meas = statistics.median(times[skip:]) / 1e3
+        except MismatchedLayout:
+            raise        # the harness is broken, not the layout: no figure of this run may stand
         except RuntimeError as e:
             print(f"{name}: failed: {str(e)[:300]}", flush=True)
             failed.append({"layout": name, "fields": fields, "node_order": order, "predicted_s": pred,
