@@ -48,7 +48,7 @@ from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_w
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.search import context_parallel_options
 from megatron_pipette.probe.document import gpus_per_node
-from megatron_pipette.probe.identity import node_name
+from megatron_pipette.probe.identity import gpu_id, node_name
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.layer_profile import ProfileFile
@@ -68,12 +68,10 @@ MIN_WAIT_S = 30.0
 def _identity() -> dict:
     """This process's part of the cache key: its node, its device and which GPU it is (the UUID where
     torch shows it, else CUDA_VISIBLE_DEVICES), so that jobs on disjoint GPUs of a node do not share."""
-    ident = {"host": node_name(), "device": "cpu", "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
     if torch.cuda.is_available() and not rehearsal_requested():
-        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-        uuid = getattr(props, "uuid", None)
-        ident.update(device=props.name, gpu=str(uuid) if uuid is not None else ident["gpu"])
-    return ident
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return {"host": node_name(), "device": torch.cuda.get_device_properties(device).name, "gpu": gpu_id(device)}
+    return {"host": node_name(), "device": "cpu", "gpu": gpu_id(torch.device("cpu"))}
 
 
 def control_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:

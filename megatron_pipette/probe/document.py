@@ -139,4 +139,7 @@ def build_document(m: Measurements, identities: Sequence[dict], *, name: str, pr
                "slow_links": inter.slow_links, "slow_nodes": inter.slow_nodes, "all_to_all": all_to_all_report,
                "fit": None if m.num_nodes == 1 else {
                    "fabric_Bps": inter.fabric_Bps, "node_out_rate_Bps": inter.out_rate_Bps.tolist(),
-                   "node_in_rate_Bps": inter.in_rate_Bps.tolist()}})
+                   "node_in_rate_Bps": inter.in_rate_Bps.tolist()}},
+        node_gpus=[[ident.get("gpu_id") for ident in identities[k * m.gpus_per_node:(k + 1) * m.gpus_per_node]]
+                   for k in range(m.num_nodes)],
+        measured=inter.measured)

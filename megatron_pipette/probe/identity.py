@@ -44,6 +44,16 @@ def catalog_name(device_name: str) -> str | None:
     return gpu.name if gpu else None
 
 
+def gpu_id(device: torch.device) -> str | None:
+    """Which GPU this is, for telling a machine's measurements apart from another's: the UUID where
+    torch shows it (CUDA), else the CUDA_VISIBLE_DEVICES this process was given (None: not set)."""
+    if device.type == "cuda":
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            return str(uuid)
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def identify(device: torch.device) -> dict:
     """This rank's identity as plain data (see document.RankReport.identity).
 
@@ -52,7 +62,7 @@ def identify(device: torch.device) -> dict:
     """
     ident: dict = {"host": node_name(), "local_rank": _env_int("LOCAL_RANK"),
                    "local_world_size": _env_int("LOCAL_WORLD_SIZE"),
-                   "host_memory_bytes": host_memory_bytes()}
+                   "host_memory_bytes": host_memory_bytes(), "gpu_id": gpu_id(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         ident.update(device_name=props.name, gpu=catalog_name(props.name), memory_bytes=int(props.total_memory))

@@ -141,11 +141,13 @@ class TwinTransport:
 
 
 def twin_identities(truth: Cluster) -> list[dict]:
-    """What each simulated rank would report about itself."""
+    """What each simulated rank would report about itself (its GPU identity: host and local rank)."""
     name = truth.gpu.name if truth.gpu else "simulated"
-    return [{"host": (truth.hosts[r // truth.gpus_per_node] if truth.hosts else f"node{r // truth.gpus_per_node}"),
-             "device_name": name, "gpu": truth.gpu.name if truth.gpu else None, "memory_bytes": truth.memory_bytes}
-            for r in range(truth.world_size)]
+    hosts = [truth.hosts[r // truth.gpus_per_node] if truth.hosts else f"node{r // truth.gpus_per_node}"
+             for r in range(truth.world_size)]
+    return [{"host": host, "device_name": name, "gpu": truth.gpu.name if truth.gpu else None,
+             "memory_bytes": truth.memory_bytes, "gpu_id": f"{host}-gpu{r % truth.gpus_per_node}"}
+            for r, host in enumerate(hosts)]
 
 
 @dataclass(frozen=True)

@@ -9,19 +9,22 @@ files (a GPU x GPU matrix per figure) still load, converted (`_from_version_1`).
       "name": "probe-2026-11-22T05:00:00Z", "precision": "bf16",
       "num_nodes": 2, "gpus_per_node": 8,
       "gpu": "H100-80GB", "device_name": "NVIDIA H100 80GB HBM3",
-      "nodes": [{"host": "node0", "class": 0, "domain": 0}, ...],
+      "nodes": [{"host": "node0", "class": 0, "domain": 0, "gpus": ["GPU-8f2e...", ...]}, ...],
       "devices": {"memory_bytes": [...], "memory_bandwidth_Bps": [...], "gemm_flops": [...]},
       "intra_node": [{"bandwidth_Bps": G x G, "latency_s": G x G,
                       "exchange_bandwidth_Bps": G x G, "exchange_latency_s": G x G}],
       "inter_node": {"bandwidth_Bps": N x N, "latency_s": N x N, ...,
                      "cross_rail_bandwidth_factor": 0.9, "cross_rail_latency_s": 2e-6,
-                     "all_to_all_bandwidth_factor": 0.8},
+                     "all_to_all_bandwidth_factor": 0.8,
+                     "measured": {"bits_base64": "...", "shape": [N, N]}},
       "probe": {...}
     }
 
 A matrix is a list of rows with null on the diagonal, or, beyond DENSE_LIST_LIMIT
 endpoints, {"float32_base64": "...", "shape": [n, n]} (row-major little-endian float32,
-diagonal NaN), which keeps a 2048-node file at tens of megabytes.
+diagonal NaN), which keeps a 2048-node file at tens of megabytes. A node's "gpus" (its local ranks'
+GPU identities) and the inter-node "measured" bitmask (which node pairs the probe measured rather
+than filled) let a later allocation reuse what was measured on the same machines (`ClusterFile.select`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,23 @@ def encode_matrix(m: np.ndarray) -> list | dict:
     for i in range(n):
         rows[i][i] = None
     return rows
+
+
+def encode_pairs(pairs: np.ndarray) -> dict:
+    """A (n, n) bool matrix of node pairs, one bit each (row-major, numpy's packbits order)."""
+    return {"bits_base64": base64.b64encode(np.packbits(pairs.astype(bool))).decode("ascii"),
+            "shape": list(pairs.shape)}
+
+
+def _decode_pairs(value: Any, n: int, where: str) -> np.ndarray:
+    try:
+        bits = np.frombuffer(base64.b64decode(value["bits_base64"], validate=True), dtype=np.uint8)
+        shape = tuple(value["shape"])
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        raise PipetteError(f"{where}: 'measured' is not a valid bit matrix") from None
+    if shape != (n, n) or bits.size != -(-n * n // 8):
+        raise PipetteError(f"{where}: 'measured' must be a {n}x{n} bit matrix")
+    return np.unpackbits(bits, count=n * n).reshape(n, n).astype(bool)
 
 
 def _decode_matrix(value: Any, key: str, n: int, where: str) -> np.ndarray:
@@ -181,22 +201,30 @@ def cluster_document(*, name: str, precision: str, gpu: str | None, device_name:
                      node_class: Sequence[int], domains: Sequence[int], devices: Mapping[str, list],
                      intra_node: Sequence[Any], inter_node: Any, cross_rail_bandwidth_factor: float,
                      cross_rail_latency_s: float, all_to_all_bandwidth_factor: float,
-                     probe: Mapping[str, Any] | None = None) -> dict:
+                     probe: Mapping[str, Any] | None = None, node_gpus: Sequence[Sequence[str | None]] | None = None,
+                     measured: np.ndarray | None = None) -> dict:
     """The one writer of the schema (version 2), for the probe's measurements and for a Cluster alike:
     `devices` holds the per-device lists, each level of `intra_node` and `inter_node` has the
     LEVEL_KEYS figures as attributes (a LinkLevel, the probe's fitted figures); `probe` is the
-    probe's report block, absent from files not probed."""
+    probe's report block, absent from files not probed. `node_gpus` (each node's local ranks' GPU
+    identities) and `measured` (the node pairs measured, not filled) are what a later allocation on
+    the same machines reuses; files without them are never reused."""
+    nodes = [{"host": host, "class": int(c), "domain": int(d)} for host, c, d in zip(hosts, node_class, domains)]
+    if node_gpus is not None:
+        nodes = [{**node, "gpus": list(gpus)} for node, gpus in zip(nodes, node_gpus)]
     doc = {
         "schema": SCHEMA, "version": VERSION, "name": name, "precision": precision,
         "num_nodes": len(hosts), "gpus_per_node": len(devices["gemm_flops"]) // len(hosts),
         "gpu": gpu, "device_name": device_name,
-        "nodes": [{"host": host, "class": int(c), "domain": int(d)} for host, c, d in zip(hosts, node_class, domains)],
+        "nodes": nodes,
         "devices": dict(devices),
         "intra_node": [_level_json(level) for level in intra_node],
         "inter_node": {**_level_json(inter_node), "cross_rail_bandwidth_factor": cross_rail_bandwidth_factor,
                        "cross_rail_latency_s": cross_rail_latency_s,
                        "all_to_all_bandwidth_factor": all_to_all_bandwidth_factor},
     }
+    if measured is not None:
+        doc["inter_node"]["measured"] = encode_pairs(measured)
     return doc if probe is None else {**doc, "probe": dict(probe)}
 
 
@@ -253,6 +281,26 @@ class ProbeReport:
 
 
 @dataclass(frozen=True)
+class NodeIdentity:
+    """Which machine a node is: its host and each local rank's GPU (the UUID where torch shows it, else
+    the CUDA_VISIBLE_DEVICES entry; None where neither): what must match for a measurement to be reused."""
+
+    host: str
+    gpus: tuple[str | None, ...]
+
+
+def _node_identities(nodes: list[dict], gpn: int, where: str) -> tuple[NodeIdentity, ...] | None:
+    """Each node's identity, or None for a file that does not record the GPUs (older files, presets)."""
+    if not all("gpus" in node for node in nodes):
+        return None
+    for k, node in enumerate(nodes):
+        gpus = node["gpus"]
+        if not isinstance(gpus, list) or len(gpus) != gpn or not all(g is None or isinstance(g, str) for g in gpus):
+            raise PipetteError(f"{where}: nodes[{k}].gpus must list {gpn} GPU identities (strings or null)")
+    return tuple(NodeIdentity(str(node.get("host", f"node{k}")), tuple(node["gpus"])) for k, node in enumerate(nodes))
+
+
+@dataclass(frozen=True)
 class ClusterFile:
     """A cluster document (the probe's, its twin's, a preset exported, a file given to --cluster), typed: the
     Cluster the planner prices with and the probe's report. Its one reader is `from_json`; `document` is
@@ -263,17 +311,73 @@ class ClusterFile:
     device_name: str | None
     probe: ProbeReport | None
     document: Mapping[str, Any]
+    node_identities: tuple[NodeIdentity, ...] | None = None
+    """Per node, which machine it was (None: not recorded, so nothing of the file is reused)."""
+    measured_pairs: np.ndarray | None = None
+    """(nodes, nodes) bool: the node pairs the probe measured (the others were filled by its per-node fit);
+    None where the file does not say."""
 
     @classmethod
     def from_json(cls, data: Any, where: str = "--cluster") -> ClusterFile:
         """Validate a cluster document (version 1 or 2): PipetteError naming `where` if it is not one."""
         cluster = cluster_from_json(data, where)
         probe = data.get("probe")
+        identities = measured = None
+        if data["version"] == VERSION:
+            identities = _node_identities(data["nodes"], cluster.gpus_per_node, where)
+            if data["inter_node"].get("measured") is not None:
+                measured = _decode_pairs(data["inter_node"]["measured"], cluster.num_nodes, f"{where}: inter_node")
         return cls(cluster, data.get("precision"), data.get("device_name"),
-                   ProbeReport.from_json(probe) if isinstance(probe, dict) and probe else None, data)
+                   ProbeReport.from_json(probe) if isinstance(probe, dict) and probe else None, data,
+                   identities, measured)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.document)
+
+    def nodes_of(self, wanted: Sequence[NodeIdentity]) -> list[int | None]:
+        """Where each of `wanted` is among this file's nodes (None: not measured here)."""
+        index = {ident: k for k, ident in enumerate(self.node_identities or ())}
+        return [index.get(ident) for ident in wanted]
+
+    def select(self, nodes: Sequence[int], name: str) -> ClusterFile:
+        """The file of an allocation made of some of this file's nodes, in that order (its node k is
+        this file's node nodes[k]): every figure measured or fitted for them, kept as it is, and which
+        of their pairs were measured. No probe ran for it: its probe block says where it came from."""
+        c, idx = self.cluster, np.asarray(nodes, dtype=np.int64)
+        g = c.gpus_per_node
+        ranks = (idx[:, None] * g + np.arange(g)).ravel()
+        used, node_class = np.unique(c.node_class[idx], return_inverse=True)
+        domain = np.unique(c.domains[idx], return_inverse=True)[1]
+        inter = LinkLevel(**{key: getattr(c.inter_node, key)[np.ix_(idx, idx)] for key in LEVEL_KEYS
+                             if getattr(c.inter_node, key) is not None})
+        devices = self.document["devices"]
+        kept = {key: np.asarray(values)[ranks].tolist() for key, values in devices.items()} \
+            if isinstance(devices, dict) else {"memory_bytes": [c.memory_bytes] * ranks.size,
+                                               "memory_bandwidth_Bps": [c.memory_bandwidth_Bps] * ranks.size,
+                                               "gemm_flops": c.gemm_flops[ranks].tolist()}
+        identities = None if self.node_identities is None else [self.node_identities[k] for k in idx]
+        measured = None if self.measured_pairs is None else self.measured_pairs[np.ix_(idx, idx)]
+        doc = cluster_document(
+            name=name, precision=self.precision or "bf16", gpu=c.gpu.name if c.gpu else None,
+            device_name=self.device_name or "unknown", hosts=[c.hosts[k] if c.hosts else f"node{k}" for k in idx],
+            node_class=node_class, domains=domain, devices=kept, intra_node=[c.intra_node[k] for k in used],
+            inter_node=inter, cross_rail_bandwidth_factor=c.cross_rail_bandwidth_factor,
+            cross_rail_latency_s=c.cross_rail_latency_s, all_to_all_bandwidth_factor=c.all_to_all_bandwidth_factor,
+            probe={"backend": "reused", "reused_from": c.name, "world_size": int(ranks.size), "duration_s": 0.0,
+                   "node_pairs_measured": None if measured is None else int(measured.sum()) // 2},
+            node_gpus=None if identities is None else [ident.gpus for ident in identities], measured=measured)
+        cluster = Cluster(name=name, num_nodes=idx.size, gpus_per_node=g, memory_bytes=int(min(kept["memory_bytes"])),
+                          memory_bandwidth_Bps=c.memory_bandwidth_Bps if "memory_bandwidth_Bps" not in kept
+                          else float(min(kept["memory_bandwidth_Bps"])),
+                          gemm_flops=c.gemm_flops[ranks], intra_node=tuple(c.intra_node[k] for k in used),
+                          node_class=node_class.astype(np.int64), inter_node=inter,
+                          cross_rail_bandwidth_factor=c.cross_rail_bandwidth_factor,
+                          cross_rail_latency_s=c.cross_rail_latency_s,
+                          all_to_all_bandwidth_factor=c.all_to_all_bandwidth_factor,
+                          domain_of_node=None if np.unique(domain).size == idx.size else domain.astype(np.int64),
+                          gpu=c.gpu, hosts=tuple(doc_node["host"] for doc_node in doc["nodes"]))
+        return ClusterFile(cluster, self.precision, self.device_name, ProbeReport.from_json(doc["probe"]), doc,
+                           None if identities is None else tuple(identities), measured)
 
 
 def _from_version_1(data: dict, where: str) -> Cluster:

@@ -18,7 +18,7 @@ from megatron_pipette.probe.document import build_document, gpus_per_node
 from megatron_pipette.probe.engine import run_engine
 from megatron_pipette.probe.fit import alpha_beta, medium_bytes, pair_min, two_way_alpha_beta
 from megatron_pipette.probe.twin import TwinSettings, TwinTransport
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, cluster_from_json
 from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 
 NAN = math.nan
@@ -139,6 +139,42 @@ def test_the_budget_leaves_pairs_to_the_per_node_fit_which_still_finds_a_slow_no
     np.testing.assert_allclose(bw[off], 47.5e9, rtol=0.25)
     assert any(s["what"] == "rounds" and s["phase"] == "inter-node" for s in p["skipped"])
     assert all("pairs" not in s for s in p["skipped"])                      # listed compactly
+
+
+def test_the_file_names_each_nodes_gpus_and_the_pairs_measured_and_a_subset_keeps_both():
+    """What a later allocation reuses: which machine each node was, which node pairs were measured
+    rather than filled, and (select) the figures of some of the nodes, unchanged; older files load
+    without them."""
+    nodes = 64
+    truth = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=2)
+    transport = TwinTransport(truth, TwinSettings(small_bytes=S, large_bytes=L, noise=0.02))
+    m = run_engine(transport, plan_budget(0.5), repeats=3, large_bytes=L)
+    ids = [{**ident, "gpu_id": f"GPU-{r}"} for r, ident in enumerate(identities(truth))]
+    doc = json.loads(json.dumps(build_document(m, ids, name="twin", precision="bf16", small_bytes=S, large_bytes=L,
+                                               max_repeats=3, probe_meta={"backend": "twin"})))
+    probed = ClusterFile.from_json(doc)
+    assert probed.node_identities[5] == NodeIdentity("node5", ("GPU-10", "GPU-11"))
+    measured = probed.measured_pairs
+    assert 0 < measured.sum() == 2 * doc["probe"]["node_pairs_measured"] < nodes * (nodes - 1)
+    assert (measured == measured.T).all() and not measured.diagonal().any()
+    kept = [5, 2, 9, 40]
+    survivors = ClusterFile.from_json(json.loads(json.dumps(probed.select(kept, "survivors").to_json())))
+    ix = np.ix_(kept, kept)
+    assert survivors.node_identities == tuple(probed.node_identities[k] for k in kept)
+    assert (survivors.measured_pairs == measured[ix]).all()
+    for key in ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps"):
+        got, want = getattr(survivors.cluster.inter_node, key), getattr(probed.cluster.inter_node, key)[ix]
+        np.testing.assert_array_equal(got[~np.eye(4, dtype=bool)], want[~np.eye(4, dtype=bool)])
+    ranks = np.array([[2 * k, 2 * k + 1] for k in kept]).ravel()
+    np.testing.assert_array_equal(survivors.cluster.gemm_flops, probed.cluster.gemm_flops[ranks])
+    assert survivors.probe.backend == "reused" and survivors.probe.duration_s == 0
+    same, other = NodeIdentity("node9", ("GPU-18", "GPU-19")), NodeIdentity("node9", ("x", "y"))
+    assert probed.nodes_of([same, other]) == [9, None]
+    for node in doc["nodes"]:
+        del node["gpus"]
+    del doc["inter_node"]["measured"]
+    older = ClusterFile.from_json(doc)
+    assert older.node_identities is None and older.measured_pairs is None and older.nodes_of([]) == []
 
 
 def test_a_slow_pair_is_reported_when_its_round_ran():
