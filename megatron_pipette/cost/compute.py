@@ -4,9 +4,13 @@ Work is kept in two parts so one array operation prices every tensor-parallel
 group at its own speed: `flops` (effective GEMM FLOPs, already divided by the
 shape's GEMM efficiency) run at the group's slowest device's `gemm_flops` (the
 rate of a large, 8192^3 GEMM); `mem_s` (memory-bound operations, bytes / memory
-bandwidth) does not scale with GEMM speed. A LayerProfile replaces the roofline:
-its times become flops = time * the rate the profiled device had while profiled
-(alone), and scale with each group's probed rate (every device loaded at once).
+bandwidth) does not scale with GEMM speed. Stages price flops at the step rate
+(Cluster.step_gemm_flops: the GEMM rate times the step GEMM fraction, a fitted
+correction of the roofline's prices). A LayerProfile replaces the roofline: its
+times become flops = time * the rate the profiled device had while profiled
+(alone) * the same fraction (measured_rate), so a measured second comes back a
+second on the profiled device, not corrected again, and scales with each group's
+probed rate (every device loaded at once).
 
 Roofline per transformer layer, per TP rank (b micro-batch, s sequence, h
 hidden, a heads, g query groups, d head dim, f ffn, t TP):
@@ -341,8 +345,16 @@ def _profiled(fwd_s: float, bwd_s: float, rc_s: float, rate: float) -> PartWork:
 
 
 def profiled_rate(profile: LayerProfile, cluster: Cluster) -> float:
-    """GEMM FLOP/s of the device while it was profiled: profiled seconds x this = work."""
+    """GEMM FLOP/s of the device while it was profiled (the probe's rate, alone)."""
     return profile.gemm_flops if profile.gemm_flops is not None else float(cluster.gemm_flops[profile.rank])
+
+
+def measured_rate(profile: LayerProfile, cluster: Cluster) -> float:
+    """Effective FLOPs per profiled second: profiled seconds x this = work, in the units stages price
+    at the step rate (Cluster.step_gemm_flops). The step GEMM fraction corrects the roofline's prices
+    of kernels timed alone; a profile timed the layer as it runs, so its seconds take the fraction in
+    here and come back unchanged on the profiled device (profiled_rate / device rate elsewhere)."""
+    return profiled_rate(profile, cluster) * cluster.step_gemm_fraction
 
 
 def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork | None:
@@ -356,7 +368,7 @@ def profile_layer(profile: LayerProfile, job: Job, cluster: Cluster) -> PartWork
     with_rc = profile.layer(tp, mbs, sp, rc, layout.cp) if rc else None
     if base is None and with_rc is None:
         return None
-    measured = _measured_layer(job, cluster, profiled_rate(profile, cluster), base, with_rc)
+    measured = _measured_layer(job, cluster, measured_rate(profile, cluster), base, with_rc)
     return measured if layout.cp == 1 else _add(measured, _keys_beyond_the_shard(job, cluster))
 
 
@@ -495,7 +507,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     layer = profile_layer(profile, job, cluster) if profile else None
     profiled = layer is not None
     layer = layer or roofline_layer(job, bw, gemm, attention, linear=linear)
-    rate = profiled_rate(profile, cluster) if profile else 0.0
+    rate = measured_rate(profile, cluster) if profile else 0.0
     embed = (profile and _profile_part(profile.embedding_entry(layout.tp, layout.micro_batch_size, layout.cp),
                                        rate)) or roofline_embedding(job, bw)
     out = (profile and _profile_part(profile.output_entry(layout.tp, layout.micro_batch_size, layout.cp), rate)) \
@@ -542,9 +554,11 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
                           x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
     redone = layout.selective_modules
     if job.window_layers:
+        timed = _measured_over_roofline(layer, roofline_layer(job, bw, gemm, attention, linear=linear), rate) \
+            if profiled else (1.0, 1.0, 1.0)
         _windowed(job, (fwd, bwd, rc), core, core_attention(
             gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads, x.seq_length,
-            x.query_head_dim, x.value_head_dim, x.cp, window=w.window), "core_attn" in redone)
+            x.query_head_dim, x.value_head_dim, x.cp, window=w.window), "core_attn" in redone, timed)
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
@@ -554,18 +568,41 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
                      moe_layer=sparse if paired else None, moe_mlp=experts if paired else None)
 
 
+def _measured_over_roofline(measured: PartWork, roofline: PartWork, rate: float) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of a measured layer over the roofline's for it, both at
+    `rate` (0 where the roofline recomputes nothing)."""
+    parts = ((measured.forward, roofline.forward), (measured.backward, roofline.backward),
+             (measured.recompute, roofline.recompute))
+    return tuple(float(m.seconds(rate) / r.seconds(rate)) if r.seconds(rate) > 0 else 0.0 for m, r in parts)
+
+
 def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: ForwardBackward,
-              windowed: ForwardBackward, core_redone: bool) -> None:
+              windowed: ForwardBackward, core_redone: bool, timed: tuple[float, float, float]) -> None:
     """Take from the (forward, backward, recompute) work of each chunk, in place, what its sliding-window
     layers' attention cores do not compute: the layers were priced (or profiled) with full attention;
-    the recompute redoes the core under selective core_attn, the whole layer under full."""
+    the recompute redoes the core under selective core_attn, the whole layer under full.
+
+    A roofline layer loses the key blocks its core skips. A profiled dense layer was timed whole, its
+    core and the rest together, so it loses the share of its measured time that the roofline layer
+    loses of its own (`timed`: the measured over the roofline seconds, per direction and recompute,
+    scale the roofline's saving): the window shortens only the core, and only the roofline says which
+    part of the layer the core is. That share is below one, so a measured layer keeps a positive time
+    however far its seconds are from the roofline's (a CPU's profile priced against a GPU's tables).
+    MoE layers, never profiled, lose the roofline's blocks."""
     forward, backward, recompute = works
-    count, redone = _pattern_counts(job, job.window_layers, job.workload.window_layer_pattern())
+    w = job.workload
+    count, redone = _pattern_counts(job, job.window_layers, w.window_layer_pattern())
+    moe, moe_redone = _pattern_counts(job, None, tuple(a and b for a, b in zip(w.window_layer_pattern(),
+                                                                                w.moe_layer_pattern())))
+    if not (core_redone and job.layout.recompute_granularity == "selective"):
+        count_rc, moe_rc = redone, moe_redone
+    else:
+        count_rc, moe_rc = count, moe
     saved = full.forward - windowed.forward
-    forward.flops[:] -= saved * count
-    backward.flops[:] -= (full.backward - windowed.backward) * count
-    recompute.flops[:] -= saved * (count if core_redone and job.layout.recompute_granularity == "selective"
-                                   else redone)
+    k_forward, k_backward, k_recompute = timed
+    forward.flops[:] -= saved * (k_forward * (count - moe) + moe)
+    backward.flops[:] -= (full.backward - windowed.backward) * (k_backward * (count - moe) + moe)
+    recompute.flops[:] -= saved * (k_recompute * (count_rc - moe_rc) + moe_rc)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -575,19 +612,22 @@ def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _pattern_counts(job, job.moe_layers, job.workload.moe_layer_pattern())
 
 
-def _pattern_counts(job: Job, per_chunk: tuple[tuple[int, ...], ...],
+def _pattern_counts(job: Job, per_chunk: tuple[tuple[int, ...], ...] | None,
                     pattern: tuple[bool, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(p, v) layers of a kind per chunk (`per_chunk`, the Job's count of `pattern`'s layers), and of
-    them those full recomputation redoes (block: the first n of each chunk; uniform: all)."""
-    counts = np.array(per_chunk, dtype=float)
+    """(p, v) layers of a kind per chunk (`per_chunk`, the Job's count of `pattern`'s layers; None:
+    counted here), and of them those full recomputation redoes (block: the first n of each chunk;
+    uniform: all)."""
+    chunks = job.chunk_layers()
+    counts = np.array(per_chunk if per_chunk is not None else
+                      [[sum(pattern[i] for i in chunk) for chunk in stage] for stage in chunks], dtype=float)
     layout = job.layout
     if layout.recompute_granularity != "full":
         return counts, np.zeros_like(counts)
     if layout.recompute_method != "block":
         return counts, counts.copy()
     n = layout.recompute_num_layers
-    return counts, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage]
-                             for stage in job.chunk_layers()], dtype=float)
+    return counts, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage] for stage in chunks],
+                            dtype=float)
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:

@@ -218,10 +218,16 @@ class Cluster:
         assert self.domain_of_node is None or self.domain_of_node.shape == (self.num_nodes,)
 
     @property
+    def step_gemm_fraction(self) -> float:
+        """GPU.step_gemm_fraction (1 without a catalog GPU): a correction of the roofline's prices of
+        kernels timed alone, which measured work (a layer profile) does not take (cost.compute)."""
+        return 1.0 if self.gpu is None else self.gpu.step_gemm_fraction
+
+    @property
     def step_gemm_flops(self) -> np.ndarray:
-        """(N,) the GEMM rate each device gets in a training step (GPU.step_gemm_fraction of
-        gemm_flops)."""
-        return self.gemm_flops * (1.0 if self.gpu is None else self.gpu.step_gemm_fraction)
+        """(N,) the GEMM rate each device gets in a training step (step_gemm_fraction of gemm_flops):
+        the rate at which the cost model prices every stage's effective FLOPs."""
+        return self.gemm_flops * self.step_gemm_fraction
 
     @property
     def world_size(self) -> int:

@@ -10,7 +10,7 @@ from helpers.checks import samples_where
 from helpers.clusters import cpu_like
 from megatron_pipette.calibration.check import GiB, RankSample, compare
 from megatron_pipette.calibration.document import CalibrationRecord
-from megatron_pipette.calibration.fit import Factors, calibrated, fit
+from megatron_pipette.calibration.fit import AVERAGED_FITS, Factors, Fit, calibrated, fit, merge
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.placement import Placement
@@ -44,13 +44,13 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_factors_are_recovered_from_a_check(name: str) -> None:
     cluster = cpu_like()
-    truth = Factors(compute_rate=0.4, memory_rate=0.1, link_bandwidth={"intra_node": 0.05})
+    truth = Factors(compute_rate=0.4, memory_rate=0.1, link_bandwidth={"intra_node": 0.1})
     check, placement = check_of(cluster, LAYOUTS[name], truth)
     fitted = fit(TINY, cluster, None, LAYOUTS[name], placement, check)
     f = fitted.factors
     assert f.compute_rate == pytest.approx(0.4, rel=0.01), fitted.line()
     assert f.memory_rate == pytest.approx(0.1, rel=0.01), fitted.line()
-    assert f.link_bandwidth["intra_node"] == pytest.approx(0.05, rel=0.02), fitted.line()
+    assert f.link_bandwidth["intra_node"] == pytest.approx(0.1, rel=0.02), fitted.line()
     assert fitted.calibrated_s == pytest.approx(check.measured_s, rel=1e-3)
     assert fitted.notes == ()
 
@@ -129,7 +129,7 @@ def test_scaled_compute_scales_profiled_layers_too() -> None:
     base = calibrated(cluster, profile, Factors()).time(job).stage_times[0]
     half = calibrated(cluster, profile, Factors(compute_rate=0.5)).time(job).stage_times[0]
     profiled = (TINY.num_layers + 2) * (entry.forward_s + entry.backward_s) * cluster.gemm_flops[0] \
-        / cluster.step_gemm_flops.min()
+        / cluster.gemm_flops.min()
     assert sum(base) == pytest.approx(profiled) and sum(half) == pytest.approx(2 * profiled)
 
 
@@ -142,9 +142,8 @@ def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     read = CalibrationRecord.from_json(doc, "c.json")
     assert read == record and read.to_json() == doc and read.factors == fitted.factors
     assert read.fitted_on.measured_s == check.measured_s and len(read.id) == 16
-    doc["factors"]["compute_rate"] = -1
-    with pytest.raises(PipetteError, match="^c.json: calibration factors must be positive"):
-        CalibrationRecord.from_json(doc, "c.json")
+    assert read.fitted_on.device_memory_bytes == cluster.memory_bytes
+    assert read.fits == {"compute_rate": 1, "memory_rate": 1, "intra_node": 1}
     with pytest.raises(PipetteError, match="^c.json: malformed calibration"):
         CalibrationRecord.from_json({"schema": "megatron-pipette/calibration", "version": 1}, "c.json")
 
@@ -155,3 +154,77 @@ def test_a_plan_with_calibrated_factors_prefers_what_they_favour() -> None:
     before = plan(TINY, CostModel(cluster), top_k=1).best.layout
     after = plan(TINY, calibrated(cluster, None, Factors(link_bandwidth={"intra_node": 0.01})), top_k=1).best.layout
     assert (before.dp, after.dp) == (4, 1), (before, after)
+
+
+CAPACITY = preset_cluster("dgx-h100").memory_bytes
+
+
+@pytest.mark.parametrize("factors, overhead, why", [
+    ({"compute_rate": 1e-9}, 0, "the compute factor x1e-09 is outside x0.25-x4"),
+    ({"compute_rate": 1e9}, 0, "the compute factor x1e\\+09 is outside x0.25-x4"),
+    ({"compute_rate": float("nan")}, 0, "the compute factor xnan is outside"),
+    ({"memory_rate": 1e3}, 0, "the memory-bound factor x1e\\+03 is outside x0.002-x4"),
+    ({"link_bandwidth": {"inter_node": 1e-3}}, 0, "the inter-node link factor x0.001 is outside x0.05-x4"),
+    ({}, -GiB, "the memory overhead -1.00 GiB per device is outside 0-25% of the device"),
+    ({}, CAPACITY // 2, "the memory overhead \\+39.59 GiB per device is outside 0-25% of the device"),
+])
+def test_a_stored_calibration_outside_its_physical_bounds_is_refused(factors, overhead, why) -> None:
+    """Factors of 1e-9 or 1e9 and a negative overhead were read and planned with (one run predicted
+    1.2e8 s per iteration); the reader now refuses them, and the cache sets the file aside."""
+    doc = {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
+           "factors": {"compute_rate": 1.0, "memory_rate": 1.0, "link_bandwidth": {}, "memory_overhead_bytes": overhead,
+                       **factors},
+           "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1, "device_memory_bytes": CAPACITY}}
+    with pytest.raises(PipetteError, match=f"^c.json: {why}.*: not a physical calibration$"):
+        CalibrationRecord.from_json(doc, "c.json")
+    doc["factors"] = {"compute_rate": 4.0, "memory_rate": 1 / 500, "link_bandwidth": {"inter_node": 0.05},
+                      "memory_overhead_bytes": CAPACITY // 4}
+    assert CalibrationRecord.from_json(doc, "c.json").factors.compute_rate == 4.0     # the bounds are inside
+
+
+def test_a_fit_at_a_bound_of_its_search_is_refused() -> None:
+    """A 2-process MoE run stored compute x1e+03, the old search's limit; passes a hundred times slower
+    than the layer profile are a missing term, not a rate: the fit ends at the bound and says so."""
+    cluster = cpu_like()
+    check, placement = check_of(cluster, LAYOUTS["pp2-dp2"], Factors(compute_rate=0.4))
+    slower = dataclasses.replace(check, stages=tuple(dataclasses.replace(s, compute_s=100 * s.compute_s)
+                                                     for s in check.stages))
+    fitted = fit(TINY, cluster, None, LAYOUTS["pp2-dp2"], placement, slower)
+    assert fitted.factors.compute_rate == 0.25 and fitted.at_bound == ("compute_rate",)
+    assert fitted.refusal().startswith("compute rate reached the bound of its search")
+    assert fit(TINY, cluster, None, LAYOUTS["pp2-dp2"], placement, check).refusal() is None
+
+
+def test_a_fit_no_closer_than_the_uncalibrated_model_is_refused() -> None:
+    cluster = cpu_like()
+    check, placement = check_of(cluster, LAYOUTS["pp2-dp2"], Factors())     # the model is the truth
+    fitted = fit(TINY, cluster, None, LAYOUTS["pp2-dp2"], placement, check)
+    assert fitted.uncalibrated_error == pytest.approx(0, abs=1e-9)
+    assert fitted.refusal().startswith("it reproduces the check no better than the uncalibrated model")
+
+
+def test_a_peak_under_the_models_adds_no_negative_overhead() -> None:
+    cluster = cpu_like()
+    check, placement = check_of(cluster, LAYOUTS["pp2-dp2"], Factors(compute_rate=0.4), memory_excess=-GiB)
+    assert fit(TINY, cluster, None, LAYOUTS["pp2-dp2"], placement, check).factors.memory_overhead_bytes == 0
+
+
+def test_fits_of_one_allocation_merge_into_a_running_geometric_mean() -> None:
+    """Each rate is the geometric mean of its fits (the newest weighted at least 1/AVERAGED_FITS); a
+    factor a check did not measure is kept; the overhead is the largest seen."""
+    def fitted(compute: float, links: dict, overhead: int | None) -> Fit:
+        names = ("compute_rate", *links) + (() if overhead is None else ("memory_overhead_bytes",))
+        return Fit(factors=Factors(compute_rate=compute, link_bandwidth=links, memory_overhead_bytes=overhead or 0),
+                   predicted_s=1, calibrated_s=1, measured_s=1, fitted=names)
+
+    factors, counts = merge(Factors(), {}, fitted(2.0, {"intra_node": 0.5}, GiB))
+    assert (factors.compute_rate, factors.link_bandwidth, counts) == \
+        (2.0, {"intra_node": 0.5}, {"compute_rate": 1, "intra_node": 1, "memory_overhead_bytes": 1})
+    factors, counts = merge(factors, counts, fitted(0.5, {}, 2 * GiB))
+    assert factors.compute_rate == pytest.approx(1.0) and factors.link_bandwidth == {"intra_node": 0.5}
+    assert factors.memory_rate == 1.0 and factors.memory_overhead_bytes == 2 * GiB
+    factors, counts = merge(factors, counts, fitted(8.0, {"intra_node": 2.0}, 0))
+    assert factors.compute_rate == pytest.approx(2.0) and factors.link_bandwidth == {"intra_node": pytest.approx(1.0)}
+    assert factors.memory_overhead_bytes == 2 * GiB and counts["compute_rate"] == 3
+    factors, _ = merge(factors, {**counts, "compute_rate": 100}, fitted(16.0, {}, None))
+    assert factors.compute_rate == pytest.approx((2.0 ** (AVERAGED_FITS - 1) * 16.0) ** (1 / AVERAGED_FITS))

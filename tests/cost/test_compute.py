@@ -10,7 +10,8 @@ import pytest
 from megatron_pipette.cost import compute
 from megatron_pipette.cost.compute import roofline_layer, stage_work
 from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
-from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
+from megatron_pipette.cost.model import CostModel
+from megatron_pipette.spec.hardware import cluster_presets, lookup_gpu, preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
 from megatron_pipette.spec.layout import Layout
@@ -260,3 +261,37 @@ def test_a_context_parallel_shard_gets_the_attention_to_the_other_ranks_keys_add
     assert stage_work(job, A100, profile).profiled
     assert not stage_work(resolve_job(w, dataclasses.replace(layout, context_parallel_size=4, data_parallel_size=2)),
                           A100, profile).profiled
+
+
+def _synthetic_profile(gemm_flops: float) -> LayerProfile:
+    """A layer, embedding and output layer measured at tp1 mbs1, at `gemm_flops` (the probe's rate)."""
+    def entry(fwd, bwd):
+        return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd, backward_s=bwd,
+                            activation_bytes=1)
+    return LayerProfile(device_name="x", rank=0, gemm_flops=gemm_flops, layers=(entry(0.01, 0.02),),
+                        embedding=(entry(0.001, 0.002),), output_layer=(entry(0.003, 0.007),), model={})
+
+
+@pytest.mark.parametrize("preset", sorted(cluster_presets()))
+def test_a_profile_comes_back_as_measured_on_every_gpu_of_the_catalog(preset):
+    """Measured work is priced as measured: the step GEMM fraction (0.84 on H100 and H200) corrects the
+    roofline's prices, not a profile's seconds, which the model gives back unchanged on the profiled
+    device (one GPU: no collective, no other stage)."""
+    gpu = lookup_gpu(cluster_presets()[preset]["gpu"])
+    precision = "bf16" if "bf16" in gpu.peak_flops else "fp16"
+    cluster = preset_cluster(preset, num_nodes=1, gpus_per_node=1, precision=precision)
+    w = workload_from_preset("gpt3-1.3b", precision=precision, global_batch_size=4)
+    stage = CostModel(cluster, profile=_synthetic_profile(float(cluster.gemm_flops[0]))).time(
+        resolve_job(w, Layout(data_parallel_size=1))).stage_times[0]
+    assert stage.forward_s == pytest.approx(w.num_layers * 0.01 + 0.001 + 0.003, rel=1e-12)
+    assert stage.backward_s == pytest.approx(w.num_layers * 0.02 + 0.002 + 0.007, rel=1e-12)
+
+
+def test_the_step_gemm_fraction_still_prices_the_roofline():
+    """Without a profile the H100's layers take 1 / step_gemm_fraction of the tables' price."""
+    cluster = preset_cluster("dgx-h100", num_nodes=1, gpus_per_node=1)
+    job = resolve_job(workload_from_preset("gpt3-1.3b", global_batch_size=4), Layout(data_parallel_size=1))
+    work = stage_work(job, cluster)
+    assert cluster.step_gemm_fraction == 0.84
+    assert CostModel(cluster).time(job).stage_times[0].forward_s == pytest.approx(
+        float(work.forward.seconds(cluster.gemm_flops[0] * 0.84)[0, 0]), rel=1e-12)

@@ -92,7 +92,7 @@ def test_breakdown_is_the_textbook_pipeline_on_equal_stages_and_free_links(lay, 
     """Narayanan et al. 2021: equal stages, no communication cost; a slot is one micro-batch's
     forward and backward on one stage, the bubble (p-1) slots (1F1B) or (p-1)/v (interleaved)."""
     c = preset_cluster("dgx-h100", num_nodes=4)
-    profile = profiled_layers(float(c.step_gemm_flops[0]))
+    profile = profiled_layers(float(c.gemm_flops[0]))
     est = CostModel(free_links(c), profile=profile).time(resolve_job(GPT, lay))
     layers, m = GPT.num_layers // lay.pp, resolve_job(GPT, lay).num_microbatches
     recomputed = RECOMPUTED if lay.recompute_granularity else 0.0
@@ -113,7 +113,7 @@ def test_breakdown_charges_the_busiest_stage():
     is the last stage's."""
     c = preset_cluster("dgx-h100", num_nodes=4)
     lay = layout(1, 4, 8)
-    profile = profiled_layers(float(c.step_gemm_flops[0]), output_s=(3.0, 6.0))
+    profile = profiled_layers(float(c.gemm_flops[0]), output_s=(3.0, 6.0))
     est = CostModel(free_links(c), profile=profile).time(resolve_job(GPT, lay))
     layers, m = GPT.num_layers // lay.pp, resolve_job(GPT, lay).num_microbatches
     slot, last = layers * (F + B), layers * (F + B) + 9.0

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from megatron_pipette.cost import compute
 from megatron_pipette.cost.compute import ATTENTION_TILE, stage_work, windowed_share
 from megatron_pipette.errors import Infeasible, PipetteError, UnrunnableFlags
 from megatron_pipette.spec.hardware import preset_cluster
@@ -224,3 +225,42 @@ def test_yarn_runs_rope_unfused_where_its_factor_scales_it():
     np.testing.assert_allclose((more.backward.mem_s - base.backward.mem_s).sum(), 8 * 6 * heads / bandwidth)
     with pytest.raises(PipetteError, match="--mscale-all-dim"):
         gpt_oss(position_embedding_type="yarn", rotary_scaling_factor=32.0, mscale_all_dim=-10 / np.log(32))
+
+
+def test_a_profiled_layer_loses_the_windows_share_of_its_measured_time():
+    """A dense layer profiled whole at full attention, 300x faster than the roofline prices it (a
+    device whose GEMM rate says little about its layer: a CPU): the window takes from it the share
+    of the roofline layer the skipped blocks are, not the roofline's seconds (which made an
+    iteration time of -0.18 s), forward and backward."""
+    from megatron_pipette.cost.compute import roofline_embedding, roofline_output
+    from megatron_pipette.cost.model import CostModel
+    from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+    from megatron_pipette.spec.workload import workload_from_preset
+
+    cluster = dataclasses.replace(preset_cluster("dgx-h100", num_nodes=1, gpus_per_node=1),
+                                  gemm_flops=np.array([1e11]))
+    rate = cluster.step_gemm_flops[0]
+
+    def entry(fwd, bwd):
+        return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd, backward_s=bwd,
+                            activation_bytes=1)
+    profile = LayerProfile(device_name="x", rank=0, layers=(entry(1e-3, 2e-3),), embedding=(entry(0.0, 0.0),),
+                           output_layer=(entry(0.0, 0.0),), model={})
+    layout = Layout(data_parallel_size=1)
+
+    def layers_s(window, measured):
+        """(forward, backward) seconds of the stage's layers: without the embedding and output layer."""
+        job = resolve_job(workload_from_preset("gpt3-1.3b", global_batch_size=1, window_size=window), layout)
+        work = stage_work(job, cluster, profile if measured else None)
+        bw = cluster.memory_bandwidth_Bps
+        ends = (0, 0) if measured else [sum(getattr(end, name).seconds(rate) for end in (
+            roofline_embedding(job, bw), roofline_output(job, bw, compute.gemm_curve(cluster.gpu, "bf16"))))
+            for name in ("forward", "backward")]
+        return work.forward.seconds(rate)[0, 0] - ends[0], work.backward.seconds(rate)[0, 0] - ends[1]
+
+    roofline = np.array(layers_s("127,0", False)) / np.array(layers_s(None, False))
+    measured = np.array(layers_s("127,0", True)) / np.array(layers_s(None, True))
+    assert (roofline < 1).all()
+    np.testing.assert_allclose(measured, roofline, rtol=1e-12)
+    job = resolve_job(workload_from_preset("gpt3-1.3b", global_batch_size=1, window_size="127,0"), layout)
+    assert CostModel(cluster, profile=profile).time(job).iteration_time_s > 0
