@@ -544,11 +544,12 @@ def allocator_loss(got: dict) -> float | None:
     return (reserved - peak) / (peak - state) if peak > state else None
 
 
-def run_megatron(flags: list[str], log: Path, limit_s: float) -> int | None:
-    """examples/pretrain_gpt.py under torchrun on this one device; the log to `log`. None: killed at
-    the limit (the whole process group, so no worker keeps the GPU)."""
+def run_megatron(flags: list[str], log: Path, limit_s: float,
+                 script: Path = REPO / "examples" / "pretrain_gpt.py") -> int | None:
+    """`script` (examples/pretrain_gpt.py) under torchrun on this one device; the log to `log`. None:
+    killed at the limit (the whole process group, so no worker keeps the GPU)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           str(REPO / "examples" / "pretrain_gpt.py"), *flags]
+           str(script), *flags]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                                 env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})

@@ -14,7 +14,8 @@
 # and PROFILE_SCALE (multiplies each profile's budget) trade them off; GEMM_TOKENS (e.g.
 # "2048 16384") picks the GEMM table's token counts, to finish one a first run cut short.
 # The cost-check parts (sustained grouped skinny loss moe train) take SUSTAIN_S (per dtype),
-# GROUPED_BUDGET_S, SKINNY_BUDGET_S, LOSS_BUDGET_S, MOE_BUDGET_S and TRAIN_LIMIT_S.
+# GROUPED_BUDGET_S, SKINNY_BUDGET_S, LOSS_BUDGET_S, MOE_BUDGET_S and TRAIN_LIMIT_S; the in-job
+# part (injob: in_job.sh) takes what is left, and MEGATRON_LM (a Megatron-LM checkout) if set.
 set -u -o pipefail
 
 START=$(date +%s)
@@ -160,6 +161,13 @@ EOF
         say "one Megatron training step (limit ${limit} s)"
         # Megatron gets the limit less the time to price, parse and write around it.
         step "$limit" "$PYTHON" $check train $dry_flag --budget-s $((limit - 20)) --out "$OUT/train.json"
+    fi
+    if wants injob; then
+        local room=$(($(left) - 20))   # 20 s for the recap
+        say "the in-job path: three starts under --auto-parallel (limit ${room} s)"
+        # Each start gets a third of the room; the script's own limit per start keeps it inside.
+        step "$room" "$PYTHON" benchmarks/device/in_job.py $dry_flag --out "$OUT/in_job" \
+            --limit-s $(((room - 10) / 3)) ${MEGATRON_LM:+--megatron-lm "$MEGATRON_LM"}
     fi
     say "recap"
     "$PYTHON" benchmarks/device/recap.py "$OUT"

@@ -5,7 +5,7 @@
 Why: only the end of the run's output comes back with the files; this puts the figures
 that matter in a few lines there: the GEMM table's summary and fit, attention's
 measured/modelled time ratios, each layer profile's measured/modelled ratios, and the cost
-check's measured/predicted figures (cost_check.py).
+check's measured/predicted figures (cost_check.py), and each in-job start's lines (in_job.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cost_check import recap as cost_check_lines  # noqa: E402
 from gemm_efficiency import summary  # noqa: E402
+from in_job import summary as in_job_lines  # noqa: E402
 
 
 def load(path: Path) -> dict | None:
@@ -78,6 +79,8 @@ def main(out: Path) -> int:
         print("\n".join(profile_lines(name, load(path), compare.get(name))))
     for line in cost_check_lines(out):
         print(line)
+    for row in (load(out / "in_job" / "in_job.json") or {}).get("starts", []):
+        print("\n".join(in_job_lines(row)))
     for path in sorted(out.iterdir()):
         print(f"{path.name:>28} {path.stat().st_size / 2**20:8.2f} MiB")
     return 0
