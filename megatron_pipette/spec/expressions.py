@@ -21,6 +21,9 @@ MAX_TEXT = 4096
 MAX_INTEGER = 1 << 20
 """The largest integer an expression may compute (a repeat count, an exponent's result)."""
 MAX_EXPONENT = 64
+MAX_DEPTH = 256
+"""Operations nested in one expression ("[0]+[1]+..." spelt out for 256 layers). An explicit bound,
+far below any interpreter's recursion limit, so the answer never depends on what that limit is."""
 
 
 def list_expression(text: str, *, max_length: int, flag: str) -> list[int]:
@@ -30,8 +33,8 @@ def list_expression(text: str, *, max_length: int, flag: str) -> list[int]:
         raise PipetteError(f"{flag}: an expression of {len(text)} characters is longer than {MAX_TEXT}")
     try:
         tree = ast.parse(text.strip(), mode="eval")
-        value = _value(tree.body, max_length)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        value = _value(tree.body, max_length, MAX_DEPTH)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):   # the last: a limit set below ~MAX_DEPTH
         value = None
     except _Refused as e:
         raise PipetteError(f"{flag} {shown(text)}: {e}") from None
@@ -65,17 +68,19 @@ class _Refused(Exception):
     """Why an expression is outside the bounds (caught and reworded by list_expression)."""
 
 
-def _value(node: ast.AST, max_length: int) -> int | list[int]:
+def _value(node: ast.AST, max_length: int, depth: int) -> int | list[int]:
+    if depth == 0:
+        raise _Refused(f"operations nested more than {MAX_DEPTH} deep")
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return _integer(node.value)
     if isinstance(node, ast.List):
-        items = [_value(e, max_length) for e in node.elts]
+        items = [_value(e, max_length, depth - 1) for e in node.elts]
         if any(isinstance(x, list) for x in items):
             raise _Refused("a list of lists is not a layer pattern")
         return _length(items, len(items), max_length)
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult | ast.Pow)):
         raise _Refused("only integers, lists of integers, +, *, ** and parentheses are allowed")
-    left, right = _value(node.left, max_length), _value(node.right, max_length)
+    left, right = _value(node.left, max_length, depth - 1), _value(node.right, max_length, depth - 1)
     if isinstance(left, int) and isinstance(right, int):
         if isinstance(node.op, ast.Pow):
             if right < 0 or (abs(left) > 1 and right > MAX_EXPONENT):

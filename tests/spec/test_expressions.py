@@ -1,6 +1,8 @@
 """Megatron's list expressions and layout repeats are read within bounds: any text ends at once in a
 value or a PipetteError naming the flag (Python's eval, which Megatron uses, hangs on [1]*9**9**9)."""
 
+import sys
+
 import pytest
 
 from megatron_pipette.errors import PipetteError
@@ -34,7 +36,7 @@ def test_the_forms_megatron_evaluates_give_eval_s_list(text):
     ("[1]*[2]", "* repeats a list"),
     ("[1]*" + "9" * 5000, "characters is longer than 4096"),
     ("(" * 300 + "[1]" + ")" * 300, "not a list expression"),
-    ("[1]+" * 1000 + "[1]", "not a list expression"),
+    ("[1]+" * 1000 + "[1]", "nested more than 256 deep"),
     ("(1,2)", "only integers"),
     ("3", "not a list expression"),
     ("[1", "not a list expression"),
@@ -43,6 +45,20 @@ def test_anything_else_is_one_error_naming_the_flag(text, reason):
     with pytest.raises(PipetteError, match=r"^--moe-layer-freq") as e:
         list_expression(text, max_length=24, flag="--moe-layer-freq")
     assert reason in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("limit", [1000, 100_000])
+def test_the_answer_does_not_depend_on_the_recursion_limit(limit):
+    """A chain of 1,001 lists: refused for its depth whatever limit earlier tests or imports left
+    behind (it once read "not a list expression" alone and "a list of 25 entries" in the suite)."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        with pytest.raises(PipetteError, match="nested more than 256 deep"):
+            list_expression("[1]+" * 1000 + "[1]", max_length=24, flag="--moe-layer-freq")
+        assert list_expression("[0]+" * 200 + "[1]", max_length=256, flag="--moe-layer-freq")[-2:] == [0, 1]
+    finally:
+        sys.setrecursionlimit(before)
 
 
 @pytest.mark.parametrize("freq", ["[1]*9**9**9", "[][0]", "[1]*10**20", "9" * 5000, "0", "-2", "[2]*4", 0, -1])
