@@ -1,4 +1,5 @@
-"""Atomic file writes for the parts that do I/O (probe, reports, the hook): readers never see half a file.
+"""Atomic file writes and bounded reads for the parts that do I/O (probe, reports, the hook, the CLI):
+readers never see half a file, and a document is read only from a regular file of bounded size.
 
 The temporary file is made by tempfile.mkstemp in the target's directory (a fresh name opened with
 O_EXCL: a name planted in a shared directory, or a link, is never written through), filled,
@@ -9,12 +10,60 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from megatron_pipette.errors import PipetteError
+
+MAX_DOCUMENT_BYTES = 1 << 30
+"""Largest document read (1 GiB): several times a probe's cluster file of 16,384 GPUs, small enough
+that a runaway file ends in one line instead of a process out of memory."""
+
+
+def read_bounded(path: str | os.PathLike, flag: str, *, limit: int | None = None, follow: bool = True) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them (default MAX_DOCUMENT_BYTES).
+    Anything else is a PipetteError naming `flag`: a FIFO (opened without blocking, so no writer is
+    waited for), a device such as /dev/zero, a directory, a file over the limit, and with
+    `follow=False` a symbolic link (O_NOFOLLOW: a link planted in a cache is never read through).
+    An absent file raises FileNotFoundError, for the callers to whom absence is an answer."""
+    where, limit = f"{flag} {path}", MAX_DOCUMENT_BYTES if limit is None else limit
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if not follow and os.path.islink(path):
+            raise PipetteError(f"{where}: a symbolic link, not a regular file (links are not followed here)") from None
+        raise PipetteError(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PipetteError(f"{where}: not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise PipetteError(f"{where}: {st.st_size} bytes, over the {limit} bytes read")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:    # grew while read
+            raise PipetteError(f"{where}: over the {limit} bytes read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise PipetteError(f"{where}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 def _umask_mode() -> int:

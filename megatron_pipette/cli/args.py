@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import read_bounded
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
@@ -205,12 +206,15 @@ def layout_constraints(ns: argparse.Namespace) -> dict:
 
 
 def read_json(path: str, what: str) -> object:
-    """The JSON document in the regular file `path`; anything else (a directory, a device, a binary,
-    a file nested too deep for the parser) is a PipetteError naming `what`."""
-    if not Path(path).is_file():
-        raise PipetteError(f"{what} {path}: " + ("not a regular file" if Path(path).exists() else "no such file"))
+    """The JSON document in the regular file `path`; anything else (a directory, a device, a FIFO, a
+    file over files.MAX_DOCUMENT_BYTES, a binary, a file nested too deep for the parser) is a
+    PipetteError naming `what`."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_bounded(path, what)
+    except FileNotFoundError:
+        raise PipetteError(f"{what} {path}: no such file") from None
+    try:
+        return json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError:
@@ -219,8 +223,6 @@ def read_json(path: str, what: str) -> object:
         raise PipetteError(f"{what} {path}: not valid JSON ({type(e).__name__})") from None
     except MemoryError:
         raise PipetteError(f"{what} {path}: too large to read") from None
-    except OSError as e:
-        raise PipetteError(f"{what} {path}: cannot read ({e.strerror or e})") from None
 
 
 def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, str] | None = None) -> Cluster:

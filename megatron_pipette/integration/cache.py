@@ -6,16 +6,21 @@ and, once a self-check measured that plan, the calibration fitted to it. Only th
 (torchrun's rank 0) touches it, and only through `Entry`:
 
 * a read decodes the file with its document's one reader; an absent file is None, and so is one that
-  cannot be read or decoded (truncated, binary, another schema or version), which is moved aside
-  (`NAME.corrupt-<time>`) with one warning: the job measures or plans again what it needs, and no
-  other file is thrown away;
+  cannot be read or decoded (truncated, binary, another schema or version; not a regular file: a
+  symbolic link, which is never followed, a FIFO, a device; over files.MAX_DOCUMENT_BYTES), which is
+  moved aside (`NAME.corrupt-<time>`) with one warning: the job measures or plans again what it
+  needs, and no other file is thrown away;
 * a write is atomic (files.write_atomic); one that fails (a read-only cache, a full disk) is one
   warning, and the job goes on with what it computed;
 * a lock per entry (fcntl.flock), held from the look-up to the plan and while a self-check records,
   so that concurrent jobs do not interleave their writes;
-* safety: directories are created 0700 and files 0600 (0770 and 0660 in a team's cache), and a cache
+* safety: directories are created 0700 and files 0600 (0770 and 0660 in a team's cache, the lock
+  file included whatever the umask, so that every member of the group can take it), and a cache
   directory or entry owned by another user or writable by others is refused, since its plans would be
-  applied; --auto-parallel-shared-cache allows other owners and the group (never everyone).
+  applied; --auto-parallel-shared-cache allows other owners and the group (never everyone). An entry
+  that is not a directory of the cache itself (a symbolic link, planted or careless, to a directory
+  elsewhere, whose files the job would otherwise read, rename and delete) is moved aside like a bad
+  file, and the entry made afresh.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 from megatron_pipette import __version__
 from megatron_pipette.calibration.document import CalibrationRecord
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import write_atomic
+from megatron_pipette.files import read_bounded, write_atomic
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
@@ -75,8 +80,9 @@ def cache_key(identities: list[dict], workload: Workload, typed: Mapping[str, An
 class Entry:
     """One allocation's directory in the cache, and everything done to its files."""
 
-    def __init__(self, root: str | os.PathLike, key: str, *, shared: bool = False) -> None:
-        self.root, self.key, self.shared = Path(root), key, shared
+    def __init__(self, root: str | os.PathLike, key: str, *, shared: bool = False, flag: str = FLAG) -> None:
+        self.root, self.key, self.shared, self.flag = Path(root), key, shared, flag
+        """`flag`: what chose the root (--auto-parallel-cache-dir, or PIPETTE_CACHE_DIR), named in errors."""
         self.path = self.root / key
         self.dir_mode, self.file_mode = (0o770, 0o660) if shared else (0o700, 0o600)
         self._warned = False
@@ -90,20 +96,39 @@ class Entry:
         """Create (or check) the cache directory and this entry. An unsafe one is refused (PipetteError,
         one line); one that cannot be created is one warning: the job goes on without the cache."""
         for directory in (self.root, self.path):
+            if directory == self.path:
+                self._set_aside_foreign_entry()
             try:
                 directory.mkdir(mode=self.dir_mode, parents=directory == self.root)
                 os.chmod(directory, self.dir_mode)     # mkdir's mode is cut by the umask
             except FileExistsError:
                 pass
             except OSError as e:
-                self._cannot_write(f"{FLAG} {directory}: cannot create: {e.strerror or e}")
+                self._cannot_write(f"{self.flag} {directory}: cannot create: {e.strerror or e}")
                 self._missing = True
                 return
             self._refuse_unsafe(directory)
 
+    def _set_aside_foreign_entry(self) -> None:
+        """Move aside an entry that is not a directory inside the cache (a symbolic link to one elsewhere,
+        or a file): the link itself is renamed, what it points to is left alone."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:     # absent (made next), or the root is not there to look in
+            return
+        if stat.S_ISDIR(st.st_mode):
+            return
+        what = f"a symbolic link to {os.readlink(self.path)}" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        self._move_aside(self.path, f"{self.flag} {self.root}: the entry {self.path} is {what}",
+                         "starting the entry afresh")
+
     def _refuse_unsafe(self, directory: Path) -> None:
-        st = os.stat(directory)
-        where = f"{FLAG} {self.root}: {directory}"
+        where = f"{self.flag} {self.root}: {directory}"
+        try:
+            st = os.stat(directory)
+        except OSError as e:    # a dangling symbolic link, a component this user cannot search
+            link = f" (a symbolic link to {os.readlink(directory)})" if directory.is_symlink() else ""
+            raise PipetteError(f"{where}{link}: {e.strerror or e}") from None
         if not stat.S_ISDIR(st.st_mode):
             raise PipetteError(f"{where} is not a directory")
         if st.st_mode & stat.S_IWOTH:
@@ -123,10 +148,13 @@ class Entry:
         """Hold the entry's lock; yields the seconds waited for it. Waiting past `timeout_s` is a
         PipetteError. An entry without a lock file (read-only, not created) is used unlocked: nothing
         is written to it either."""
-        try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
+        try:    # flock needs no write access: a lock another member made read-only still serves
+            fd = os.open(self.path / LOCK, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode)
         except OSError:
             fd = None
+        if fd is not None:
+            with contextlib.suppress(OSError):  # O_CREAT's mode is cut by the umask; another's lock stays as it is
+                os.fchmod(fd, self.file_mode)
         if fd is None:
             yield 0.0
             return
@@ -138,7 +166,7 @@ class Entry:
                     break
                 except BlockingIOError:
                     if time.monotonic() - start > timeout_s:
-                        raise PipetteError(f"{FLAG} {self.root}: another job has held {self.path / LOCK} for "
+                        raise PipetteError(f"{self.flag} {self.root}: another job has held {self.path / LOCK} for "
                                            f"{timeout_s:.0f} s") from None
                     time.sleep(LOCK_POLL_S)
                 except OSError:     # no locks on this file system (ENOLCK): go on unlocked
@@ -153,11 +181,11 @@ class Entry:
         if self._missing:
             return None
         try:
-            data = path.read_bytes()
+            data = read_bounded(path, self.flag, follow=False)
         except FileNotFoundError:
             return None
-        except OSError as e:    # a directory, a file this user cannot read
-            self._set_aside(doc, f"{path}: cannot read: {e.strerror or e}")
+        except PipetteError as e:    # a link, a FIFO, a device, a directory, too large, unreadable
+            self._set_aside(doc, str(e))
             return None
         try:
             value = json.loads(data)
@@ -173,14 +201,17 @@ class Entry:
         return None
 
     def _set_aside(self, doc: Document, reason: str) -> None:
-        path = self.file(doc)
-        aside = path.with_name(f"{doc.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        self._move_aside(self.file(doc), reason, doc.without)
+
+    @staticmethod
+    def _move_aside(path: Path, reason: str, without: str) -> None:
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
         try:
             os.replace(path, aside)
         except OSError as e:
-            log(f"WARNING: {reason}; it cannot be moved aside ({e.strerror or e}): {doc.without}", 0)
+            log(f"WARNING: {reason}; it cannot be moved aside ({e.strerror or e}): {without}", 0)
             return
-        log(f"WARNING: {reason}; moved aside to {aside.name}: {doc.without}", 0)
+        log(f"WARNING: {reason}; moved aside to {aside.name}: {without}", 0)
 
     def write(self, doc: Document, value: Mapping[str, Any]) -> bool:
         """Store `value` as `doc`, at once; False when it cannot be (warned about once per entry)."""
@@ -190,7 +221,7 @@ class Entry:
         """Store `data` as the entry's file `name` (a document's, or a picture no one reads back), at
         once; False when it cannot be (warned about once per entry)."""
         try:
-            write_atomic(self.path / name, data, FLAG, self.file_mode)
+            write_atomic(self.path / name, data, self.flag, self.file_mode)
         except PipetteError as e:
             self._cannot_write(str(e))
             return False

@@ -29,6 +29,7 @@ from megatron_pipette.calibration.fit import Factors, calibrated
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.files import read_bounded
 from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Document, Entry
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
@@ -104,12 +105,16 @@ def _cached(entry: Entry) -> tuple[Cluster | None, LayerProfile | None]:
 
 
 def _read_pinned(path: Path) -> PlanRecord | str:
-    """The pinned plan, or why it is not one (a file that cannot be read is an error)."""
+    """The pinned plan, or why it is not one (a file that cannot be read, or is no regular file of a
+    bounded size: files.read_bounded, is an error)."""
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else f"not a JSON document ({type(e).__name__})"
-        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: {why}") from None
+        doc = json.loads(read_bounded(path, PINNED_FLAG))
+    except PipetteError:
+        raise
+    except FileNotFoundError as e:
+        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: {e.strerror}") from None
+    except (ValueError, RecursionError) as e:
+        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: not a JSON document ({type(e).__name__})") from None
     try:
         return PlanRecord.from_json(doc, str(path))
     except PipetteError as e:

@@ -17,11 +17,12 @@ from helpers.plans import plan_doc
 from megatron_pipette import files
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration import replan
-from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry, cache_key
+from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, LOCK, PLAN, PROFILE, Entry, cache_key
 from megatron_pipette.integration.common import Phases
 from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
+from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -96,7 +97,120 @@ def test_a_directory_in_place_of_a_file_is_moved_aside(entry: Entry, kind: str, 
     doc, _ = DOCS[kind]
     entry.file(doc).mkdir()
     assert entry.read(doc) is None and len(set_aside(entry, doc)) == 1
-    assert "cannot read" in capsys.readouterr().out
+    assert "not a regular file (a directory)" in capsys.readouterr().out
+
+
+HANG_S = 30.0
+"""How long a read may block before the test calls it hung (a FIFO without a writer blocks forever)."""
+
+
+def read_unhung(read, fifo: Path | None = None):
+    """`read()`'s value (or the error it raised), and whether it blocked: a read hung on the FIFO
+    `fifo` past HANG_S is released (a writer that closes at once ends the file) so the test ends."""
+    box = {}
+
+    def run() -> None:
+        try:
+            box["value"] = read()
+        except Exception as e:  # noqa: BLE001 (handed to the test)
+            box["value"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    hung = thread.is_alive()
+    if hung and fifo is not None:
+        os.close(os.open(fifo, os.O_WRONLY))
+        thread.join()
+    return box.get("value"), hung
+
+
+@pytest.mark.parametrize("kind", DOCS)
+@pytest.mark.parametrize("what, why", [
+    ("a link out of the cache", "a symbolic link, not a regular file"),
+    ("a link to /dev/null", "a symbolic link, not a regular file"),
+    ("a FIFO", "not a regular file (a FIFO)"),
+    ("over the size bound", "bytes, over the"),
+])
+def test_only_regular_files_of_the_entry_are_read(entry: Entry, kind: str, what: str, why: str, tmp_path: Path,
+                                                  monkeypatch, capsys) -> None:
+    """(issue 33) A cached file must be a regular file inside the entry, of a bounded size: a link is
+    never followed (it is moved aside, what it points to is left alone), a FIFO does not block the
+    start, and no file is read past files.MAX_DOCUMENT_BYTES (a link to /dev/zero read until memory
+    ran out)."""
+    doc, good = DOCS[kind]
+    path, text = entry.file(doc), json.dumps(good)
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(text)
+    if what == "a link out of the cache":
+        path.symlink_to(theirs)
+    elif what == "a link to /dev/null":
+        path.symlink_to(os.devnull)
+    elif what == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.write_text(text)
+        monkeypatch.setattr(files, "MAX_DOCUMENT_BYTES", len(text) - 1)
+    value, hung = read_unhung(lambda: entry.read(doc), path if what == "a FIFO" else None)
+    assert not hung and value is None
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and why in out and f"moved aside to {doc.name}.corrupt-" in out, out
+    assert len(set_aside(entry, doc)) == 1 and theirs.read_text() == text
+    monkeypatch.undo()
+    assert entry.write(doc, good) and entry.read(doc) is not None and theirs.read_text() == text
+
+
+def test_an_entry_linked_out_of_the_cache_is_moved_aside_and_nothing_it_points_to_is_touched(
+        tmp_path: Path, capsys) -> None:
+    """(issue 33) An entry that is a symbolic link to a user's directory (planted in a team's cache, or
+    a careless `ln -s`) had its calibration.json deleted and its plan.json renamed by a start: the
+    link is moved aside with one warning, the entry made afresh, and the directory left as it was."""
+    theirs = tmp_path / "their project"
+    theirs.mkdir()
+    for doc, value in DOCS.values():
+        (theirs / doc.name).write_text(json.dumps(value))
+    (theirs / CLUSTER.name).write_bytes(b"\x00garbage")     # one to set aside, were it read
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    team = tmp_path / "team"
+    team.mkdir()
+    (team / "k").symlink_to(theirs)
+    e = Entry(team, "k", shared=True)
+    e.open()
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and f"the entry {e.path} is a symbolic link to {theirs}" in out, out
+    assert "moved aside to k.corrupt-" in out and e.path.is_dir() and not e.path.is_symlink()
+    assert start(e) == replan.Start()     # nothing cached: everything is measured again
+    fill(e, "cluster", "profile", "calibration")
+    replan.plan_measured(REQUEST, e, Phases(), cpu_like(), ProfileFile.from_json(PROFILE_DOC).profile,
+                         {PROFILE: PROFILE_DOC})
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
+
+
+def test_a_teams_lock_is_group_writable_whatever_the_umask(tmp_path: Path) -> None:
+    """(issue 33) The lock file was created 0640 under a umask of 027, so another member of the group
+    could not open it and planned without the lock."""
+    old = os.umask(0o027)
+    try:
+        e = Entry(tmp_path / "team", "k", shared=True)
+        e.open()
+        with e.locked(1.0):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((e.path / LOCK).stat().st_mode) == 0o660
+
+
+def test_a_dangling_link_as_the_cache_is_refused_in_one_line(tmp_path: Path) -> None:
+    """(issue 33) A dangling symbolic link as the cache directory abandoned planning with a raw
+    FileNotFoundError; it is one line naming the option (or the variable) that chose it."""
+    root = tmp_path / "cache"
+    root.symlink_to(tmp_path / "gone")
+    for flag in ("--auto-parallel-cache-dir", "PIPETTE_CACHE_DIR"):
+        with pytest.raises(PipetteError) as error:
+            Entry(root, "k", flag=flag).open()
+        message = str(error.value)
+        assert message.startswith(f"{flag} {root}: ") and f"a symbolic link to {tmp_path / 'gone'}" in message
+        assert "\n" not in message
 
 
 def failing_write(error: int):
@@ -301,6 +415,28 @@ def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: En
     pinned.write_bytes(b"\xff")
     with pytest.raises(PipetteError, match=r"^--auto-parallel-plan-file .*: cannot read: not a JSON document"):
         start(entry, plan_file=pinned)
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "/dev/null", "over the size bound"])
+def test_a_pinned_plan_must_be_a_regular_file_of_a_bounded_size(entry: Entry, what: str, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """(issue 33) A FIFO as --auto-parallel-plan-file hung rank 0 until the job died, and a link to
+    /dev/zero read until memory ran out: anything but a regular file within files.MAX_DOCUMENT_BYTES
+    is one error naming the flag (a link to a regular file is the user's own path: followed)."""
+    pinned = tmp_path / "pinned.json"
+    text = json.dumps(plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=2)))
+    if what == "a FIFO":
+        os.mkfifo(pinned)
+    elif what == "/dev/null":
+        pinned.symlink_to(os.devnull)
+    else:
+        pinned.write_text(text)
+        monkeypatch.setattr(files, "MAX_DOCUMENT_BYTES", len(text) - 1)
+    error, hung = read_unhung(lambda: start(entry, plan_file=pinned), pinned if what == "a FIFO" else None)
+    assert not hung and isinstance(error, PipetteError)
+    why = "bytes, over the" if what == "over the size bound" else \
+        f"not a regular file (a {'FIFO' if what == 'a FIFO' else 'character device'})"
+    assert str(error).startswith(f"--auto-parallel-plan-file {pinned}: ") and why in str(error), error
 
 
 def test_replan_and_reprobe_switches(entry: Entry, capsys) -> None:
