@@ -15,6 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
 import sys
 
 from megatron_pipette import __version__
@@ -23,6 +26,13 @@ from megatron_pipette.cli.args import check_megatron_flags, split_megatron_flags
 from megatron_pipette.errors import PipetteError
 
 EXIT_USAGE = 2
+EXIT_OUTPUT = 1
+"""The output could not be written (a full disk, a quota): one line, and this status."""
+EXIT_CLOSED_OUTPUT = 1
+"""The reader of the output went away (a closed pipe): quietly, with the status Python's own
+handling of EPIPE gives."""
+OUTPUT_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+"""Errors of a write to stdout that are the output's, not pipette's (they carry no file name)."""
 
 
 def one_line(message: str) -> str:
@@ -77,10 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         check_megatron_flags(megatron)
         if megatron.get("transformer_impl"):   # Megatron's layer spec decides the attention built
             ns.transformer_impl = megatron["transformer_impl"][0]
-        return ns.run(ns)
+        code = ns.run(ns)
+        sys.stdout.flush()      # a closed pipe or a full disk may say so only here
+        return code
     except PipetteError as e:
         print(f"pipette {ns.command}: error: {one_line(str(e))}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:     # `pipette plan | head -1`: the reader has what it wanted
+        _discard_stdout()
+        return EXIT_CLOSED_OUTPUT
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRORS or e.filename is not None:
+            raise
+        _discard_stdout()
+        with contextlib.suppress(OSError):
+            print(f"pipette {ns.command}: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return EXIT_OUTPUT
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that what is still buffered does not fail again (with a
+    traceback) when the interpreter flushes it at exit: Python's advice for SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

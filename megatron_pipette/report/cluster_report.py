@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from megatron_pipette.plan.placement import node_link_weakness
-from megatron_pipette.report.figures import figure, write_png
+from megatron_pipette.report.figures import figure, load_matplotlib, write_png
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.units import GiB
@@ -124,6 +124,7 @@ def summarize(shown: ClusterFile) -> str:
 def write_heatmap(cluster: Cluster, path: str | os.PathLike) -> None:
     """Write a PNG of the node x node bandwidth (GB/s, rail to rail) beside the intra-node matrix of
     the first node class."""
+    load_matplotlib()
     from matplotlib.ticker import MaxNLocator
 
     inter = np.array(cluster.inter_node.bandwidth_Bps, dtype=float) / 1e9

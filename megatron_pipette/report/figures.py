@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from typing import Any
 
 from megatron_pipette.files import write_atomic
@@ -12,8 +13,24 @@ from megatron_pipette.files import write_atomic
 DPI = 100
 
 
+def load_matplotlib() -> None:
+    """Import matplotlib for pictures written to files. Its import applies $MPLBACKEND and raises on a
+    backend it cannot load (a notebook's module://matplotlib_inline..., outside the notebook; a
+    misspelt one), though these pictures never use it: they are drawn on the Agg canvas. So the
+    import does not see the variable; it is left as it was for the rest of the process."""
+    if "matplotlib" in sys.modules:
+        return
+    backend = os.environ.pop("MPLBACKEND", None)
+    try:
+        import matplotlib  # noqa: F401
+    finally:
+        if backend is not None:
+            os.environ["MPLBACKEND"] = backend
+
+
 def figure(width_in: float, height_in: float) -> Any:
     """A matplotlib Figure of that size (DPI pixels an inch) on the Agg canvas."""
+    load_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_pipette.cost.timing import Timeline
-from megatron_pipette.report.figures import DPI, figure, write_png
+from megatron_pipette.report.figures import DPI, figure, load_matplotlib, write_png
 
 KINDS = ("forward", "backward", "recompute", "p2p", "bubble")
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "recompute": "#dd8452", "p2p": "#c44e52",
@@ -80,6 +80,7 @@ def write_timeline(timeline: Timeline, path: str | os.PathLike, title: str, flag
     in the title, write it as a PNG and return the blocks drawn. Lighter passes belong to later
     model chunks; a hatched span after the pass is the rest of the iteration (gradient
     synchronisation, optimizer)."""
+    load_matplotlib()
     from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch
 
