@@ -30,9 +30,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import read_bounded, write_atomic
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
-from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity
 from megatron_pipette.spec.layer_profile import ProfileFile
 from megatron_pipette.spec.workload import Workload
 
@@ -51,6 +52,8 @@ FLAG = "--auto-parallel-cache-dir"
 SHARED_FLAG = "--auto-parallel-shared-cache"
 LOCK = ".lock"
 LOCK_POLL_S = 0.1
+KEY = re.compile(r"[0-9a-f]{16}")
+"""An entry's name (cache_key), and a node's digest (node_digest)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,19 @@ PLAN = Document("plan.json", "planning again", PlanRecord.from_json)
 CLUSTER = Document("cluster.json", "probing again", ClusterFile.from_json)
 PROFILE = Document("layer_profile.json", "profiling again", ProfileFile.from_json)
 CALIBRATION = Document("calibration.json", "planning uncalibrated", CalibrationRecord.from_json)
+LOSS_PLAN = Document("loss_plan.json", "searching after a loss", PlanRecord.from_json)
+"""The plan for this allocation less one node (plan.losses), which a restart after a loss places."""
+
+
+def _node_digests(value: Any, where: str) -> frozenset[str]:
+    if not (isinstance(value, dict) and isinstance(value.get("digests"), list)
+            and all(isinstance(d, str) and KEY.fullmatch(d) for d in value["digests"])):
+        raise PipetteError(f"{where}: not a list of node digests")
+    return frozenset(value["digests"])
+
+
+NODES = Document("nodes.json", "not offering its probe to other allocations", _node_digests)
+"""The digests (node_digest) of the nodes the entry's cluster.json measured: what finds it by host."""
 
 
 def cache_key(identities: list[dict], workload: Workload, typed: Mapping[str, Any]) -> str:
@@ -236,3 +252,46 @@ class Entry:
         """Drop `doc` (a calibration once the probe or profile it was fitted to is measured again)."""
         with contextlib.suppress(OSError):
             self.file(doc).unlink(missing_ok=True)
+
+
+def node_digest(node: NodeIdentity) -> str:
+    """A node's name in the entries' node indexes: its host and its GPUs' identities, hashed."""
+    return hashlib.sha256(json.dumps([node.host, list(node.gpus)]).encode()).hexdigest()[:16]
+
+
+def node_index(nodes: Sequence[NodeIdentity]) -> dict:
+    """The NODES document of an entry whose cluster.json measured `nodes`: what an allocation sharing
+    some of them finds it by."""
+    return {"digests": [node_digest(node) for node in nodes]}
+
+
+def node_identities(identities: list[dict], gpus_per_node: int) -> list[NodeIdentity]:
+    """Each node's identity from every rank's (the cache key's: host, device, GPU), in rank order."""
+    return [NodeIdentity(str(identities[k]["host"]), tuple(ident.get("gpu") for ident in
+                                                           identities[k:k + gpus_per_node]))
+            for k in range(0, len(identities), gpus_per_node)]
+
+
+def entries_measuring(entry: Entry, nodes: Sequence[NodeIdentity]) -> list[Entry]:
+    """The other entries of `entry`'s cache whose probe measured some of `nodes` (by host and GPUs, not
+    by whole allocation), most nodes first, then the most recent. O(entries x nodes): each entry's
+    index is read, not its cluster.json; an entry that is unsafe (Entry.open) is passed over."""
+    wanted = {node_digest(node) for node in nodes}
+    found: list[tuple[int, float, Entry]] = []
+    try:
+        names = sorted(path.name for path in entry.root.iterdir() if KEY.fullmatch(path.name))
+    except OSError:
+        return []
+    for name in names:
+        if name == entry.key or not (entry.root / name).is_dir() or (entry.root / name).is_symlink():
+            continue
+        other = Entry(entry.root, name, shared=entry.shared)
+        try:
+            other.open()
+        except PipetteError:
+            continue
+        digests = other.read(NODES)
+        if digests and (common := len(wanted & digests)):
+            with contextlib.suppress(OSError):
+                found.append((common, os.stat(other.file(NODES)).st_mtime, other))
+    return [other for _, _, other in sorted(found, key=lambda f: (-f[0], -f[1]))]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
-from megatron_pipette.integration.cache import CLUSTER, PROFILE, Entry, cache_key
+from megatron_pipette.integration.cache import CLUSTER, NODES, PROFILE, Entry, cache_key, node_identities, node_index
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
 from megatron_pipette.integration.plan_check import JobRequest
@@ -111,7 +111,8 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
             waited = held.enter_context(entry.locked(LOCK_SHARE * budget))
             if waited >= 1:
                 log(f"waited {waited:.0f} s for another job to release {entry.path}", 0)
-            start = replan.look_up(entry, request, switches, phases)
+            start = replan.look_up(entry, request, switches, phases,
+                                   nodes=node_identities(identities, request.gpus_per_node))
             found.append(start)
             return start.plan, start.pinned, start.plan is None and start.cluster is None, \
                 start.plan is None and start.profile is None
@@ -180,6 +181,8 @@ def _profile_and_plan(request: JobRequest, start: replan.Start, probed: ClusterF
     cluster = start.cluster
     if probed is not None:
         cluster, new[CLUSTER] = probed.cluster, probed.to_json()
+        if probed.node_identities is not None:      # what a later allocation on some of these nodes finds
+            new[NODES] = node_index(probed.node_identities)
         log(f"probed {cluster.world_size} devices on {cluster.num_nodes} node(s) in {phases.seconds['probe']:.1f} s",
             0)
     profile = start.profile

@@ -11,6 +11,10 @@
   PCT% faster replace it: switching layouts reshards the checkpoint, so it is asked for;
 * else a plan from the cached probe and layer profile (unless --auto-parallel-reprobe), with the
   calibration if there is one;
+* else, for an allocation whose every node another entry's probe measured (by host and GPUs:
+  `reuse_measured`), that probe's figures for them, and its layer profile where it is this model's:
+  with that entry's plan for the loss of a node (plan.losses) when this allocation is one node
+  smaller, placed on these nodes and checked, without a search or a probe; else planned from them;
 * else what is missing must be measured (the hook probes and profiles: collectives), and
   `plan_measured` plans from it.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,15 +35,28 @@ from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.files import read_bounded
-from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Document, Entry
+from megatron_pipette.integration.cache import (
+    CALIBRATION,
+    CLUSTER,
+    LOSS_PLAN,
+    NODES,
+    PLAN,
+    PROFILE,
+    Document,
+    Entry,
+    entries_measuring,
+    node_index,
+)
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
+from megatron_pipette.plan.losses import place_layouts
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
 from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
 from megatron_pipette.report.plans import plan_report
+from megatron_pipette.spec.cluster_file import NodeIdentity, select_nodes
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layer_profile import LayerProfile, check_profile_device, check_profile_matches
 from megatron_pipette.units import GiB
 
 TOP_K = 5
@@ -69,8 +87,10 @@ class Start:
     profile: LayerProfile | None = None
 
 
-def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phases) -> Start:
-    """Rank 0: the plan this start uses, or what it must measure first (module docstring)."""
+def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phases,
+            nodes: Sequence[NodeIdentity] = ()) -> Start:
+    """Rank 0: the plan this start uses, or what it must measure first (module docstring); `nodes`:
+    which machines this allocation's nodes are."""
     if switches.plan_file is not None:
         pinned = _read_pinned(switches.plan_file)
         problems = [pinned] if isinstance(pinned, str) else plan_problems(pinned, request)
@@ -93,6 +113,11 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
     if switches.reprobe:
         return Start()
     cluster, profile = _cached(entry)
+    if cluster is None and nodes:
+        reused = reuse_measured(entry, request, nodes, phases)
+        if reused.plan is not None:
+            return reused
+        cluster, profile = reused.cluster, profile or reused.profile
     if cluster is None or profile is None:
         return Start(cluster=cluster, profile=profile)
     return Start(plan_from_cache(request, entry, cluster, profile, phases))
@@ -139,6 +164,85 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
                            f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
+    record = _write_plan(result, entry, phases, calibration)
+    store_loss_plan(request, model, entry, phases, calibration)
+    return record
+
+
+def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
+                    calibration: CalibrationRecord | None = None) -> None:
+    """The plan for this allocation less one node, cached for the restart after a loss (plan.losses):
+    one search on every node but the last, with the same model."""
+    cluster = model.cluster
+    if cluster.num_nodes < 2:
+        return
+    survivors = CostModel(select_nodes(cluster, range(cluster.num_nodes - 1), f"{cluster.name} less a node"),
+                          profile=model.profile, overheads=model.overheads, execution=model.execution)
+    result = phases.run("loss plan", lambda: plan(request.workload, survivors, constraints=request.constraints,
+                                                  top_k=TOP_K))
+    if not result.candidates:
+        entry.remove(LOSS_PLAN)
+        log(f"no layout fits {cluster.num_nodes - 1} node(s): a restart after the loss of a node will search", 0)
+        return
+    ref = None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
+    if entry.write(LOSS_PLAN, PlanRecord.from_plan(result, calibration=ref).to_json()):
+        log(f"for the loss of a node: {result.best.layout.describe()} on {cluster.num_nodes - 1} node(s), "
+            f"stored in {entry.file(LOSS_PLAN)}", 0)
+
+
+def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdentity], phases: Phases) -> Start:
+    """For an allocation this entry has no probe of: the probe of another entry that measured every one
+    of its nodes (by host and GPUs), those nodes' figures cached here; its layer profile where it is
+    this model's on these devices; and when that entry's loss plan is for this many nodes, its layouts
+    placed on these nodes and checked (plan_problems) as this start's plan. Start() when none did."""
+    for other in entries_measuring(entry, nodes):
+        probed = other.read(CLUSTER)
+        where = None if probed is None else probed.nodes_of(nodes)
+        if where is None or None in where:
+            continue
+        reused = probed.select(where, f"{probed.cluster.name}, {len(nodes)} of its nodes")
+        cluster = reused.cluster
+        entry.write(CLUSTER, reused.to_json())
+        entry.write(NODES, node_index(nodes))
+        phases.skip("probe", "reused")
+        log(f"the probe cached in {other.path} measured every node of this allocation: probe skipped", 0)
+        profiled = other.read(PROFILE)
+        try:
+            if profiled is not None:
+                check_profile_matches(profiled.profile, request.workload, str(other.file(PROFILE)))
+                check_profile_device(profiled.profile, cluster, str(other.file(PROFILE)))
+        except PipetteError:
+            profiled = None
+        if profiled is None:
+            return Start(cluster=cluster)
+        entry.write(PROFILE, profiled.to_json())
+        phases.skip("profile", "reused")
+        loss = other.read(LOSS_PLAN)
+        if loss is None or loss.world_size != cluster.world_size:
+            return Start(cluster=cluster, profile=profiled.profile)
+        return Start(_take_loss_plan(request, entry, other, loss, cluster, profiled.profile, phases),
+                     cluster=cluster, profile=profiled.profile)
+    return Start()
+
+
+def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanRecord, cluster: Cluster,
+                    profile: LayerProfile, phases: Phases) -> PlanRecord | None:
+    """The loss plan's layouts placed on this allocation's links, ranked and checked; None (the caller
+    searches) when none of them can run this job."""
+    calibration = other.read(CALIBRATION)
+    if calibration is None or loss.calibration is None or calibration.id != loss.calibration.id:
+        calibration = None
+    model = _calibrated_model(cluster, profile, calibration)
+    layouts = [c.layout for c in loss.candidates]
+    result = phases.run("plan", lambda: place_layouts(request.workload, model, layouts,
+                                                      constraints=request.constraints))
+    problems = ["none of its layouts fits"] if not result.candidates else \
+        plan_problems(PlanRecord.from_plan(result, calibration=None), request)
+    if problems:
+        _mismatch(str(other.file(LOSS_PLAN)), problems)
+        return None
+    log(f"taking the plan for the loss of a node stored in {other.path}: its layouts placed on this "
+        "allocation, no search", 0)
     return _write_plan(result, entry, phases, calibration)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -343,41 +343,50 @@ class ClusterFile:
         """The file of an allocation made of some of this file's nodes, in that order (its node k is
         this file's node nodes[k]): every figure measured or fitted for them, kept as it is, and which
         of their pairs were measured. No probe ran for it: its probe block says where it came from."""
-        c, idx = self.cluster, np.asarray(nodes, dtype=np.int64)
-        g = c.gpus_per_node
-        ranks = (idx[:, None] * g + np.arange(g)).ravel()
-        used, node_class = np.unique(c.node_class[idx], return_inverse=True)
-        domain = np.unique(c.domains[idx], return_inverse=True)[1]
-        inter = LinkLevel(**{key: getattr(c.inter_node, key)[np.ix_(idx, idx)] for key in LEVEL_KEYS
-                             if getattr(c.inter_node, key) is not None})
+        cluster = select_nodes(self.cluster, nodes, name)
+        idx = np.asarray(nodes, dtype=np.int64)
+        ranks = (idx[:, None] * cluster.gpus_per_node + np.arange(cluster.gpus_per_node)).ravel()
         devices = self.document["devices"]
         kept = {key: np.asarray(values)[ranks].tolist() for key, values in devices.items()} \
-            if isinstance(devices, dict) else {"memory_bytes": [c.memory_bytes] * ranks.size,
-                                               "memory_bandwidth_Bps": [c.memory_bandwidth_Bps] * ranks.size,
-                                               "gemm_flops": c.gemm_flops[ranks].tolist()}
-        identities = None if self.node_identities is None else [self.node_identities[k] for k in idx]
+            if isinstance(devices, dict) else {"memory_bytes": [cluster.memory_bytes] * ranks.size,
+                                               "memory_bandwidth_Bps": [cluster.memory_bandwidth_Bps] * ranks.size,
+                                               "gemm_flops": cluster.gemm_flops.tolist()}
+        cluster = replace(cluster, memory_bytes=int(min(kept["memory_bytes"])))   # the reader's: the smallest kept
+        if kept.get("memory_bandwidth_Bps") is not None:
+            cluster = replace(cluster, memory_bandwidth_Bps=float(min(kept["memory_bandwidth_Bps"])))
+        identities = None if self.node_identities is None else tuple(self.node_identities[k] for k in idx)
         measured = None if self.measured_pairs is None else self.measured_pairs[np.ix_(idx, idx)]
+        used = np.unique(self.cluster.node_class[idx])
         doc = cluster_document(
-            name=name, precision=self.precision or "bf16", gpu=c.gpu.name if c.gpu else None,
-            device_name=self.device_name or "unknown", hosts=[c.hosts[k] if c.hosts else f"node{k}" for k in idx],
-            node_class=node_class, domains=domain, devices=kept, intra_node=[c.intra_node[k] for k in used],
-            inter_node=inter, cross_rail_bandwidth_factor=c.cross_rail_bandwidth_factor,
-            cross_rail_latency_s=c.cross_rail_latency_s, all_to_all_bandwidth_factor=c.all_to_all_bandwidth_factor,
-            probe={"backend": "reused", "reused_from": c.name, "world_size": int(ranks.size), "duration_s": 0.0,
-                   "node_pairs_measured": None if measured is None else int(measured.sum()) // 2},
+            name=name, precision=self.precision or "bf16", gpu=cluster.gpu.name if cluster.gpu else None,
+            device_name=self.device_name or "unknown", hosts=cluster.hosts, node_class=cluster.node_class,
+            domains=cluster.domains, devices=kept, intra_node=[self.cluster.intra_node[k] for k in used],
+            inter_node=cluster.inter_node, cross_rail_bandwidth_factor=cluster.cross_rail_bandwidth_factor,
+            cross_rail_latency_s=cluster.cross_rail_latency_s,
+            all_to_all_bandwidth_factor=cluster.all_to_all_bandwidth_factor,
+            probe={"backend": "reused", "reused_from": self.cluster.name, "world_size": int(ranks.size),
+                   "duration_s": 0.0, "node_pairs_measured": None if measured is None else int(measured.sum()) // 2},
             node_gpus=None if identities is None else [ident.gpus for ident in identities], measured=measured)
-        cluster = Cluster(name=name, num_nodes=idx.size, gpus_per_node=g, memory_bytes=int(min(kept["memory_bytes"])),
-                          memory_bandwidth_Bps=c.memory_bandwidth_Bps if "memory_bandwidth_Bps" not in kept
-                          else float(min(kept["memory_bandwidth_Bps"])),
-                          gemm_flops=c.gemm_flops[ranks], intra_node=tuple(c.intra_node[k] for k in used),
-                          node_class=node_class.astype(np.int64), inter_node=inter,
-                          cross_rail_bandwidth_factor=c.cross_rail_bandwidth_factor,
-                          cross_rail_latency_s=c.cross_rail_latency_s,
-                          all_to_all_bandwidth_factor=c.all_to_all_bandwidth_factor,
-                          domain_of_node=None if np.unique(domain).size == idx.size else domain.astype(np.int64),
-                          gpu=c.gpu, hosts=tuple(doc_node["host"] for doc_node in doc["nodes"]))
         return ClusterFile(cluster, self.precision, self.device_name, ProbeReport.from_json(doc["probe"]), doc,
-                           None if identities is None else tuple(identities), measured)
+                           identities, measured)
+
+
+def select_nodes(cluster: Cluster, nodes: Sequence[int], name: str) -> Cluster:
+    """The cluster of some of `cluster`'s nodes, in that order (node k is its node nodes[k]): their
+    devices, classes, links and domains, unchanged (an allocation after a loss, or a planned one)."""
+    idx = np.asarray(nodes, dtype=np.int64)
+    g = cluster.gpus_per_node
+    ranks = (idx[:, None] * g + np.arange(g)).ravel()
+    used, node_class = np.unique(cluster.node_class[idx], return_inverse=True)
+    domain = np.unique(cluster.domains[idx], return_inverse=True)[1]
+    inter = LinkLevel(**{key: getattr(cluster.inter_node, key)[np.ix_(idx, idx)] for key in LEVEL_KEYS
+                         if getattr(cluster.inter_node, key) is not None})
+    return replace(cluster, name=name, num_nodes=idx.size, gemm_flops=cluster.gemm_flops[ranks],
+                   intra_node=tuple(cluster.intra_node[k] for k in used), node_class=node_class.astype(np.int64),
+                   inter_node=inter,
+                   domain_of_node=None if np.unique(domain).size == idx.size else domain.astype(np.int64),
+                   hosts=tuple(cluster.hosts[k] for k in idx) if cluster.hosts else
+                   tuple(f"node{k}" for k in idx))
 
 
 def _from_version_1(data: dict, where: str) -> Cluster:

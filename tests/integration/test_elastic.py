@@ -1,5 +1,10 @@
-"""Elastic torchrun: a node is lost mid-training, the survivor plans for what is left and resumes."""
+"""Elastic torchrun: a node is lost mid-training, the survivor plans for what is left and resumes.
 
+The slow test runs it with torchrun; the others hold rank 0's part of such a restart without torch: a
+new allocation made of nodes measured before reuses their probe, and takes the plan stored for the
+loss of a node without a search."""
+
+import dataclasses
 import math
 import os
 import re
@@ -13,6 +18,16 @@ from pathlib import Path
 import pytest
 
 from helpers.processes import free_port, kill_tree
+from megatron_pipette.integration import replan
+from megatron_pipette.integration.cache import CLUSTER, LOSS_PLAN, NODES, PLAN, PROFILE, Entry, node_index
+from megatron_pipette.integration.common import Phases
+from megatron_pipette.integration.plan_check import JobRequest
+from megatron_pipette.probe.twin import run_twin
+from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.hardware import preset_cluster
+from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
+from megatron_pipette.spec.layer_profile import profile_model_fields
+from megatron_pipette.spec.workload import workload_from_preset
 
 REPO = Path(__file__).resolve().parents[2]
 AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"
@@ -123,3 +138,79 @@ def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_l
     assert saved_at_kill <= resumed_from == saved_at_resume, (saved_at_kill, resumed_from, saved_at_resume)
     print(f"kill to iteration {resumed_from + 1} (resumed from {resumed_from} under {second.group(1)}): "
           f"{next_at - killed_at:.1f} s")
+
+
+TINY = dataclasses.replace(workload_from_preset("tiny-gpt"), global_batch_size=48)
+FIRST, SECOND = "a" * 16, "b" * 16
+
+
+def request(nodes: int, **typed) -> JobRequest:
+    return JobRequest(workload=TINY, world_size=2 * nodes, gpus_per_node=2, typed=typed)
+
+
+@pytest.fixture
+def measured(tmp_path: Path) -> tuple[Entry, ClusterFile]:
+    """The entry of a first start on three nodes of two GPUs: its probe (the twin's, with each node's
+    GPUs), its layer profile, and the plan made from them (which stores the plan for a loss)."""
+    truth = preset_cluster("dgx-a100", num_nodes=3, gpus_per_node=2)
+    probed = ClusterFile.from_json(run_twin(truth, budget_s=5, small_bytes=4096, large_bytes=2 ** 20,
+                                            repeats=1).doc)
+    entry = Entry(tmp_path, FIRST)
+    entry.open()
+    entry.write(CLUSTER, probed.to_json())
+    entry.write(NODES, node_index(probed.node_identities))
+    entry.write(PROFILE, {"schema": PROFILE_SCHEMA, "version": 1,
+                          "device": {"rank": 0, "device_name": truth.gpu.name}, "model": profile_model_fields(TINY),
+                          "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
+                                      "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2)]})
+    assert replan.look_up(entry, request(3), replan.Switches(), Phases()).plan is not None
+    return entry, probed
+
+
+def restart(entry: Entry, nodes, job: JobRequest, phases: Phases | None = None) -> replan.Start:
+    """Rank 0's look-up at a start on `nodes` (identities), in the same cache as `entry`."""
+    later = Entry(entry.root, SECOND)
+    later.open()
+    return replan.look_up(later, job, replan.Switches(), phases or Phases(), nodes=nodes)
+
+
+def test_a_restart_after_a_loss_takes_the_stored_plan_without_probe_or_search(measured, monkeypatch, capsys):
+    """Nodes 2 and 0 survive the loss of node 1: their figures come from the first probe, the layer
+    profile is the first one's, and the plan is the loss plan's layouts placed on them, checked."""
+    entry, probed = measured
+    loss = entry.read(LOSS_PLAN)
+    assert loss.world_size == 4
+    monkeypatch.setattr(replan, "plan", lambda *a, **k: pytest.fail("searched"))
+    capsys.readouterr()
+    phases = Phases()
+    start = restart(entry, [probed.node_identities[2], probed.node_identities[0]], request(2), phases)
+    assert start.plan is not None and start.plan.world_size == 4
+    assert start.plan.best.layout in [c.layout for c in loss.candidates]
+    assert phases.skipped == {"probe": "reused", "profile": "reused"} and "plan" in phases.seconds
+    assert "taking the plan for the loss of a node" in capsys.readouterr().out
+    later = Entry(entry.root, SECOND)
+    kept = later.read(CLUSTER)
+    assert kept.cluster.hosts == (probed.cluster.hosts[2], probed.cluster.hosts[0])
+    assert kept.cluster.inter_node.bandwidth_Bps[0, 1] == probed.cluster.inter_node.bandwidth_Bps[2, 0]
+    assert later.read(PLAN).to_json() == start.plan.to_json() and later.read(PROFILE) is not None
+    survivors = [probed.node_identities[2], probed.node_identities[0]]
+    assert later.read(NODES) == frozenset(node_index(survivors)["digests"])    # found by host at the next loss
+
+
+def test_a_loss_plan_the_job_cannot_take_is_searched_again_from_the_reused_probe(measured, capsys):
+    """A flag typed at the restart that none of the loss plan's layouts keeps: the plan check says why,
+    and the survivors are planned by a search, still without a probe."""
+    entry, probed = measured
+    capsys.readouterr()
+    start = restart(entry, probed.node_identities[:2], request(2, pipeline_model_parallel_size=2))
+    out = capsys.readouterr().out
+    assert "loss_plan.json cannot run this job" in out and "planning from the probe and layer profile" in out
+    assert start.plan is not None and start.plan.best.layout.pp == 2
+
+
+def test_an_allocation_with_a_node_never_measured_probes(measured):
+    """One node unknown (another machine, or the same host with other GPUs): nothing is reused."""
+    entry, probed = measured
+    other = dataclasses.replace(probed.node_identities[1], gpus=("GPU-x", "GPU-y"))
+    start = restart(entry, [probed.node_identities[0], other], request(2))
+    assert start.plan is None and start.cluster is None and start.profile is None
