@@ -19,6 +19,9 @@
   `plan_measured` plans from it.
 
 A plan that cannot run this job is a warning, and the job plans again.
+
+At the end of a start's self-check, `calibrate` fits the model to it and stores the calibration the
+next start plans with.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_pipette.calibration.check import CheckResult
 from megatron_pipette.calibration.document import CalibrationRecord
-from megatron_pipette.calibration.fit import Factors, calibrated
+from megatron_pipette.calibration.fit import Factors, Fit, calibrated, fit
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
@@ -341,3 +345,27 @@ def _choose(kept: Candidate, best: Candidate | None, replan_if_slower: float | N
     log(f"keeping the cached layout: not more than {replan_if_slower:g}% faster "
         "(--auto-parallel-replan-if-slower)", 0)
     return kept
+
+
+def calibrate(entry: Entry, planned: PlanRecord, result: CheckResult) -> Fit | None:
+    """Fit the model's factors to the self-check `result` of `planned` and store them merged with the
+    allocation's stored ones (CalibrationRecord.of), unless the fit is refused (Fit.refusal: one line
+    says why); the fit, or None without the allocation's probe and profile. Under the entry's lock."""
+    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+    if probed is None or profiled is None:
+        log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
+        return None
+    layout, placement = planned.best.layout, planned.best.placement
+    fitted = fit(planned.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
+    log(fitted.line(), 0)
+    if (why := fitted.refusal()) is not None:
+        log(f"calibration not stored: {why}", 0)
+        return fitted
+    stored = entry.read(CALIBRATION)
+    record = CalibrationRecord.of(fitted, layout, placement, result, stored)
+    if entry.write(CALIBRATION, record.to_json()):
+        merged = "" if stored is None else \
+            f" (merged with {stored.combined} earlier self-check(s): {record.factors.describe()})"
+        log(f"calibration stored in {entry.file(CALIBRATION)}{merged}: the next start on this allocation plans "
+            "with it", 0)
+    return fitted

@@ -43,11 +43,11 @@ from megatron_pipette.calibration.check import (
     compare,
     sample_from_json,
 )
-from megatron_pipette.calibration.document import CalibrationRecord
-from megatron_pipette.calibration.fit import Fit, fit
+from megatron_pipette.calibration.fit import Fit
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.integration.cache import CALIBRATION, CLUSTER, PLAN, PROFILE, Entry
+from megatron_pipette.integration.cache import PLAN, Entry
 from megatron_pipette.integration.common import log
+from megatron_pipette.integration.replan import calibrate
 from megatron_pipette.profile.measure import LiveSavedBytes, live_tensor_bytes, storage_keys
 from megatron_pipette.report.plan_document import CandidateRecord, PlanRecord
 
@@ -332,22 +332,7 @@ def _record(entry: Entry, candidate: CandidateRecord, result: CheckResult) -> No
     if not entry.write(PLAN, replace(cached, self_check=result.as_json()).to_json()):
         return
     log(f"self-check written to {entry.file(PLAN)}", 0)
-    _draw(entry, result, _calibrate(entry, cached, result))
-
-
-def _calibrate(entry: Entry, plan: PlanRecord, result: CheckResult) -> Fit | None:
-    """Fit the model's factors to the check and store them; the fit, or None without the allocation's
-    probe and profile."""
-    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
-    if probed is None or profiled is None:
-        log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
-        return None
-    layout, placement = plan.best.layout, plan.best.placement
-    fitted = fit(plan.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
-    if entry.write(CALIBRATION, CalibrationRecord.of(fitted, layout, placement, result).to_json()):
-        log(fitted.line(), 0)
-        log(f"calibration stored in {entry.file(CALIBRATION)}: the next start on this allocation plans with it", 0)
-    return fitted
+    _draw(entry, result, calibrate(entry, cached, result))
 
 
 def _draw(entry: Entry, result: CheckResult, fitted: Fit | None) -> None:
