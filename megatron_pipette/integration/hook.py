@@ -37,12 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_pipette.errors import PipetteError, UnrunnableFlags
-from megatron_pipette.integration import dropin, megatron_args, replan, selfcheck
+from megatron_pipette.errors import PipetteError, UnresumableCheckpoint, UnrunnableFlags
+from megatron_pipette.integration import checkpoint, dropin, megatron_args, replan, selfcheck
 from megatron_pipette.integration.cache import CLUSTER, NODES, PROFILE, Entry, cache_key, node_identities, node_index
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
-from megatron_pipette.integration.plan_check import JobRequest
+from megatron_pipette.integration.plan_check import JobRequest, unresumable
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
@@ -89,13 +89,14 @@ def _broadcast(obj: Any, rank: int, group: dist.ProcessGroup | None) -> Any:
 
 
 def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int, phases: Phases,
-                   timeout: timedelta, saved: Layout | None,
+                   timeout: timedelta, resume: checkpoint.Resume | None,
                    group: dist.ProcessGroup | None) -> tuple[PlanRecord, Entry | None]:
     """Collective: the plan, identical on every rank, and the cache entry whose plan.json it
     is (None when it is pinned with --auto-parallel-plan-file)."""
     identities: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(identities, _identity(), group=group)
-    request = megatron_args.job_request(args, argv, world, gpus_per_node([i["host"] for i in identities]), saved)
+    request = megatron_args.job_request(args, argv, world, gpus_per_node([i["host"] for i in identities]),
+                                        None if resume is None else resume.rule)
     if (note := megatron_args.overridden_by_checkpoint(request)) is not None:
         log(f"WARNING: {note}", rank)
     entry = Entry(opts.auto_parallel_cache_dir, cache_key(identities, request.workload, request.typed),
@@ -107,6 +108,8 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
         found: list[replan.Start] = []
 
         def look_up() -> tuple[PlanRecord | None, bool, bool, bool]:
+            if resume is not None and (why := unresumable(request, resume.where)) is not None:
+                raise UnresumableCheckpoint(why + checkpoint.restarts_note())   # before probing or Megatron's load
             entry.open()
             waited = held.enter_context(entry.locked(LOCK_SHARE * budget))
             if waited >= 1:
@@ -256,11 +259,11 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     if supplied:
         log("CPU rehearsal: " + ", ".join(supplied), rank)
     fallback = megatron_args.layout_from_args(args, world)
-    saved = None
+    resume = None
     try:
-        saved = megatron_args.saved_layout(args)
         group = control_group(backend, probe_timeout)
-        chosen, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, saved, group)
+        resume = _on_rank0_then_broadcast(lambda: checkpoint.find_resume(args), rank, group)
+        chosen, record = _plan_on_rank0(args, argv, opts, rank, world, phases, probe_timeout, resume, group)
         layout, placement = chosen.best.layout, chosen.best.placement
         if placement.logical_to_physical.size != world:
             raise PipetteError(f"the plan is for {placement.logical_to_physical.size} processes, this job has {world}")
@@ -278,6 +281,10 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         if stop:
             _close_quietly()
             raise SystemExit(f"auto-parallel failed: {reason}")
+        if resume is not None and (unkept := resume.rule.unkept(fallback)):
+            _close_quietly()    # training on would only fail in Megatron's load_checkpoint
+            raise SystemExit(f"auto-parallel failed: {reason}; the flags as given cannot resume the checkpoint in "
+                             f"{resume.where}: {'; '.join(unkept)}" + checkpoint.restarts_note())
         if opts.auto_parallel_strict:
             _close_quietly()
             raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
@@ -293,11 +300,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     if layout is not None:
         megatron_args.apply_layout(args, layout)
         _log_groups(layout, placement, args.rank)
-        if args.rank == 0 and getattr(args, "save", None) and not opts.auto_parallel_dry_run:
-            try:
-                megatron_args.save_checkpoint_plan(args, chosen)
-            except PipetteError as e:
-                log(f"WARNING: {e}; a restart will not know the layout its checkpoints were saved under", 0)
+        if getattr(args, "save", None) and not opts.auto_parallel_dry_run:
+            checkpoint.record_plan_at_save(args, chosen, lambda: dist.get_rank() == 0)
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = chosen.best
         tight = " (it fits by under 2%, within the memory model's error: it may not fit)" \
@@ -310,10 +314,8 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,
                 plan=chosen, record=record, concludes=rank == 0,
                 on_gpu=torch.cuda.is_available() and not rehearsal_requested()))
-    if saved is not None:
-        now = (layout or fallback).describe()
-        log(f"resuming the checkpoint in {args.load}, saved under {saved.describe()}, under "
-            + ("the same layout" if now == saved.describe() else f"{now} (Megatron reshards it)"), args.rank)
+    if resume is not None:
+        log(checkpoint.resume_line(resume, layout or fallback, args.load), args.rank)
     megatron_args.make_resumable_across_layouts(args)
     log("phases: " + phases.line(), args.rank)
     if opts.auto_parallel_dry_run:

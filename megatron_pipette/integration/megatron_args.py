@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
-from megatron_pipette.files import write_atomic
 from megatron_pipette.integration.plan_check import JobRequest
-from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
+from megatron_pipette.spec.resume import ResumeRule, resume_rule
 from megatron_pipette.spec.workload import Workload, attention_backend_built, megatron_flag
 
 LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
@@ -204,62 +201,48 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     return constraints
 
 
-CHECKPOINT_PLAN = "pipette_plan.json"
-"""Written beside Megatron's checkpoints: the layout they were saved under."""
-CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
-"""Megatron's marker of a checkpoint in a --load directory."""
-
-
 def job_request(args: Any, argv: Sequence[str], world_size: int, gpus_per_node: int,
-                saved: Layout | None) -> JobRequest:
+                checkpoint: ResumeRule | None) -> JobRequest:
     """What this job asks of a plan (plan_check): the model, the size, the flags typed, and what the
-    checkpoint to resume from (saved under `saved`: saved_layout) fixes."""
+    checkpoint to resume from fixes (`checkpoint`: checkpoint_rule)."""
     typed = constraints_from_args(args, argv)
     return JobRequest(workload=workload_from_args(args), world_size=world_size, gpus_per_node=gpus_per_node,
-                      typed=typed, checkpoint=checkpoint_constraints(saved),
+                      typed=typed, checkpoint=checkpoint,
                       eval_global_batch_size=getattr(args, "eval_global_batch_size", None),
                       eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None))
 
 
-def saved_layout(args: Any) -> Layout | None:
-    """The layout the checkpoint this job resumes from was saved under (its pipette_plan.json), or None:
-    no --load, no checkpoint there, or one saved without --auto-parallel."""
-    load = getattr(args, "load", None)
-    if not load or not (Path(load) / CHECKPOINT_TRACKER).exists() or not (Path(load) / CHECKPOINT_PLAN).exists():
-        return None
-    where = f"--load {load}: {CHECKPOINT_PLAN}"
-    try:
-        doc = json.loads((Path(load) / CHECKPOINT_PLAN).read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        raise PipetteError(f"{where}: cannot read ({e})") from None
-    return PlanRecord.from_json(doc, where).best.layout
-
-
-def checkpoint_constraints(saved: Layout | None) -> dict[str, Any]:
-    """What a checkpoint to resume from fixes: Megatron cannot load a distributed-optimizer
-    checkpoint into a plain optimizer or the reverse, so that choice is kept; TP, PP and DP reshard
-    freely with torch_dist checkpoints."""
-    if saved is None:
-        return {}
-    return {"use_distributed_optimizer": saved.use_distributed_optimizer}
+def checkpoint_rule(saved_args: Any, content_metadata: Mapping[str, Any] | None, args: Any,
+                    release: bool = False) -> ResumeRule:
+    """What the checkpoint whose own Megatron arguments are `saved_args` (and content metadata
+    `content_metadata`, both from its common state) fixes of this job's layout (spec.resume.resume_rule
+    lists what and why): the optimizer state binds only where Megatron loads it (not a release
+    checkpoint, not --finetune, not --no-load-optim, not saved with --no-save-optim:
+    training/checkpointing.py:2205-2213), and a distributed optimizer's sharding type is the one saved,
+    or for checkpoints without one what Megatron assumes (training/checkpointing.py:2217-2228)."""
+    saved = layout_from_args(saved_args, saved_args.world_size)
+    if saved.expert_tensor_parallel_size == saved.tp:     # validate_args resolved Megatron's default
+        saved = dataclasses.replace(saved, expert_tensor_parallel_size=None)
+    loads = not (release or getattr(args, "finetune", False) or getattr(args, "no_load_optim", False)
+                 or getattr(saved_args, "no_save_optim", False))
+    sharding = (content_metadata or {}).get("distrib_optim_sharding_type")
+    if sharding is None and saved.use_distributed_optimizer:
+        sharding = ("fully_sharded_model_space" if getattr(saved_args, "ckpt_fully_parallel_save", False)
+                    else "dp_zero_gather_scatter")
+    return resume_rule(saved, moe=bool(getattr(saved_args, "num_experts", None)), loads_optimizer=loads,
+                       optimizer_sharding=sharding)
 
 
 def overridden_by_checkpoint(request: JobRequest) -> str | None:
     """What the checkpoint overrides of the flags typed, said in one line; None when nothing."""
-    typed, kept = request.typed.get("use_distributed_optimizer"), request.checkpoint.get("use_distributed_optimizer")
-    if typed is None or kept is None or typed == kept:
+    kept = request.checkpoint.equalities if request.checkpoint is not None else {}
+    overridden = [name for name, value in kept.items() if name in request.typed and request.typed[name] != value]
+    if not overridden:
         return None
-    return ("--use-distributed-optimizer is ignored: the checkpoint in --load was saved without the distributed "
-            "optimizer, which Megatron cannot convert; resuming without it")
-
-
-def save_checkpoint_plan(args: Any, plan: PlanRecord) -> None:
-    """The plan beside the checkpoints --save writes (PipetteError naming --save when it cannot be)."""
-    try:
-        Path(args.save).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PipetteError(f"--save {args.save}: cannot create: {e.strerror or e}") from None
-    write_atomic(Path(args.save) / CHECKPOINT_PLAN, (json.dumps(plan.to_json(), indent=1) + "\n").encode(), "--save")
+    return (", ".join(f"{megatron_flag(name)} {request.typed[name]}" for name in overridden)
+            + " ignored: the checkpoint in --load was saved with "
+            + ", ".join(f"{megatron_flag(name)} {kept[name]}" for name in overridden)
+            + ", which Megatron cannot convert; resuming with it")
 
 
 def transformer_engine_in_use(args: Any) -> bool:

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
 
@@ -32,8 +34,8 @@ class JobRequest:
     typed: Mapping[str, Any] = field(default_factory=dict)
     """Layout fields fixed by flags typed beside --auto-parallel, or by what this installation can run
     (megatron_args.constraints_from_args): part of the cache key."""
-    checkpoint: Mapping[str, Any] = field(default_factory=dict)
-    """Layout fields the checkpoint to resume from fixes (megatron_args.checkpoint_constraints): not
+    checkpoint: ResumeRule | None = None
+    """What the checkpoint to resume from fixes (spec.resume.resume_rule; None: no checkpoint): not
     part of the cache key, so a restart from a checkpoint finds the plan it was saved under."""
     eval_global_batch_size: int | None = None
     """--eval-global-batch-size (None: Megatron's default, --global-batch-size)."""
@@ -42,8 +44,8 @@ class JobRequest:
 
     @property
     def constraints(self) -> dict[str, Any]:
-        """Everything the search must keep."""
-        return {**self.typed, **self.checkpoint}
+        """Every field the search must keep at one value (the checkpoint's `breaks` says the rest)."""
+        return {**self.typed, **(self.checkpoint.equalities if self.checkpoint is not None else {})}
 
 
 def _model_fields(workload: Workload) -> dict[str, Any]:
@@ -75,10 +77,13 @@ def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
                         f"{request.world_size // request.gpus_per_node} of {request.gpus_per_node}")
     elif not placement.is_permutation:
         problems.append(f"the plan's node order {list(placement.node_order)} is not an order of its {nodes} nodes")
+    kept = request.checkpoint.equalities if request.checkpoint is not None else {}
     for name, value in sorted(request.constraints.items()):
         if not _same(getattr(layout, name), value):
             problems.append(f"{megatron_flag(name)} is {getattr(layout, name)} in the plan, {value} fixed here"
-                            + (" by the checkpoint" if name in request.checkpoint else ""))
+                            + (" by the checkpoint" if name in kept else ""))
+    if request.checkpoint is not None:
+        problems += [f"it cannot load the checkpoint: {why}" for why in request.checkpoint.breaks(layout)]
     if problems:    # the rules below are for this job's model and size
         return problems
     try:
@@ -91,3 +96,24 @@ def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
         problems.append(f"Megatron would reject its layout: --eval-global-batch-size {eval_batch} is not divisible "
                         f"by --eval-micro-batch-size {eval_micro} x data-parallel size {layout.dp}")
     return problems
+
+
+def unresumable(request: JobRequest, where: str) -> str | None:
+    """Why no layout of this job can load the checkpoint in `where`, with what to do, in one line; None
+    when one can, or when none is valid whatever the checkpoint (planning then says why)."""
+    rule = request.checkpoint
+    if rule is None or not rule.binds:
+        return None
+
+    def any_layout(resume: ResumeRule | None) -> bool:
+        return next(iter(enumerate_layouts(request.workload, request.world_size, request.gpus_per_node,
+                                           request.typed, resume=resume)), None) is not None
+
+    if any_layout(rule) or not any_layout(None):
+        return None
+    saved = rule.saved
+    return (f"the checkpoint in {where}, saved under {saved.describe()} on {saved.world_size} processes, keeps "
+            f"{rule.describe()}, which no layout of this model on {request.world_size} processes has (with the "
+            f"flags typed); megatron-core 0.19 cannot load it otherwise: resume on {saved.world_size} processes "
+            "(or a count where such a layout exists), or add --no-load-optim to resume its weights with a fresh "
+            "optimizer")

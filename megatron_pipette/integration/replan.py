@@ -157,7 +157,8 @@ def _mismatch(where: str, problems: list[str]) -> None:
 def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
                    calibration: CalibrationRecord | None = None) -> PlanRecord:
     """Plan, print the report, and cache the document (which names the calibration it used)."""
-    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
+    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
+                                                 resume=request.checkpoint, top_k=TOP_K))
     if not result.candidates:
         cluster = model.cluster
         rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
@@ -311,7 +312,8 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
     log(f"a self-check calibrated the model since {path} was made: planning again from the probe and "
         f"layer profile cached there (allocation {entry.key})", 0)
     model = _calibrated_model(cluster, profile, calibration)
-    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints, top_k=TOP_K))
+    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
+                                                 resume=request.checkpoint, top_k=TOP_K))
     layout, placement = cached.best.layout, cached.best.placement
     job = resolve_job(request.workload, layout)
     time, memory = evaluate(model, job, placement)

@@ -27,6 +27,7 @@ from megatron_pipette.plan.search import RECOMPUTE_FLAGS, Rejections, enumerate_
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB
 
@@ -71,8 +72,9 @@ class Plan:
 
 
 def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any] | None = None, top_k: int = 10,
-         placement_top: int = 3, allow_tp_across_nodes: bool = False) -> Plan:
-    """Search every valid layout for the model's cluster and return the best ones, placed."""
+         placement_top: int = 3, allow_tp_across_nodes: bool = False, resume: ResumeRule | None = None) -> Plan:
+    """Search every valid layout for the model's cluster (that can load the checkpoint to resume from,
+    given `resume`) and return the best ones, placed."""
     cluster = model.cluster
     considered = oom = 0
     rejected = Rejections()
@@ -82,7 +84,7 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     tune_recompute = not any(k in (constraints or {}) for k in RECOMPUTE_FLAGS)
     for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
                                  allow_tp_across_nodes=allow_tp_across_nodes,
-                                 gpus_per_domain=cluster.gpus_per_domain, rejected=rejected):
+                                 gpus_per_domain=cluster.gpus_per_domain, rejected=rejected, resume=resume):
         considered += 1
         memory = model.memory(job)
         if memory.fits and tune_recompute:

@@ -26,6 +26,7 @@ from typing import Any
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
 LAYOUT_FIELDS = {f.name for f in fields(Layout)}
@@ -118,10 +119,13 @@ class Rejections:
 
 def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                       constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
-                      gpus_per_domain: int | None = None, rejected: Rejections | None = None) -> Iterator[Job]:
-    """Yield the job of every valid layout that honours the constraints; count each layout Megatron
-    would reject in `rejected` (a typed size that does not divide the GPUs among them)."""
-    constraints = dict(constraints or {})
+                      gpus_per_domain: int | None = None, rejected: Rejections | None = None,
+                      resume: ResumeRule | None = None) -> Iterator[Job]:
+    """Yield the job of every valid layout that honours the constraints and can load the checkpoint
+    to resume from (`resume`: its equalities are constraints, the rest a predicate); count each layout
+    Megatron would reject in `rejected` (a typed size that does not divide the GPUs among them; one that
+    cannot load the checkpoint)."""
+    constraints = {**(constraints or {}), **(resume.equalities if resume is not None else {})}
     _check_constraints(constraints)
     domain = gpus_per_domain or gpus_per_node
     rejected = rejected if rejected is not None else Rejections()
@@ -160,7 +164,7 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                 for ep, etp in _expert_options(workload, tp, pp, world_size, choices, constraints):
                     sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
                              "expert_tensor_parallel_size": etp}
-                    yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes)
+                    yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume)
 
 
 def context_parallel_options(workload: Workload, ranks: int) -> list[int]:
@@ -183,7 +187,7 @@ def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choic
             for etp in etps if typed or world_size % (ep * pp * (tp if etp is None else etp)) == 0]
 
 
-def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes) -> Iterator[Job]:
+def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume) -> Iterator[Job]:
     per_replica = workload.global_batch_size // dp
     splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
@@ -212,6 +216,9 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
                               "account_for_embedding_in_pipeline_split", counted),
                           account_for_loss_in_pipeline_split=constraints.get("account_for_loss_in_pipeline_split",
                                                                              counted))
+            if resume is not None and (why := resume.breaks(base)):
+                rejected.add(Infeasible(f"the checkpoint to resume from: {why[0]}"))
+                continue
             yield from _jobs(workload, base, constraints, rejected)
 
 

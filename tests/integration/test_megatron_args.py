@@ -4,34 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.plans import plan_doc
+from helpers.megatron_args import megatron_namespace
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration import megatron_args as ma
-from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
-
-
-def megatron_namespace(**kw):
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, global_batch_size=16,
-                ffn_hidden_size=None, kv_channels=None, group_query_attention=False, num_query_groups=None,
-                swiglu=False, vocab_size=1024, padded_vocab_size=None, make_vocab_size_divisible_by=128,
-                untie_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
-                max_position_embeddings=64, normalization="LayerNorm", add_bias_linear=True,
-                attention_dropout=0.1, hidden_dropout=0.1, attention_backend="auto", bf16=True, fp16=False,
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, micro_batch_size=1,
-                num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
-                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                sequence_parallel=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
-                overlap_param_gather=False, transformer_impl="local", load=None, use_checkpoint_args=False,
-                ckpt_format="torch", dist_ckpt_optim_fully_reshardable=False,
-                num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
-                moe_layer_freq=1, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
-                moe_token_dispatcher_type="allgather", context_parallel_size=1, cp_comm_type=["p2p"],
-                expert_model_parallel_size=1, expert_tensor_parallel_size=None, fp8=None, fp8_recipe="delayed",
-                bias_gelu_fusion=True, bias_swiglu_fusion=True)
-    return SimpleNamespace(**{**base, **kw})
 
 
 def test_typed_flags_are_the_constraints():
@@ -192,29 +169,11 @@ def test_the_fallback_layout_has_megatrons_data_parallel_size():
     assert (layout.dp, layout.cp, layout.cp_comm_type) == (4, 2, "a2a")
 
 
-def test_checkpoints_keep_their_optimizer_and_are_reshardable(tmp_path):
-    """The layout a checkpoint was saved under is read only where Megatron will resume one; it fixes the
-    distributed optimizer, and a typed --use-distributed-optimizer it overrides is said to be."""
-    args = megatron_namespace(load=str(tmp_path), save=str(tmp_path))
-    saved = Layout(data_parallel_size=4, use_distributed_optimizer=False)
-    ma.save_checkpoint_plan(args, PlanRecord.from_json(plan_doc(workload_from_preset("tiny-gpt"), saved), "plan"))
-    assert ma.saved_layout(args) is None     # no checkpoint yet (Megatron's tracker file)
-    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
-    assert ma.saved_layout(args) == saved and ma.checkpoint_constraints(saved) == {"use_distributed_optimizer": False}
-    argv = ["--use-distributed-optimizer", "--auto-parallel"]
-    request = ma.job_request(megatron_namespace(use_distributed_optimizer=True), argv, 4, 4, saved)
-    assert request.constraints["use_distributed_optimizer"] is False
-    assert ma.overridden_by_checkpoint(request).startswith("--use-distributed-optimizer is ignored: the checkpoint")
-    assert ma.overridden_by_checkpoint(ma.job_request(megatron_namespace(), [], 4, 4, saved)) is None
+def test_checkpoints_are_saved_reshardable():
+    """Distributed checkpoints with fully reshardable optimizer state, so that another layout can load them."""
+    args = megatron_namespace()
     ma.make_resumable_across_layouts(args)
     assert args.ckpt_format == "torch_dist" and args.dist_ckpt_optim_fully_reshardable
-
-
-def test_an_unreadable_checkpoint_plan_names_load(tmp_path):
-    (tmp_path / ma.CHECKPOINT_TRACKER).write_text("10")
-    (tmp_path / ma.CHECKPOINT_PLAN).write_bytes(b"\x00\xff")
-    with pytest.raises(PipetteError, match=r"^--load .*pipette_plan.json: cannot read"):
-        ma.saved_layout(megatron_namespace(load=str(tmp_path)))
 
 
 @pytest.mark.parametrize("layers, pp, lpv, embedding, loss",
@@ -229,7 +188,6 @@ def test_pipeline_split_is_megatrons(layers, pp, lpv, embedding, loss):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megatron_pipette.spec.job import resolve_job
-    from megatron_pipette.spec.workload import workload_from_preset
 
     layout = Layout(pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=lpv,
                     account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss)
@@ -274,7 +232,6 @@ def test_pipeline_layout_string_is_megatrons(text, pp, layers):
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
     from megatron_pipette.spec.layout import chunk_sizes
-    from megatron_pipette.spec.workload import workload_from_preset
 
     theirs = PipelineParallelLayerLayout(text, pp)
     theirs.validate_layer_layout(layers, None)
@@ -292,7 +249,6 @@ def test_pipeline_layout_strings_megatron_rejects_are_infeasible(text, pp, layer
 
     from megatron_pipette.errors import Infeasible
     from megatron_pipette.spec.layout import chunk_sizes
-    from megatron_pipette.spec.workload import workload_from_preset
 
     with pytest.raises(AssertionError):
         PipelineParallelLayerLayout(text, pp).validate_layer_layout(layers, None)

@@ -1,6 +1,7 @@
 """A plan is checked against the job before any rank applies it (integration.plan_check, torch-free)."""
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
@@ -9,10 +10,12 @@ from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.resume import resume_rule
 from megatron_pipette.spec.workload import workload_from_preset
 
 TINY = workload_from_preset("tiny-gpt")
 DP4 = Layout(data_parallel_size=4, micro_batch_size=2)
+MOE = dataclasses.replace(TINY, num_experts=4, swiglu=True, add_bias_linear=False)
 
 
 def request(**kw) -> JobRequest:
@@ -43,8 +46,13 @@ def test_a_plan_for_this_job_passes() -> None:
      "the plan's node order [1, 1] is not an order of its 2 nodes"),
     (plan_doc(TINY, DP4), request(typed={"tensor_model_parallel_size": 2}),
      "--tensor-model-parallel-size is 1 in the plan, 2 fixed here"),
-    (plan_doc(TINY, DP4), request(checkpoint={"use_distributed_optimizer": True}),
+    (plan_doc(TINY, DP4), request(checkpoint=resume_rule(replace(DP4, use_distributed_optimizer=True), moe=False,
+                                                         loads_optimizer=True, optimizer_sharding="fully_reshardable")),
      "--use-distributed-optimizer is False in the plan, True fixed here by the checkpoint"),
+    (plan_doc(MOE, DP4), request(workload=MOE, checkpoint=resume_rule(
+        replace(DP4, expert_model_parallel_size=2), moe=True, loads_optimizer=True, optimizer_sharding=None)),
+     "it cannot load the checkpoint: its expert parameters have an optimizer of their own, which megatron-core "
+     "gives them only under EP > 1 or ETP != TP; tp1 pp1 dp4 mbs2 has EP 1 and ETP = TP"),
     (plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=3)), request(),
      "Megatron would reject its layout: --global-batch-size 16 is not divisible by --micro-batch-size 3 x "
      "data-parallel size 4"),
@@ -56,7 +64,7 @@ def test_a_plan_for_this_job_passes() -> None:
     (plan_doc(TINY, DP4), request(eval_micro_batch_size=8),
      "--eval-global-batch-size 16 is not divisible by --eval-micro-batch-size 8 x data-parallel size 4"),
 ], ids=["global batch", "precision", "world size", "processes per node", "node order", "typed flag",
-        "checkpoint", "batch rule", "heads rule", "eval batch", "eval micro-batch"])
+        "checkpoint", "expert optimizer", "batch rule", "heads rule", "eval batch", "eval micro-batch"])
 def test_a_plan_that_cannot_run_this_job_says_why(doc, req, problem: str) -> None:
     problems = plan_problems(record(doc), req)
     assert any(p.startswith(problem) or problem in p for p in problems), problems
