@@ -37,7 +37,12 @@ class GemmCurve:
     prod over m, n, k of x / (x + half_dim), half_dim fitted on the H100 table's shapes. Never
     above the large GEMM's own rate, and never faster than HBM can feed it: a GEMM moves at least
     its two operands and its output once, so its time is at least those bytes over the memory
-    bandwidth (the roofline floor; `ridge` turns it into an efficiency)."""
+    bandwidth (the roofline floor; `ridge` turns it into an efficiency). Below the table's
+    smallest dimension (2^lo, 128) a GEMM takes at least the time of the same GEMM at 2^lo on
+    that axis, not the clamped rate's shorter time: tensor-core kernels compute whole tiles of
+    64-256 rows and columns, so a smaller GEMM does about a tile's work. An H200 measured it
+    (docs/validation.md, "Small K or M"): M 16 and 64 took the same 44 us against 8192 x 8192, K 64
+    0.91 of K 128's time; the clamped rate had priced them 1.36-1.46x too fast."""
 
     log_table: np.ndarray | None
     """(g, g, g) log efficiency at m, n, k = 2^(lo + index); None: the parametric curve."""
@@ -74,6 +79,10 @@ class GemmCurve:
             if self.ridge > 0:
                 moved = self.operand_bytes * (m * k + k * n) + (output_bytes or self.output_bytes) * m * n
                 hit = min(hit, 2.0 * m * n * k / moved / self.ridge)
+            tile = 2.0 ** self.lo
+            if self.log_table is not None and min(m, n, k) < tile:
+                whole = tuple(max(x, tile) for x in (m, n, k))
+                hit = min(hit, self(*whole, output_bytes) * m * n * k / float(np.prod(whole)))
             if len(self._seen) >= MAX_REMEMBERED_SHAPES:
                 self._seen.clear()
             self._seen[key] = hit

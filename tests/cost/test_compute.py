@@ -65,6 +65,22 @@ def test_table_interpolates_between_nodes_and_clamps_beyond_them():
     assert curve(2 ** 30, 2 ** 12, 2 ** 13) == curve(2 ** 18, 2 ** 12, 2 ** 13)
 
 
+def test_a_gemm_below_the_tables_smallest_dimension_takes_at_least_its_time():
+    """Tensor-core kernels compute whole tiles: below the table's 128 on any axis a GEMM takes at least
+    the time of the same GEMM at 128 (an H200 timed M 16 and 64 alike against 8192 x 8192 weights),
+    not the clamped rate's shorter time, nor the HBM floor's 0.73 of it."""
+    curve = gemm_curve(lookup_gpu("H100"), "bf16")
+
+    def seconds(m, n, k):
+        return 2 * m * n * k / curve(m, n, k)
+
+    for small in (16, 64, 100):
+        for shape in ((small, 8192, 8192), (8192, small, 8192), (8192, 8192, small), (small, small, 4096)):
+            assert seconds(*shape) >= seconds(*(max(x, 128) for x in shape)) * (1 - 1e-12)
+    assert seconds(16, 8192, 8192) == pytest.approx(seconds(128, 8192, 8192), rel=1e-12)
+    assert gemm_curve(None, "bf16")(16, 8192, 8192) < gemm_curve(None, "bf16")(128, 8192, 8192) / 4   # no table
+
+
 def test_presets_run_at_the_measured_large_gemm_rate():
     h100 = lookup_gpu("H100")
     assert preset_cluster("dgx-h100", num_nodes=1).gemm_flops[0] == pytest.approx(0.795 * h100.peak("bf16"))
