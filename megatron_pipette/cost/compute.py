@@ -53,7 +53,7 @@ from megatron_pipette.cost.gemm import (
 )
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layer_profile import LayerProfile, profile_extrapolations
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import Workload
 
@@ -479,6 +479,8 @@ class StageWork:
     """One MoE layer's work, and of it the MLP half (cost.experts.moe_mlp), for the schedule that
     runs their parts apart (--overlap-moe-expert-parallel-comm, cost.timing); None without it."""
     moe_mlp: PartWork | None = None
+    extrapolations: tuple[str, ...] = ()
+    """What the layer profile was used for beyond what it measured (spec.layer_profile.profile_extrapolations)."""
 
 
 def _chunks(dense: Work, moe: Work, count: np.ndarray, moe_count: np.ndarray) -> ChunkWork:
@@ -565,7 +567,8 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     return StageWork(forward=fwd, backward=bwd, recompute=rc, layers=layers, recomputed_layers=recomputed,
                      moe_layers=moe, moe_recomputed=moe_rc, moe_blocks_redone=blocks, mlp_redone=mlp_redone,
                      attention_core=core, profiled=profiled, linears=linears,
-                     moe_layer=sparse if paired else None, moe_mlp=experts if paired else None)
+                     moe_layer=sparse if paired else None, moe_mlp=experts if paired else None,
+                     extrapolations=profile_extrapolations(profile, job) if profile else ())
 
 
 def _measured_over_roofline(measured: PartWork, roofline: PartWork, rate: float) -> tuple[float, float, float]:

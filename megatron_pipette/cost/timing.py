@@ -101,6 +101,8 @@ class TimeEstimate:
     exact_schedule: bool = True
     """False when some replica's interleaved schedule time was extrapolated (cost.interleaved);
     the simulator's answer otherwise."""
+    extrapolations: tuple[str, ...] = ()
+    """What the layer profile was used for beyond what it measured (StageWork.extrapolations), a line each."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -483,11 +485,13 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
-    return _estimate(job, cluster, links, *_pipeline(job, work, links, execution, simulate), execution, simulate)
+    return _estimate(job, cluster, links, *_pipeline(job, work, links, execution, simulate), execution, simulate,
+                     work.extrapolations)
 
 
 def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, name: str,
-              pipe: schedules.PipelineTime, crit: int, execution: Execution, simulate: bool) -> TimeEstimate:
+              pipe: schedules.PipelineTime, crit: int, execution: Execution, simulate: bool,
+              extrapolations: tuple[str, ...] = ()) -> TimeEstimate:
     """The iteration around the pipeline's pass (_pipeline): data-parallel reduction and gather,
     the tied embedding's all-reduce, the optimizer step, and the breakdown."""
     workload, layout = job.workload, job.layout
@@ -526,7 +530,7 @@ def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, na
         tflops_per_gpu=workload.model_flops_per_iteration() / total / layout.world_size / 1e12,
         breakdown=breakdown,
         stage_times=tuple(StageTime(forward_s=float(f), backward_s=float(b)) for f, b in zip(worst_f, worst_b)),
-        schedule=name, exact_schedule=pipe.exact or simulate)
+        schedule=name, exact_schedule=pipe.exact or simulate, extrapolations=extrapolations)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -549,7 +553,8 @@ def iteration_timeline(job: Job, cluster: Cluster, work: StageWork, links: Group
     """iteration_time's prediction with the event-driven simulator's trace of its critical replica."""
     stages, name, pipe, crit = _pipeline(job, work, links, execution, simulate=False)
     trace = schedules.trace_pipeline(name, stages.times, job.num_microbatches, crit)
-    estimate = _estimate(job, cluster, links, stages, name, pipe, crit, execution, simulate=False)
+    estimate = _estimate(job, cluster, links, stages, name, pipe, crit, execution, simulate=False,
+                         extrapolations=work.extrapolations)
     return Timeline(estimate=estimate, events=trace.events,
                     recompute_s=stages.recompute[crit], pipeline_s=float(trace.total_s),
                     microbatches=job.num_microbatches)

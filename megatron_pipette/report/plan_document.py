@@ -36,7 +36,9 @@ def memory_json(memory: MemoryEstimate) -> dict[str, Any]:
 
 
 def estimate_json(layout: Layout, time: TimeEstimate, memory: MemoryEstimate) -> dict[str, Any]:
-    return {
+    """An estimate as JSON; "extrapolations" (what the layer profile was used for beyond what it
+    measured) only where there are some, so estimates without a profile read as before."""
+    doc = {
         "layout": dataclasses.asdict(layout),
         "megatron_args": layout.megatron_args(),
         "iteration_time_s": time.iteration_time_s,
@@ -44,6 +46,9 @@ def estimate_json(layout: Layout, time: TimeEstimate, memory: MemoryEstimate) ->
         "breakdown_s": time.breakdown.as_dict(),
         "memory": memory_json(memory),
     }
+    if time.extrapolations:
+        doc["extrapolations"] = list(time.extrapolations)
+    return doc
 
 
 def candidate_json(c: Candidate) -> dict[str, Any]:
@@ -71,6 +76,8 @@ class CandidateRecord:
     iteration_time_s: float
     memory: MemoryEstimate
     document: Mapping[str, Any]
+    extrapolations: tuple[str, ...] = ()
+    """What its estimate took from the layer profile beyond what it measured (absent in older plans)."""
 
     def digest(self) -> str:
         """Identifies the candidate: ranks agree on it, the self-check finds it again."""
@@ -117,8 +124,8 @@ class PlanRecord:
     @classmethod
     def from_plan(cls, result: Plan, phases_s: Mapping[str, float] | None = None,
                   calibration: CalibrationRef | None = None) -> PlanRecord:
-        candidates = tuple(CandidateRecord(c.layout, c.placement, c.time.iteration_time_s, c.memory, candidate_json(c))
-                           for c in result.candidates)
+        candidates = tuple(CandidateRecord(c.layout, c.placement, c.time.iteration_time_s, c.memory, candidate_json(c),
+                                           c.time.extrapolations) for c in result.candidates)
         return cls(model=dataclasses.asdict(result.workload), cluster=result.cluster_name,
                    world_size=result.world_size, considered=result.considered, out_of_memory=result.out_of_memory,
                    candidates=candidates, phases_s=phases_s, calibration=calibration)
@@ -165,8 +172,11 @@ def _candidate_from_json(doc: Any, where: str) -> CandidateRecord:
         memory = doc["memory"]
         figures = [doc["iteration_time_s"], memory["peak_bytes"], memory["capacity_bytes"]]
         stages = tuple(StageMemory(**{k: s[k] for k in _STAGE_FIELDS if k in s}) for s in memory["stages"])
+        extrapolations = doc.get("extrapolations", [])
     except (KeyError, TypeError, ValueError, PipetteError) as e:
         raise PipetteError(f"{where}: malformed candidate ({e})") from None
+    if not isinstance(extrapolations, list) or not all(isinstance(line, str) for line in extrapolations):
+        raise PipetteError(f"{where}: malformed candidate (extrapolations must list strings)")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in figures):
         raise PipetteError(f"{where}: malformed candidate (iteration_time_s and memory must be numbers)")
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in placement.node_order) \
@@ -174,4 +184,5 @@ def _candidate_from_json(doc: Any, where: str) -> CandidateRecord:
         raise PipetteError(f"{where}: malformed candidate (node_order must list integers, gpus_per_node be "
                            f"positive)")
     return CandidateRecord(layout, placement, float(doc["iteration_time_s"]),
-                           MemoryEstimate(stages=stages, capacity_bytes=memory["capacity_bytes"]), doc)
+                           MemoryEstimate(stages=stages, capacity_bytes=memory["capacity_bytes"]), doc,
+                           tuple(extrapolations))

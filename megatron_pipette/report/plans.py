@@ -64,9 +64,14 @@ def tight_memory(memory: MemoryEstimate) -> list[str]:
             f"of error: it may not fit; a smaller micro-batch or more recomputation leaves room."]
 
 
+def extrapolated(time: TimeEstimate) -> list[str]:
+    """The lines naming what an estimate took from the layer profile beyond what it measured."""
+    return [f"Layer profile extrapolated: {line}." for line in time.extrapolations]
+
+
 def winner(c: Candidate) -> str:
     lines = ["", "Best layout, as Megatron flags:", "  " + " \\\n  ".join(c.layout.megatron_args()),
-             *tight_memory(c.memory)]
+             *tight_memory(c.memory), *extrapolated(c.time)]
     if c.placement.is_default:
         lines.append("Rank placement: Megatron's default order is already the best found.")
     else:
@@ -120,7 +125,7 @@ def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate
              f"peak {_gib(memory.peak_bytes)} GiB of {_gib(memory.capacity_bytes)} GiB ({verdict})"]
     if misfit:
         lines.append(f"  {misfit}")
-    lines += [f"  {line}" for line in tight_memory(memory)]
+    lines += [f"  {line}" for line in tight_memory(memory) + extrapolated(time)]
     return "\n".join([*lines, "", breakdown(time), "", stage_memory(memory)])
 
 

@@ -110,19 +110,67 @@ def _lookup(entries: tuple[ProfileEntry, ...], tp: int, mbs: int, sp: bool | Non
             recompute: str | None, cp: int = 1) -> ProfileEntry | None:
     """The entry for this shape, scaling the nearest micro-batch size linearly (time and
     activations are affine-to-linear in tokens), or None if the TP (or CP) size was not profiled."""
-    candidates = [e for e in entries if e.tensor_model_parallel_size == tp and e.context_parallel_size == cp
-                  and (sp is None or e.sequence_parallel == sp) and e.recompute_granularity == recompute]
+    candidates = _candidates(entries, tp, sp, recompute, cp)
     if not candidates:
         return None
     exact = [e for e in candidates if e.micro_batch_size == mbs]
     if exact:
         return exact[0]
-    near = min(candidates, key=lambda e: (abs(e.micro_batch_size - mbs), -e.micro_batch_size))
+    near = _nearest(candidates, mbs)
     k = mbs / near.micro_batch_size
     return ProfileEntry(tensor_model_parallel_size=tp, micro_batch_size=mbs, forward_s=near.forward_s * k,
                         backward_s=near.backward_s * k, activation_bytes=int(near.activation_bytes * k),
                         sequence_parallel=near.sequence_parallel, recompute_granularity=recompute, measured=False,
                         context_parallel_size=cp)
+
+
+def _candidates(entries: tuple[ProfileEntry, ...], tp: int, sp: bool | None, recompute: str | None,
+                cp: int = 1) -> list[ProfileEntry]:
+    """The entries of this shape but the micro-batch size (`sp` None: either)."""
+    return [e for e in entries if e.tensor_model_parallel_size == tp and e.context_parallel_size == cp
+            and (sp is None or e.sequence_parallel == sp) and e.recompute_granularity == recompute]
+
+
+def _nearest(candidates: list[ProfileEntry], mbs: int) -> ProfileEntry:
+    """The entry whose micro-batch size is nearest `mbs` (the larger of two as near)."""
+    return min(candidates, key=lambda e: (abs(e.micro_batch_size - mbs), -e.micro_batch_size))
+
+
+def profile_extrapolations(profile: LayerProfile, job: Job) -> tuple[str, ...]:
+    """What pricing `job` takes from `profile` beyond what it measured, a line each; empty where
+    every entry it uses was measured at the job's shape. Plans name these: a time scaled linearly from
+    another micro-batch size misses what does not scale with tokens (a layer's launches and fixed
+    costs), and an entry the profiler interpolated or derived (`"measured": false`) was never timed.
+    Callers check the profile covers the job (LayerProfile.covers); another vocabulary or sequence
+    length is another model (check_profile_matches), refused, not extrapolated."""
+    layout = job.layout
+    tp, mbs, sp, cp, rc = (layout.tp, layout.micro_batch_size, layout.sequence_parallel, layout.cp,
+                           layout.recompute_granularity)
+    parts = [("layer", profile.layers, sp, None, cp)]
+    if rc:
+        parts.append((f"layer with {rc} recomputation", profile.layers, sp, rc, cp))
+    parts += [("embedding", profile.embedding, None, None, 1), ("output layer", profile.output_layer, None, None, 1)]
+    found: dict[tuple[str, str], list[str]] = {}          # (shape, what was done) -> the parts
+    for name, entries, part_sp, part_rc, part_cp in parts:
+        candidates = _candidates(entries, tp, part_sp, part_rc, part_cp)
+        if not candidates:
+            continue
+        shape = f"at tp {tp}" + (", sequence parallel" if part_sp else "") + (f", cp {part_cp}" if part_cp > 1 else "")
+        exact = [e for e in candidates if e.micro_batch_size == mbs]
+        if exact and not exact[0].measured:
+            found.setdefault((shape, f"micro-batch {mbs} interpolated or derived by the profiler, not measured"),
+                             []).append(name)
+        elif not exact:
+            measured = sorted({e.micro_batch_size for e in candidates if e.measured})
+            near = _nearest(candidates, mbs).micro_batch_size
+            found.setdefault((shape, f"profiled at micro-batch {','.join(map(str, measured)) or 'none measured'}; "
+                                     f"micro-batch {mbs} extrapolated linearly from {near}"), []).append(name)
+    lines = [f"{' and '.join(filter(None, (', '.join(names[:-1]), names[-1])))} {shape}: {what}"
+             for (shape, what), names in found.items()]
+    if rc and bool(_candidates(profile.layers, tp, sp, None, cp)) != bool(_candidates(profile.layers, tp, sp, rc, cp)):
+        lines.append(f"layer at tp {tp}: {rc} recomputation's redone forward taken as the roofline's share of the "
+                     f"profiled forward (only one of the entries with and without it was profiled)")
+    return tuple(lines)
 
 
 def _entries(data: dict, key: str, where: str) -> tuple[ProfileEntry, ...]:
@@ -174,11 +222,14 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
 
 
 def profile_model_fields(workload: Workload) -> dict:
-    """The workload fields a profile is tied to; a profile of another model must not be used."""
+    """The workload fields a profile is tied to; a profile of another model must not be used. Its
+    sequence length and vocabulary are among them: a layer timed at another length runs another
+    attention (s^2) to linear mix, an output layer and loss of another vocabulary other GEMMs, which
+    no linear scaling recovers."""
     return {"hidden_size": workload.hidden_size, "num_attention_heads": workload.num_attention_heads,
             "ffn_hidden_size": workload.ffn, "num_query_groups": workload.query_groups,
             "seq_length": workload.seq_length, "swiglu": workload.gated_linear_unit,   # gated: the shapes timed
-            "precision": workload.precision}
+            "precision": workload.precision, "vocab_size": workload.vocab_size}   # the output layer's time
 
 
 def check_profile_device(profile: LayerProfile, cluster: Cluster, where: str = "--layer-profile") -> None:
