@@ -191,8 +191,9 @@ class Entry:
         finally:
             os.close(fd)    # releases the lock
 
-    def read[T](self, doc: Document[T]) -> T | None:
-        """The decoded file, or None: absent, or unusable (then moved aside, with one warning)."""
+    def read[T](self, doc: Document[T], of_this_job: Callable[[T], str | None] | None = None) -> T | None:
+        """The decoded file, or None: absent, or unusable (then moved aside, with one warning), which
+        includes a document `of_this_job` says is another job's (its reason, or None when it is not)."""
         path = self.file(doc)
         if self._missing:
             return None
@@ -209,12 +210,17 @@ class Entry:
             self._set_aside(doc, f"{path}: not a JSON document ({type(e).__name__}: {str(e)[:80]})")
             return None
         try:
-            return doc.decode(value, str(path))
+            decoded = doc.decode(value, str(path))
         except PipetteError as e:
             self._set_aside(doc, str(e))
+            return None
         except Exception as e:  # noqa: BLE001 (a reader tripping on a malformed field: still only this file)
             self._set_aside(doc, f"{path}: malformed ({type(e).__name__}: {str(e)[:80]})")
-        return None
+            return None
+        if of_this_job is not None and (why := of_this_job(decoded)) is not None:
+            self._set_aside(doc, f"{path} is not of this job: {why}")
+            return None
+        return decoded
 
     def _set_aside(self, doc: Document, reason: str) -> None:
         self._move_aside(self.file(doc), reason, doc.without)

@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_pipette.errors import PipetteError, UnresumableCheckpoint, UnrunnableFlags
-from megatron_pipette.integration import checkpoint, dropin, megatron_args, replan, selfcheck
+from megatron_pipette.integration import checkpoint, dropin, megatron_args, options, replan, selfcheck
 from megatron_pipette.integration.cache import CLUSTER, NODES, PROFILE, Entry, cache_key, node_identities, node_index
 from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.groups import distinct_groups, group_sizes
-from megatron_pipette.integration.plan_check import JobRequest, unresumable
+from megatron_pipette.integration.plan_check import JobRequest, typed_problem, unresumable
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env, reinit_with_ranks
 from megatron_pipette.plan.placement import Placement
@@ -99,8 +99,11 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
                                         None if resume is None else resume.rule)
     if (note := megatron_args.overridden_by_checkpoint(request)) is not None:
         log(f"WARNING: {note}", rank)
-    entry = Entry(opts.auto_parallel_cache_dir, cache_key(identities, request.workload, request.typed),
-                  shared=opts.auto_parallel_shared_cache)
+    hosts = [i["host"] for i in identities]     # what a cached probe must have measured (measured_problem)
+    request = replace(request, nodes=tuple(hosts[::request.gpus_per_node]), device_name=identities[0]["device"])
+    root, chosen_by = options.cache_dir(opts)
+    entry = Entry(root, cache_key(identities, request.workload, request.typed),
+                  shared=opts.auto_parallel_shared_cache, flag=chosen_by)
     switches = replan.Switches(plan_file=opts.auto_parallel_plan_file, replan=opts.auto_parallel_replan,
                                reprobe=opts.auto_parallel_reprobe, replan_if_slower=opts.auto_parallel_replan_if_slower)
     budget = opts.auto_parallel_budget_s
@@ -108,6 +111,8 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
         found: list[replan.Start] = []
 
         def look_up() -> tuple[PlanRecord | None, bool, bool, bool]:
+            if (why := typed_problem(request)) is not None:
+                raise UnrunnableFlags(why)      # before probing: the flags as given cannot run either
             if resume is not None and (why := unresumable(request, resume.where)) is not None:
                 raise UnresumableCheckpoint(why + checkpoint.restarts_note())   # before probing or Megatron's load
             entry.open()
@@ -238,6 +243,10 @@ def failure_verdict(statuses: list[str]) -> tuple[str, bool]:
 
 def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     """Choose the layout and placement, re-rank the processes, and rewrite `args` (all ranks)."""
+    try:    # the same verdict on every rank, before any of them waits for another
+        options.check_options(opts)
+    except PipetteError as e:
+        raise SystemExit(f"auto-parallel: {e}") from None
     phases = Phases()
     supplied = []
     if rehearsal_requested():

@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
-from megatron_pipette.plan.search import enumerate_layouts
+from megatron_pipette.plan.search import Rejections, enumerate_layouts
 from megatron_pipette.report.plan_document import PlanRecord
+from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layer_profile import ProfileFile, check_profile_matches
 from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
@@ -37,6 +39,10 @@ class JobRequest:
     checkpoint: ResumeRule | None = None
     """What the checkpoint to resume from fixes (spec.resume.resume_rule; None: no checkpoint): not
     part of the cache key, so a restart from a checkpoint finds the plan it was saved under."""
+    nodes: tuple[str, ...] = ()
+    """The host of each node, in rank order (the probe's names for them); (): not known."""
+    device_name: str | None = None
+    """What torch calls this job's devices ("cpu" in a rehearsal); None: not known."""
     eval_global_batch_size: int | None = None
     """--eval-global-batch-size (None: Megatron's default, --global-batch-size)."""
     eval_micro_batch_size: int | None = None
@@ -46,6 +52,47 @@ class JobRequest:
     def constraints(self) -> dict[str, Any]:
         """Every field the search must keep at one value (the checkpoint's `breaks` says the rest)."""
         return {**self.typed, **(self.checkpoint.equalities if self.checkpoint is not None else {})}
+
+
+def typed_problem(request: JobRequest) -> str | None:
+    """Why no layout of this model on this many processes honours the flags typed beside --auto-parallel
+    (`--tensor-model-parallel-size 3` on 4), by the search's own rules, in one line; None when one does.
+    Asked before anything is probed: the flags as given cannot run either, so there is nothing to fall
+    back to."""
+    rejected = Rejections()
+    if not request.typed or next(iter(enumerate_layouts(request.workload, request.world_size, request.gpus_per_node,
+                                                        request.typed, rejected=rejected)), None) is not None:
+        return None
+    typed = ", ".join(f"{megatron_flag(name)} {value}" for name, value in sorted(request.typed.items()))
+    reasons = "; ".join(list(rejected.examples.values())[:3]) or "none is valid"
+    return (f"no layout of this model on {request.world_size} processes honours the layout flags fixed here "
+            f"({typed}): {reasons}")
+
+
+def measured_problem(request: JobRequest, probed: ClusterFile | None = None,
+                     profiled: ProfileFile | None = None) -> str | None:
+    """Why a cached probe (or layer profile) is not of this job: a probe of another allocation (its
+    size, hosts or devices), a profile of another model (the CLI's check_profile_matches) or device;
+    None when it is."""
+    if probed is not None:
+        cluster = probed.cluster
+        if (cluster.num_nodes, cluster.gpus_per_node) != (request.world_size // request.gpus_per_node,
+                                                          request.gpus_per_node):
+            return (f"it measured {cluster.num_nodes} node(s) of {cluster.gpus_per_node} devices, this job has "
+                    f"{request.world_size // request.gpus_per_node} of {request.gpus_per_node}")
+        if request.nodes and cluster.hosts != request.nodes:
+            return f"it measured the hosts {', '.join(cluster.hosts)}, not this job's {', '.join(request.nodes)}"
+        if request.device_name is not None and probed.device_name not in (None, request.device_name):
+            return f"it measured {probed.device_name} devices, this job's are {request.device_name}"
+    if profiled is not None:
+        profile = profiled.profile
+        try:
+            check_profile_matches(profile, request.workload, where="it")
+        except PipetteError as e:
+            return str(e).removeprefix("it: ")
+        if request.device_name is not None and profile.device_name != request.device_name:
+            return f"it timed {profile.device_name}, this job's devices are {request.device_name}"
+    return None
 
 
 def _model_fields(workload: Workload) -> dict[str, Any]:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from megatron_pipette.integration.options import REHEARSAL_ENV_VAR as ENV_VAR
+from megatron_pipette.integration.options import env_switch
 from megatron_pipette.units import GiB
-
-ENV_VAR = "PIPETTE_CPU_REHEARSAL"
 
 _CPU = torch.device("cpu")
 # What the rehearsal reports as "the GPU": Megatron's argument checks for Hopper apply.
@@ -44,8 +44,9 @@ _enabled = False
 
 
 def rehearsal_requested() -> bool:
-    """True when PIPETTE_CPU_REHEARSAL=1 is set or no CUDA device is usable."""
-    return os.environ.get(ENV_VAR) == "1" or not torch.cuda.is_available()
+    """True when PIPETTE_CPU_REHEARSAL is on (1, true, yes, on; options.env_switch, which refuses other
+    words) or no CUDA device is usable."""
+    return not torch.cuda.is_available() or env_switch(ENV_VAR)
 
 
 def enable_cpu_rehearsal() -> None:

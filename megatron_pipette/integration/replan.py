@@ -52,7 +52,7 @@ from megatron_pipette.integration.cache import (
     node_index,
 )
 from megatron_pipette.integration.common import Phases, log
-from megatron_pipette.integration.plan_check import JobRequest, plan_problems
+from megatron_pipette.integration.plan_check import JobRequest, measured_problem, plan_problems
 from megatron_pipette.plan.losses import place_layouts
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
 from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
@@ -116,7 +116,7 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
         _mismatch(str(entry.file(PLAN)), problems)
     if switches.reprobe:
         return Start()
-    cluster, profile = _cached(entry)
+    cluster, profile = _cached(entry, request)
     if cluster is None and nodes:
         reused = reuse_measured(entry, request, nodes, phases)
         if reused.plan is not None:
@@ -127,9 +127,11 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
     return Start(plan_from_cache(request, entry, cluster, profile, phases))
 
 
-def _cached(entry: Entry) -> tuple[Cluster | None, LayerProfile | None]:
-    """The cluster of the entry's probe and its layer profile, each if it is cached."""
-    probed, profiled = entry.read(CLUSTER), entry.read(PROFILE)
+def _cached(entry: Entry, request: JobRequest) -> tuple[Cluster | None, LayerProfile | None]:
+    """The cluster of the entry's probe and its layer profile, each if it is cached and of this job
+    (plan_check.measured_problem: a file copied from another allocation's entry, or another model's)."""
+    probed = entry.read(CLUSTER, lambda found: measured_problem(request, probed=found))
+    profiled = entry.read(PROFILE, lambda found: measured_problem(request, profiled=found))
     return None if probed is None else probed.cluster, None if profiled is None else profiled.profile
 
 
@@ -303,7 +305,7 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
         log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
         phases.skip("plan", "cached")
         return cached
-    cluster, profile = _cached(entry)
+    cluster, profile = _cached(entry, request)
     if cluster is None or profile is None:
         log(f"using the plan in {path} (allocation {entry.key}) uncalibrated: the probe or layer profile it was "
             "made from is not cached", 0)

@@ -22,13 +22,14 @@ from megatron_pipette.integration.common import Phases
 from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
-from megatron_pipette.spec.layer_profile import ProfileFile
+from megatron_pipette.spec.layer_profile import ProfileFile, profile_model_fields
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
 TINY = workload_from_preset("tiny-gpt")
 REQUEST = JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed={"sequence_parallel": False})
-PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
+PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"},
+               "model": profile_model_fields(TINY),
                "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
                            "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2, 4)]}
 CALIBRATION_DOC = {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
@@ -37,7 +38,7 @@ CALIBRATION_DOC = {"schema": "megatron-pipette/calibration", "version": 1, "id":
                    "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1}}
 DOCS = {"plan": (PLAN, {**plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=4)),
                         "calibration": {"id": "c0ffee", "factors": CALIBRATION_DOC["factors"]}}),  # made with it
-        "cluster": (CLUSTER, cluster_to_json(cpu_like(), "fp32")),
+        "cluster": (CLUSTER, {**cluster_to_json(cpu_like(), "fp32"), "device_name": "cpu"}),
         "profile": (PROFILE, PROFILE_DOC),
         "calibration": (CALIBRATION, CALIBRATION_DOC)}
 
@@ -437,6 +438,31 @@ def test_a_pinned_plan_must_be_a_regular_file_of_a_bounded_size(entry: Entry, wh
     why = "bytes, over the" if what == "over the size bound" else \
         f"not a regular file (a {'FIFO' if what == 'a FIFO' else 'character device'})"
     assert str(error).startswith(f"--auto-parallel-plan-file {pinned}: ") and why in str(error), error
+
+
+@pytest.mark.parametrize("job, whys", [
+    ({"nodes": ("elsewhere",)}, {"cluster": "it measured the hosts node0, not this job's elsewhere"}),
+    ({"workload": workload_from_preset("tiny-gpt", hidden_size=128)},
+     {"profile": "profiled for another model: hidden_size=64 (model has 128)"}),
+    ({"device_name": "NVIDIA H100 80GB HBM3"}, {"cluster": "it measured cpu devices, this job's are NVIDIA H100",
+                                                "profile": "it timed cpu, this job's devices are NVIDIA H100"}),
+], ids=["hosts", "model", "device"])
+def test_a_cached_measurement_of_another_job_is_set_aside(entry: Entry, job: dict, whys: dict, capsys) -> None:
+    """(issue 33) A cluster.json of another allocation (copied between entries, or from a team's cache)
+    or a profile of another model or device was used; the CLI refuses the same profile. Each is moved
+    aside with one line, and measured again."""
+    fill(entry, "cluster", "profile")
+    request = JobRequest(**{"workload": TINY, "world_size": 4, "gpus_per_node": 4, "typed": REQUEST.typed,
+                            "nodes": ("node0",), "device_name": "cpu", **job})
+    found = start(entry, request)
+    out = capsys.readouterr().out
+    assert found.plan is None and out.count("WARNING") == len(whys), out
+    for kind in ("cluster", "profile"):
+        doc = DOCS[kind][0]
+        assert (getattr(found, kind) is None) == (kind in whys)
+        assert len(set_aside(entry, doc)) == (kind in whys)
+        if kind in whys:
+            assert f"{entry.file(doc)} is not of this job: {whys[kind]}" in out, out
 
 
 def test_replan_and_reprobe_switches(entry: Entry, capsys) -> None:

@@ -23,7 +23,7 @@ from megatron_pipette.plan.planner import plan
 from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
-from megatron_pipette.spec.layer_profile import profile_from_json
+from megatron_pipette.spec.layer_profile import profile_from_json, profile_model_fields
 from megatron_pipette.spec.workload import workload_from_preset
 from megatron_pipette.units import GiB, MiB
 
@@ -34,7 +34,8 @@ TRUTH = Factors(compute_rate=0.5, link_bandwidth={"intra_node": 0.1})
 """How it runs: links 10x slower than probed, where a pipeline is faster."""
 CONSTRAINTS = {"sequence_parallel": False}
 REQUEST = JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=CONSTRAINTS)
-PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"}, "model": {},
+PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": "cpu"},
+               "model": profile_model_fields(TINY),
                "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
                            "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2, 4)]}
 
