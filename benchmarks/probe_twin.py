@@ -9,23 +9,42 @@ the error of its node x node bandwidth against the truth, and GPT-3 175B planned
 cluster and on the truth, both priced on the truth. The document's build is timed right after the
 twin's run (the first touch of fresh memory after the twin's own allocations costs kernel time)
 and again, --rebuilds times, from the same measurements.
+
+Then the loss of one node (--lost, default the middle one): the probed file is cached as a first
+start's entry with its plan for the loss of a node (`replan.store_loss_plan`, timed), and a restart
+on the survivors runs rank 0's look-up (`replan.look_up`, timed), which must neither probe nor
+search: the probe is found by host and reused, the stored layouts placed on the survivors and
+checked. Megatron needs --global-batch-size divisible by the data-parallel size, and no layout of
+GPT-3 175B with its batch of 1536 exists on 2047 DGX nodes (2047 = 23 x 89), so the loss is planned
+for GPT-3 13B with a batch of 8 x 2047 and a synthetic layer profile (the hook's path reuses a
+profile; its times do not change what the re-plan costs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
+import os
+import tempfile
 import time
 
 import numpy as np
 
 from megatron_pipette.cost.model import CostModel
+from megatron_pipette.integration import replan
+from megatron_pipette.integration.cache import CLUSTER, LOSS_PLAN, NODES, PROFILE, Entry, node_index
+from megatron_pipette.integration.common import Phases
+from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.plan.planner import evaluate, plan
 from megatron_pipette.probe.schedule import node_pairs_met
 from megatron_pipette.probe.twin import compare_to_truth, run_twin
-from megatron_pipette.spec.cluster_file import cluster_from_json
+from megatron_pipette.spec.cluster_file import ClusterFile, cluster_from_json
 from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 from megatron_pipette.spec.job import resolve_job
+from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
+from megatron_pipette.spec.layer_profile import profile_model_fields
 from megatron_pipette.spec.workload import workload_from_preset
 
 SLOW_NODE, SLOW_PAIR = 3, (5, 9)
@@ -42,6 +61,58 @@ def truth_cluster(nodes: int):
                                inter_node=LinkLevel(bandwidth_Bps=bw, latency_s=base.inter_node.latency_s)), rate
 
 
+def synthetic_profile(workload, device_name: str) -> dict:
+    """A layer profile of `workload` priced at 400 TFLOP/s (forward 24 h^2 s FLOPs a sequence, backward
+    twice that), activations at 34 s h bytes: stands in for the one a first start measures."""
+    h, s = workload.hidden_size, workload.seq_length
+    forward = 24 * h * h * s / 400e12
+    return {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "device_name": device_name},
+            "model": profile_model_fields(workload),
+            "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": mbs, "forward_s": forward * mbs / tp,
+                        "backward_s": 2 * forward * mbs / tp, "activation_bytes": 34 * s * h * mbs // tp}
+                       for tp in (1, 2, 4, 8) for mbs in (1, 2, 4, 8)]}
+
+
+def lose_a_node(probed: ClusterFile, lost: int) -> None:
+    """A first start's entry on `probed` with its loss plan, then rank 0's look-up after losing `lost`."""
+    nodes = probed.cluster.num_nodes
+    workload = dataclasses.replace(workload_from_preset("gpt3-13b"), global_batch_size=8 * (nodes - 1))
+    survivors = [k for k in range(nodes) if k != lost]
+    with tempfile.TemporaryDirectory() as cache:
+        first = Entry(cache, "0" * 16)
+        first.open()
+        started = time.perf_counter()
+        first.write(CLUSTER, probed.to_json())
+        first.write(NODES, node_index(probed.node_identities))
+        first.write(PROFILE, synthetic_profile(workload, probed.cluster.gpu.name))
+        cached = time.perf_counter() - started
+        phases = Phases()
+        model = CostModel(probed.cluster, profile=first.read(PROFILE).profile)
+        with contextlib.redirect_stdout(io.StringIO()):     # the hook's log lines and plan report
+            replan.store_loss_plan(JobRequest(workload=workload, world_size=probed.cluster.world_size,
+                                              gpus_per_node=8), model, first, phases)
+        loss = first.read(LOSS_PLAN)
+        print(f"  loss of a node, gpt3-13b with --global-batch-size {workload.global_batch_size}: the first start "
+              f"caches its probe in {cached:.2f} s and searches its plan for {nodes - 1} nodes in "
+              f"{phases.seconds['loss plan']:.1f} s ({len(loss.candidates)} layouts kept, best "
+              f"{loss.best.layout.describe()})")
+        later = Entry(cache, "1" * 16)
+        later.open()
+        phases = Phases()
+        started, cpu = time.perf_counter(), time.process_time()
+        with contextlib.redirect_stdout(io.StringIO()):
+            start = replan.look_up(later, JobRequest(workload=workload, world_size=8 * len(survivors),
+                                                     gpus_per_node=8),
+                                   replan.Switches(), phases, nodes=[probed.node_identities[k] for k in survivors])
+        replanned, cpu = time.perf_counter() - started, time.process_time() - cpu
+        searched = "loss plan" in phases.seconds or start.plan.best.layout not in [c.layout for c in loss.candidates]
+        print(f"  after losing node {lost}: re-planned in {replanned:.2f} s (bar 2 s; {cpu:.2f} s of CPU, load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), placing the stored layout "
+              f"{phases.seconds['plan']:.2f} s of it; probe {phases.skipped.get('probe', 'ran')}, profile "
+              f"{phases.skipped.get('profile', 'ran')}, {'searched' if searched else 'no search'}: "
+              f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024, 2048])
@@ -49,6 +120,7 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rebuilds", type=int, default=3, help="times the document is built again, timed alone")
+    parser.add_argument("--lost", type=int, default=None, help="the node lost (default: the middle one)")
     ns = parser.parse_args()
     workload = workload_from_preset("gpt3-175b")
     for nodes in ns.nodes:
@@ -90,6 +162,7 @@ def main() -> None:
             print(f"  planned on the {name:>6} cluster in {planned:5.1f} s: {best.layout.describe()}, "
                   f"{on_truth.iteration_time_s:.4f} s/iteration on the truth")
         print(f"  probed plan / truth plan on the truth: {priced['probed'] / priced['truth']:.4f} (bar 1.03)")
+        lose_a_node(ClusterFile.from_json(doc), nodes // 2 if ns.lost is None else ns.lost)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ class Entry:
 
 def node_digest(node: NodeIdentity) -> str:
     """A node's name in the entries' node indexes: its host and its GPUs' identities, hashed."""
-    return hashlib.sha256(json.dumps([node.host, list(node.gpus)]).encode()).hexdigest()[:16]
+    return hashlib.sha256(repr((node.host, node.gpus)).encode()).hexdigest()[:16]
 
 
 def node_index(nodes: Sequence[NodeIdentity]) -> dict:

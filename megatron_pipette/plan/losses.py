@@ -25,9 +25,11 @@ from megatron_pipette.spec.workload import Workload
 
 
 def place_layouts(workload: Workload, model: CostModel, layouts: Sequence[Layout], *,
-                  constraints: Mapping[str, Any] | None = None) -> Plan:
-    """The planner's steps after its search, for the given layouts only: each one Megatron accepts on
-    the model's cluster, keeps the constraints and fits is placed on its links and ranked."""
+                  constraints: Mapping[str, Any] | None = None, top: int = 1) -> Plan:
+    """The planner's steps after its search, for the given layouts only, best first: the first `top`
+    that Megatron accepts on the model's cluster, keep the constraints and fit are placed on its links
+    and ranked. One by default: the stored ranking was made on all but one of these nodes, and a
+    placement on thousands of nodes costs a fraction of a second."""
     cluster, constraints = model.cluster, constraints or {}
     rejected, candidates, out_of_memory = Rejections(), [], 0
     for layout in layouts:
@@ -47,6 +49,8 @@ def place_layouts(workload: Workload, model: CostModel, layouts: Sequence[Layout
         placement, time = optimize_placement(model, job)
         candidates.append(Candidate(layout=job.layout, placement=placement, time=time, memory=memory,
                                     default_order_time_s=model.time(job).iteration_time_s))
+        if len(candidates) == top:
+            break
     candidates.sort(key=lambda c: c.time.iteration_time_s)
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
                 candidates=tuple(candidates), considered=len(layouts), out_of_memory=out_of_memory,

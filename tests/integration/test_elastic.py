@@ -34,6 +34,7 @@ AUTO_GPT = REPO / "examples" / "auto_parallel_cpu.sh"
 ITERATION = re.compile(r"iteration\s+(\d+)/")
 LOADED = re.compile(r"successfully loaded checkpoint from (\S+) .* at iteration\s+(\d+)")
 CHOSEN = re.compile(r"> auto-parallel: chosen layout ([^:]+):")
+PHASES = re.compile(r"> auto-parallel: phases: (.*)")
 # Short rendezvous timeouts (docs/elastic.md): the lost node's keep-alive expires after 2 s x 3, the
 # survivor waits 2 s for more nodes before it starts alone.
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3"
@@ -106,8 +107,10 @@ def processes(layout: str) -> int:
 def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_layout(tmp_path: Path) -> None:
     """Two agents of 2 processes train under a layout for 4 and checkpoint every 3 iterations; the agent
     not hosting the store is killed with its workers (a lost node). torchrun restarts the survivor's
-    workers alone: the hook plans for 2 processes and says so, Megatron reshards the last checkpoint,
-    and training goes on from the iteration after it. Prints the seconds from the kill to that iteration."""
+    workers alone: the hook takes the plan the first start stored for the loss of a node, from the first
+    probe and layer profile (no probe, no profile, no search), Megatron reshards the last checkpoint,
+    and training goes on from the iteration after it. Prints the seconds from the kill to that iteration
+    and the hook's phases on the restart (its share of it)."""
     ckpt = tmp_path / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     args = ["--train-iters", "1000", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
@@ -134,10 +137,14 @@ def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_l
     assert second and processes(second.group(1)) == 2, after[-6000:]
     assert (f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {first.group(1)}, under "
             f"{second.group(1)} (Megatron reshards it)") in after, after[-6000:]
+    assert "> auto-parallel: taking the plan for the loss of a node stored in" in after, after[-6000:]
+    hook = PHASES.search(after).group(1)
+    assert hook.startswith("probe and profile reused"), hook
     assert LOADED.search(after).group(1) == str(ckpt)
     assert saved_at_kill <= resumed_from == saved_at_resume, (saved_at_kill, resumed_from, saved_at_resume)
     print(f"kill to iteration {resumed_from + 1} (resumed from {resumed_from} under {second.group(1)}): "
-          f"{next_at - killed_at:.1f} s")
+          f"{next_at - killed_at:.1f} s; the hook on the restart: {hook}; on the first start: "
+          f"{PHASES.search(before).group(1)}")
 
 
 TINY = dataclasses.replace(workload_from_preset("tiny-gpt"), global_batch_size=48)
