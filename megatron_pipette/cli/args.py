@@ -126,12 +126,18 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                        help="measured layer profile JSON (pipette profile) instead of the roofline")
 
 
+def transformer_engine_layers(ns: argparse.Namespace) -> bool:
+    """Whether the layers priced are Transformer Engine's: Megatron's --transformer-impl, as typed beside
+    plan or estimate (its default, transformer_engine, when not)."""
+    return getattr(ns, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
 def workload_from_args(ns: argparse.Namespace, default_model: str | None,
                        required: tuple[str, ...] = REQUIRED_MODEL_FLAGS, **fallbacks) -> Workload:
     """The model the flags describe: a --model preset they override, or the flags alone (then
     `required` must all be given; `fallbacks` fill fields the caller does not need)."""
     given = {f.name: getattr(ns, f.name) for f in workload_fields() if hasattr(ns, f.name)}
-    if getattr(ns, "transformer_impl", "transformer_engine") != "transformer_engine":
+    if not transformer_engine_layers(ns):
         given["attention_backend"] = attention_backend_built(given.get("attention_backend", "auto"), False)
     model = getattr(ns, "model", None)
     if model is None:

@@ -18,6 +18,7 @@ from megatron_pipette.cli.args import (
     precision_note,
     profile_from_args,
     read_json,
+    transformer_engine_layers,
     workload_from_args,
 )
 from megatron_pipette.cost.memory import environment_overheads
@@ -31,7 +32,7 @@ from megatron_pipette.report.plan_document import PlanRecord, estimate_json, pla
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile
-from megatron_pipette.spec.layout import Layout, check_user_layout
+from megatron_pipette.spec.layout import Layout, check_implementation, check_user_layout
 from megatron_pipette.spec.workload import megatron_flag, workload_fields
 from megatron_pipette.units import GiB
 
@@ -72,6 +73,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     check_picture_path(ns.timeline, "--timeline")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
+    try:
+        check_implementation(Layout(**constraints), transformer_engine_layers(ns))
+    except Infeasible as e:
+        raise PipetteError(f"Megatron would reject this layout: {e}") from None
     model = _cost_model(cluster, profile)
     result = plan(workload, model, constraints=constraints, top_k=ns.top,
                   allow_tp_across_nodes=ns.allow_tp_across_nodes)
@@ -132,6 +137,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     layout = Layout(**fields, data_parallel_size=cluster.world_size // (tp * pp * cp))
     try:
         job = resolve_job(workload, layout, cluster.world_size)
+        check_implementation(layout, transformer_engine_layers(ns))
     except Infeasible as e:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
     time, memory = evaluate(_cost_model(cluster, profile), job)
@@ -163,6 +169,7 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
     profile = profile_from_args(ns, workload, cluster)
     try:
         job = resolve_job(workload, layout, cluster.world_size)
+        check_implementation(layout, transformer_engine_layers(ns))
     except Infeasible as e:
         raise PipetteError(f"--plan {ns.plan}: Megatron would reject its layout: {e}") from None
     return job, placement, _cost_model(cluster, profile)

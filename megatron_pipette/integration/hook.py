@@ -100,7 +100,8 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     if (note := megatron_args.overridden_by_checkpoint(request)) is not None:
         log(f"WARNING: {note}", rank)
     hosts = [i["host"] for i in identities]     # what a cached probe must have measured (measured_problem)
-    request = replace(request, nodes=tuple(hosts[::request.gpus_per_node]), device_name=identities[0]["device"])
+    request = replace(request, nodes=tuple(hosts[::request.gpus_per_node]), device_name=identities[0]["device"],
+                      transformer_engine=megatron_args.transformer_engine_in_use(args))
     root, chosen_by = options.cache_dir(opts)
     entry = Entry(root, cache_key(identities, request.workload, request.typed),
                   shared=opts.auto_parallel_shared_cache, flag=chosen_by)

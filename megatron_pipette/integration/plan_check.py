@@ -21,6 +21,7 @@ from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import ProfileFile, check_profile_matches
+from megatron_pipette.spec.layout import TRANSFORMER_ENGINE_ONLY, Layout, check_implementation
 from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
@@ -43,6 +44,8 @@ class JobRequest:
     """The host of each node, in rank order (the probe's names for them); (): not known."""
     device_name: str | None = None
     """What torch calls this job's devices ("cpu" in a rehearsal); None: not known."""
+    transformer_engine: bool = True
+    """Whether Megatron builds Transformer Engine's layers here (spec.layout.check_implementation)."""
     eval_global_batch_size: int | None = None
     """--eval-global-batch-size (None: Megatron's default, --global-batch-size)."""
     eval_micro_batch_size: int | None = None
@@ -59,6 +62,11 @@ def typed_problem(request: JobRequest) -> str | None:
     (`--tensor-model-parallel-size 3` on 4), by the search's own rules, in one line; None when one does.
     Asked before anything is probed: the flags as given cannot run either, so there is nothing to fall
     back to."""
+    try:
+        check_implementation(Layout(**{k: v for k, v in request.typed.items() if k in TRANSFORMER_ENGINE_ONLY}),
+                             request.transformer_engine)
+    except Infeasible as e:
+        return str(e)
     rejected = Rejections()
     if not request.typed or next(iter(enumerate_layouts(request.workload, request.world_size, request.gpus_per_node,
                                                         request.typed, rejected=rejected)), None) is not None:
@@ -135,6 +143,7 @@ def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
         return problems
     try:
         resolve_job(request.workload, layout, request.world_size)
+        check_implementation(layout, request.transformer_engine)
     except (Infeasible, PipetteError) as e:
         return [f"Megatron would reject its layout: {e}"]
     eval_batch = request.eval_global_batch_size or request.workload.global_batch_size

@@ -35,6 +35,10 @@ DEFAULT_RECOMPUTE_MODULES = frozenset({"core_attn"})
 """What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 """--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
+TRANSFORMER_ENGINE_ONLY = {
+    "delay_wgrad_compute": "megatron/training/arguments.py validate_args asserts --transformer-impl transformer_engine",
+}
+"""Layout switches Megatron accepts only with Transformer Engine's layers, and where it says so."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,12 +459,28 @@ def _validate_context_parallel(workload: Workload, layout: Layout) -> None:
                          f"{layout.tp} do not divide by it")
 
 
+def check_implementation(layout: Layout, transformer_engine: bool) -> None:
+    """Raise Infeasible, naming the flag, if the layout needs Transformer Engine's layers and the job
+    has none (--transformer-impl local, or Transformer Engine not installed): TRANSFORMER_ENGINE_ONLY.
+    Apart from validate_layout, since the workload does not say which layers Megatron builds."""
+    if transformer_engine:
+        return
+    for name, rule in TRANSFORMER_ENGINE_ONLY.items():
+        if getattr(layout, name):
+            raise Infeasible(f"{megatron_flag(name)} needs Transformer Engine (installed, and --transformer-impl "
+                             f"transformer_engine): {rule}")
+
+
 def _validate_experts(workload: Workload, layout: Layout) -> None:
     """The MoE rules of megatron/training/arguments.py, core/parallel_state.py and moe_layer.py."""
     ep, etp = layout.ep, layout.etp
     if workload.num_experts is None:
         if ep > 1 or layout.expert_tensor_parallel_size is not None:
             raise Infeasible("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
+        if layout.overlap_moe_expert_parallel_comm or layout.delay_wgrad_compute:
+            raise Infeasible("--overlap-moe-expert-parallel-comm and --delay-wgrad-compute need --num-experts (a "
+                             "dense model has no expert parallelism to overlap: TransformerConfig asserts "
+                             "--expert-model-parallel-size > 1)")
         return
     if workload.num_experts % ep:
         raise Infeasible(f"--num-experts {workload.num_experts} is not divisible by "
@@ -506,6 +526,8 @@ def _validate_expert_overlap(workload: Workload, layout: Layout) -> None:
         raise Infeasible(f"{flag} excludes --recompute-modules moe (Megatron's rule)")
     if workload.mtp_layers > 1:
         raise Infeasible(f"{flag} allows at most one --mtp-num-layers, not {workload.mtp_layers} (Megatron's rule)")
+    if workload.precision not in ("bf16", "fp16"):
+        raise Infeasible(f"{flag} needs --bf16 or --fp16, not {workload.precision} (Megatron's rule)")
     if workload.window is not None:
         raise Infeasible(f"{flag} with --window-size is not modelled (the overlap is priced with full attention)")
 
