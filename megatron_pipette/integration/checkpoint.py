@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_pipette.errors import PipetteError, UnresumableCheckpoint
-from megatron_pipette.files import write_atomic
+from megatron_pipette.files import read_bounded, write_atomic
 from megatron_pipette.integration import megatron_args
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
@@ -128,10 +128,9 @@ def _read_plan(plan_file: Path, where: str) -> Layout | None:
     """The layout of a checkpoint's plan, or None: absent, or damaged (then moved aside, one line)."""
     from megatron_pipette.integration.cache import Entry
 
-    try:
-        data = plan_file.read_bytes() if plan_file.is_file() and plan_file.stat().st_size <= MAX_PLAN_BYTES \
-            else None
-    except OSError:
+    try:    # a regular file of a bounded size (a FIFO or /dev/zero here would hang or fill memory)
+        data = read_bounded(plan_file, where, limit=MAX_PLAN_BYTES)
+    except (FileNotFoundError, PipetteError):
         data = None
     if data is None:
         if plan_file.exists() or plan_file.is_symlink():
