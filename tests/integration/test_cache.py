@@ -24,6 +24,7 @@ from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
 from megatron_pipette.spec.layer_profile import ProfileFile, profile_model_fields
 from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import workload_from_preset
 
 TINY = workload_from_preset("tiny-gpt")
@@ -493,10 +494,12 @@ def test_a_restart_from_a_checkpoint_reuses_the_plan_it_saved_under(entry: Entry
     saved = first.best.layout.use_distributed_optimizer
     capsys.readouterr()
     again = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
-                                    checkpoint={"use_distributed_optimizer": saved})).plan
+                                    checkpoint=ResumeRule(saved=first.best.layout,
+                                                          use_distributed_optimizer=saved))).plan
     assert again.to_json() == json.loads(json.dumps(first.to_json())) and "using the plan in" in capsys.readouterr().out
     other = start(entry, JobRequest(workload=TINY, world_size=4, gpus_per_node=4, typed=REQUEST.typed,
-                                    checkpoint={"use_distributed_optimizer": not saved})).plan
+                                    checkpoint=ResumeRule(saved=first.best.layout,
+                                                          use_distributed_optimizer=not saved))).plan
     out = capsys.readouterr().out
     assert f"--use-distributed-optimizer is {saved} in the plan, {not saved} fixed here by the checkpoint" in out
     assert other.best.layout.use_distributed_optimizer is (not saved)
