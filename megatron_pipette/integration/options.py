@@ -54,11 +54,16 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
-def _seconds(text: str) -> float:
+def _number(text: str) -> float:
+    """The number `text` spells; nan when it spells none, which every range below refuses."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = float("nan")
+        return float("nan")
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
     if not (math.isfinite(value) and 0 < value <= MAX_BUDGET_S):
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0 and at most {MAX_BUDGET_S:g}, "
                                           f"got {text!r}")
@@ -72,10 +77,7 @@ def _count(text: str) -> int:
 
 
 def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a percentage of 0 or more, got {text!r}")
     return value
