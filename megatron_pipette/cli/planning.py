@@ -25,7 +25,7 @@ from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.placement import Placement
-from megatron_pipette.plan.planner import evaluate, misfit_advice, plan
+from megatron_pipette.plan.planner import HEADROOM_TIME, MEMORY_HEADROOM, evaluate, misfit_advice, plan
 from megatron_pipette.probe.options import out_problem
 from megatron_pipette.report import plans
 from megatron_pipette.report.plan_document import PlanRecord, estimate_json, plan_json
@@ -46,6 +46,10 @@ def add_plan_parser(sub) -> None:
     add_layout_flags(p, "layout constraints (a flag given here is fixed; the rest is searched)")
     p.add_argument("--top", type=int, default=10, help="candidates to list (default 10)")
     p.add_argument("--allow-tp-across-nodes", action="store_true", help="let tensor parallel span nodes")
+    p.add_argument("--memory-headroom", type=float, default=100 * MEMORY_HEADROOM, metavar="PCT",
+                   help="leave PCT%% of device memory free: a layout that leaves less is passed over for one that "
+                        f"leaves it within {100 * HEADROOM_TIME:g}%% of its time (if none does, the fastest that "
+                        f"fits) (default {100 * MEMORY_HEADROOM:g})")
     p.add_argument("--json", action="store_true", help="print the plan document (candidates best first)")
     p.add_argument("--timeline", metavar="PNG",
                    help="draw one iteration of the best layout's pipeline schedule (the simulator's events)")
@@ -70,6 +74,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     profile = profile_from_args(ns, workload, cluster)
     if ns.top <= 0:
         raise PipetteError(f"--top must be a positive integer, got {ns.top}")
+    if not 0 <= ns.memory_headroom < 100:
+        raise PipetteError(f"--memory-headroom must be a percentage of 0 or more and under 100, got "
+                           f"{ns.memory_headroom:g}")
     check_picture_path(ns.timeline, "--timeline")
     constraints = layout_constraints(ns)
     check_user_layout(Layout(**constraints))
@@ -79,7 +86,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"Megatron would reject this layout: {e}") from None
     model = _cost_model(cluster, profile)
     result = plan(workload, model, constraints=constraints, top_k=ns.top,
-                  allow_tp_across_nodes=ns.allow_tp_across_nodes)
+                  allow_tp_across_nodes=ns.allow_tp_across_nodes, memory_headroom=ns.memory_headroom / 100)
     if ns.json:
         print(json.dumps(plan_json(result), indent=1))
     if not result.considered:

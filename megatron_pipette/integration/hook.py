@@ -314,11 +314,12 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
             checkpoint.record_plan_at_save(args, chosen, lambda: dist.get_rank() == 0)
         log(f"chosen layout {layout.describe()}: {' '.join(layout.megatron_args())}", args.rank)
         best = chosen.best
-        tight = " (it fits by under 2%, within the memory model's error: it may not fit)" \
-            if best.memory.tight else ""
+        margin = opts.auto_parallel_memory_headroom
+        room = ("" if 100 * best.memory.headroom >= margin else f", under --auto-parallel-memory-headroom {margin:g}") \
+            + (" (within the memory model's error: it may not fit)" if best.memory.tight else "")
         log(f"predicted {best.iteration_time_s:.4f} s/iteration, peak "
             f"{best.memory.peak_bytes / GiB:.2f} GiB of {best.memory.capacity_bytes / GiB:.2f} "
-            f"GiB per device{tight}", args.rank)
+            f"GiB per device: {best.memory.headroom:.1%} free{room}", args.rank)
         if opts.auto_parallel_check_iterations > 0 and not opts.auto_parallel_dry_run:
             selfcheck.arm(selfcheck.CheckSetup(
                 store=store, prefix=f"pipette/{attempt}/check/", iterations=opts.auto_parallel_check_iterations,

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration.plan_check import JobRequest
+from megatron_pipette.plan.planner import MEMORY_HEADROOM
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.resume import ResumeRule, resume_rule
@@ -209,7 +210,8 @@ def job_request(args: Any, argv: Sequence[str], world_size: int, gpus_per_node: 
     return JobRequest(workload=workload_from_args(args), world_size=world_size, gpus_per_node=gpus_per_node,
                       typed=typed, checkpoint=checkpoint,
                       eval_global_batch_size=getattr(args, "eval_global_batch_size", None),
-                      eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None))
+                      eval_micro_batch_size=getattr(args, "eval_micro_batch_size", None),
+                      memory_headroom=getattr(args, "auto_parallel_memory_headroom", 100 * MEMORY_HEADROOM) / 100)
 
 
 def checkpoint_rule(saved_args: Any, content_metadata: Mapping[str, Any] | None, args: Any,

@@ -83,6 +83,13 @@ def _percent(text: str) -> float:
     return value
 
 
+def _headroom(text: str) -> float:
+    value = _percent(text)
+    if not value < 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage under 100, got {text!r}")
+    return value
+
+
 def requested(argv: list[str]) -> bool:
     """Whether this launch asks for auto-parallel (flag or environment)."""
     return "--auto-parallel" in argv or _env_asks(ENV_VAR)
@@ -148,4 +155,11 @@ def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="when a start finds a calibration of this allocation, switch to the layout the calibrated "
                             "model finds more than PCT%% faster than the cached plan's (default: keep the cached "
                             "layout and log what the calibrated model would choose)")
+    from megatron_pipette.plan.planner import HEADROOM_TIME, MEMORY_HEADROOM  # not at start-up (autoload)
+
+    group.add_argument("--auto-parallel-memory-headroom", type=_headroom, default=100 * MEMORY_HEADROOM,
+                       metavar="PCT",
+                       help="leave PCT%% of device memory free: a layout that leaves less is passed over for one "
+                            f"that leaves it within {100 * HEADROOM_TIME:g}%% of its time (if none does, the "
+                            f"fastest that fits) (default {100 * MEMORY_HEADROOM:g})")
     return parser

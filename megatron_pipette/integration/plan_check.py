@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.plan.planner import MEMORY_HEADROOM
 from megatron_pipette.plan.search import Rejections, enumerate_layouts
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile
@@ -50,6 +51,8 @@ class JobRequest:
     """--eval-global-batch-size (None: Megatron's default, --global-batch-size)."""
     eval_micro_batch_size: int | None = None
     """--eval-micro-batch-size (None: Megatron's default, the plan's --micro-batch-size)."""
+    memory_headroom: float = MEMORY_HEADROOM
+    """--auto-parallel-memory-headroom, as a share: what a plan's pick leaves free (planner step 5)."""
 
     @property
     def constraints(self) -> dict[str, Any]:

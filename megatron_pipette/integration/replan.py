@@ -157,10 +157,10 @@ def _mismatch(where: str, problems: list[str]) -> None:
 
 
 def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
-                   calibration: CalibrationRecord | None = None) -> PlanRecord:
-    """Plan, print the report, and cache the document (which names the calibration it used)."""
-    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
-                                                 resume=request.checkpoint, top_k=TOP_K))
+                   calibration: CalibrationRecord | None = None, result: Plan | None = None) -> PlanRecord:
+    """Plan (unless `result` is the search already made with `model`), print the report, and cache the
+    document (which names the calibration it used)."""
+    result = result or _search(request, model, phases)
     if not result.candidates:
         cluster = model.cluster
         rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
@@ -176,6 +176,12 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
     return record
 
 
+def _search(request: JobRequest, model: CostModel, phases: Phases) -> Plan:
+    return phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
+                                           resume=request.checkpoint, top_k=TOP_K,
+                                           memory_headroom=request.memory_headroom))
+
+
 def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
                     calibration: CalibrationRecord | None = None) -> None:
     """The plan for this allocation less one node, cached for the restart after a loss (plan.losses):
@@ -186,7 +192,7 @@ def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases:
     survivors = CostModel(select_nodes(cluster, range(cluster.num_nodes - 1), f"{cluster.name} less a node"),
                           profile=model.profile, overheads=model.overheads, execution=model.execution)
     result = phases.run("loss plan", lambda: plan(request.workload, survivors, constraints=request.constraints,
-                                                  top_k=TOP_K))
+                                                  top_k=TOP_K, memory_headroom=request.memory_headroom))
     if not result.candidates:
         entry.remove(LOSS_PLAN)
         log(f"no layout fits {cluster.num_nodes - 1} node(s): a restart after the loss of a node will search", 0)
@@ -291,7 +297,16 @@ def plan_from_cache(request: JobRequest, entry: Entry, cluster: Cluster, profile
     phases.skip("probe", "cached")
     phases.skip("profile", "cached")
     calibration = entry.read(CALIBRATION)
-    return plan_and_write(request, _calibrated_model(cluster, profile, calibration), entry, phases, calibration)
+    model = _calibrated_model(cluster, profile, calibration)
+    result = _search(request, model, phases)
+    if calibration is not None and result.considered and not result.candidates:
+        log(f"WARNING: with the calibration in {entry.file(CALIBRATION)} (memory overhead "
+            f"{calibration.factors.memory_overhead_bytes / GiB:+.2f} GiB per device) no layout fits: it is dropped, "
+            "and the job plans uncalibrated", 0)
+        entry.remove(CALIBRATION)
+        calibration, model = None, _calibrated_model(cluster, profile, None)
+        result = _search(request, model, phases)
+    return plan_and_write(request, model, entry, phases, calibration, result)
 
 
 def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float | None, entry: Entry,
@@ -314,8 +329,7 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
     log(f"a self-check calibrated the model since {path} was made: planning again from the probe and "
         f"layer profile cached there (allocation {entry.key})", 0)
     model = _calibrated_model(cluster, profile, calibration)
-    result = phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
-                                                 resume=request.checkpoint, top_k=TOP_K))
+    result = _search(request, model, phases)
     layout, placement = cached.best.layout, cached.best.placement
     job = resolve_job(request.workload, layout)
     time, memory = evaluate(model, job, placement)

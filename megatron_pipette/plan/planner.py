@@ -6,15 +6,19 @@
    (`--recompute-method block`, the fewest layers per model chunk that fit).
 3. Rank the rest by the closed-form iteration time in Megatron's default order, skipping a job
    whose compute alone, with the pipeline's fill and drain (CostModel.time_bound), is slower than
-   the slowest one kept.
+   the slowest one kept (and, for the layouts with room, than the fastest within HEADROOM_TIME).
 4. For the best few, search a node placement that minimises the same time
    (plan.placement) and re-rank; the event-driven simulator re-checks them.
+5. Pick with headroom: the fastest layout, unless less than `memory_headroom` of the device is left
+   free on its fullest stage and a layout within HEADROOM_TIME of its time leaves that much; then the
+   fastest of those (Plan.passed_over names the faster one). If none does, the fastest that fits.
 Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +34,19 @@ from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB
+
+MEMORY_HEADROOM = 0.05
+"""Default share of a device's memory a pick leaves free (--memory-headroom,
+--auto-parallel-memory-headroom): the memory model is within 2% on layers measured (TIGHT_HEADROOM)
+but the allocator's fragmentation and what it does not model (NCCL's lazily allocated buffers, a
+longer sequence in a batch) take a few GiB more of 80; a job that runs out of memory loses everything,
+a layout a few % slower loses a few %."""
+HEADROOM_TIME = 0.02
+"""A layout with headroom replaces a faster one without it only within this share of its time:
+below the time model's own error (mean |error| 6-7% on published runs), so the two are as fast as
+the model can tell."""
+ROOMY_KEPT = 3
+"""Layouts with headroom kept besides the fastest ones (and placed), for the pick."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +82,10 @@ class Plan:
     """The first rejection of each reason in `rejected`, as it read."""
     closest_misfit: tuple[Layout, MemoryEstimate] | None = None
     """When nothing fits: the layout that came closest, to explain what would."""
+    memory_headroom: float = 0.0
+    """The share of device memory the pick was to leave free (step 5 of the module docstring)."""
+    passed_over: Candidate | None = None
+    """The fastest layout, when the pick is another that leaves the headroom it does not."""
 
     @property
     def best(self) -> Candidate | None:
@@ -72,65 +93,106 @@ class Plan:
 
 
 def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any] | None = None, top_k: int = 10,
-         placement_top: int = 3, allow_tp_across_nodes: bool = False, resume: ResumeRule | None = None) -> Plan:
+         placement_top: int = 3, allow_tp_across_nodes: bool = False, resume: ResumeRule | None = None,
+         memory_headroom: float = MEMORY_HEADROOM) -> Plan:
     """Search every valid layout for the model's cluster (that can load the checkpoint to resume from,
-    given `resume`) and return the best ones, placed."""
+    given `resume`) and return the best ones, placed, the pick first (step 5 of the module docstring)."""
     cluster = model.cluster
     considered = oom = 0
     rejected = Rejections()
     closest: tuple[float, Layout, MemoryEstimate] | None = None
     heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
+    roomy: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
+    """The fastest layouts that leave `memory_headroom` free, within HEADROOM_TIME of the fastest."""
+    fastest = math.inf
     keep = max(top_k, placement_top)
+
+    def limit(has_room: bool) -> float:
+        """The time above which a job can enter neither list."""
+        slowest = -heap[0][0] if len(heap) == keep else math.inf
+        if not has_room:
+            return slowest
+        return max(slowest, min(-roomy[0][0] if len(roomy) == ROOMY_KEPT else math.inf,
+                                (1 + HEADROOM_TIME) * fastest))
+
     tune_recompute = not any(k in (constraints or {}) for k in RECOMPUTE_FLAGS)
     for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
                                  allow_tp_across_nodes=allow_tp_across_nodes,
                                  gpus_per_domain=cluster.gpus_per_domain, rejected=rejected, resume=resume):
         considered += 1
         memory = model.memory(job)
+        variants = [(job, memory)]
         if memory.fits and tune_recompute:
-            if len(heap) == keep and model.time_bound(job, recompute=False) > -heap[0][0]:
+            if model.time_bound(job, recompute=False) > limit(memory.headroom >= memory_headroom):
                 continue                  # slower than the slowest kept under any recomputation
-            job, memory = least_recompute(model, job, memory)
-        if not memory.fits:
+            variants = [least_recompute(model, job, memory)]
+            if variants[0][1].headroom < memory_headroom:      # a few layers more may leave the margin
+                roomier = least_recompute(model, job, memory, memory_headroom)
+                variants += [roomier] if roomier[0].layout != variants[0][0].layout else []
+        if not variants[0][1].fits:
             oom += 1
             ratio = memory.peak_bytes / memory.capacity_bytes
             if closest is None or ratio < closest[0]:
                 closest = (ratio, job.layout, memory)
             continue
-        if len(heap) == keep and model.time_bound(job) > -heap[0][0]:
-            continue                      # slower than the slowest kept, whatever its links
-        time = model.time(job)
-        entry = (-time.iteration_time_s, considered, job, time, memory)
-        if len(heap) < keep:
-            heapq.heappush(heap, entry)
-        elif entry > heap[0]:
-            heapq.heapreplace(heap, entry)
+        for job, memory in variants:
+            has_room = memory.headroom >= memory_headroom
+            if model.time_bound(job) > limit(has_room):
+                continue                  # slower than the slowest kept, whatever its links
+            time = model.time(job)
+            fastest = min(fastest, time.iteration_time_s)
+            entry = (-time.iteration_time_s, considered, job, time, memory)
+            for kept, size in ((heap, keep), *(((roomy, ROOMY_KEPT),) if has_room else ())):
+                if len(kept) < size:
+                    heapq.heappush(kept, entry)
+                elif entry > kept[0]:
+                    heapq.heapreplace(kept, entry)
     ranked = sorted(heap, key=lambda e: (-e[0], e[1]))
+    ranked += sorted((e for e in roomy if e not in heap), key=lambda e: (-e[0], e[1]))
     identity = default_placement(cluster)
     candidates = []
     for i, (_, _, job, time, memory) in enumerate(ranked):
         placement, placed_time = identity, time
-        if i < placement_top:
+        if i < placement_top or i >= len(heap):
             placement, placed_time = optimize_placement(model, job)
         candidates.append((job, Candidate(layout=job.layout, placement=placement, time=placed_time,
                                           default_order_time_s=time.iteration_time_s, memory=memory)))
     candidates.sort(key=lambda jc: jc[1].time.iteration_time_s)
+    fastest_candidate = candidates[0][1] if candidates else None
+    candidates = _with_headroom_first(candidates, memory_headroom)
     chosen = [replace(c, simulated_time_s=model.time(job, c.placement.logical_to_physical,
                                                      simulate=True).iteration_time_s)
               if i < placement_top and not c.time.exact_schedule else c
               for i, (job, c) in enumerate(candidates[:top_k])]
+    passed_over = fastest_candidate if candidates and candidates[0][1] is not fastest_candidate else None
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
                 candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected.counts),
                 rejection_examples=dict(rejected.examples),
-                closest_misfit=None if closest is None else (closest[1], closest[2]))
+                closest_misfit=None if closest is None else (closest[1], closest[2]),
+                memory_headroom=memory_headroom, passed_over=passed_over)
 
 
-def least_recompute(model: CostModel, job: Job, memory: MemoryEstimate) -> tuple[Job, MemoryEstimate]:
+def _with_headroom_first(candidates: list[tuple[Job, Candidate]], headroom: float) -> list[tuple[Job, Candidate]]:
+    """Candidates ordered by time, sorted so, with the pick first (step 5 of the module docstring)."""
+    if not candidates or candidates[0][1].memory.headroom >= headroom:
+        return candidates
+    fastest = candidates[0][1].time.iteration_time_s
+    for i, (_, c) in enumerate(candidates):
+        if c.time.iteration_time_s > (1 + HEADROOM_TIME) * fastest:
+            break
+        if c.memory.headroom >= headroom:
+            return [candidates[i], *candidates[:i], *candidates[i + 1:]]
+    return candidates
+
+
+def least_recompute(model: CostModel, job: Job, memory: MemoryEstimate,
+                    headroom: float = 0.0) -> tuple[Job, MemoryEstimate]:
     """For a job that recomputes every layer (`--recompute-method uniform --recompute-num-layers 1`)
     and fits: the same job recomputing only the first k layers of each model chunk (`block k`),
-    with the smallest k that fits, when one below every layer does. Memory falls and time rises
-    with k (each recomputed layer stores its input instead of its activations and runs its
-    forward again), so the smallest fitting k is the fastest; a bisection finds it."""
+    with the smallest k that fits leaving `headroom` of the device free, when one below every layer
+    does. Memory falls and time rises with k (each recomputed layer stores its input instead of its
+    activations and runs its forward again), so the smallest such k is the fastest; a bisection
+    finds it."""
     layout = job.layout
     if (layout.recompute_granularity, layout.recompute_method, layout.recompute_num_layers) != ("full", "uniform", 1):
         return job, memory
@@ -141,7 +203,7 @@ def least_recompute(model: CostModel, job: Job, memory: MemoryEstimate) -> tuple
         k = (low + high) // 2
         trial = resolve_job(job.workload, replace(layout, recompute_method="block", recompute_num_layers=k))
         estimate = model.memory(trial)
-        if estimate.fits:
+        if estimate.fits and estimate.headroom >= headroom:
             best, high = (trial, estimate), k - 1
         else:
             low = k + 1

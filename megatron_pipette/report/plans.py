@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_pipette.cost.memory import TIGHT_HEADROOM, MemoryEstimate, misfit_reason
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
-from megatron_pipette.plan.planner import Candidate, Plan
+from megatron_pipette.plan.planner import HEADROOM_TIME, Candidate, Plan
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.units import GiB
 
@@ -110,12 +110,29 @@ def no_valid_layout(result: Plan) -> str:
     return f"{head}: {result.rejection_examples.get(kind, kind)}{rest}"
 
 
+def headroom(result: Plan) -> str:
+    """What the pick leaves free, and why it is the pick (planner step 5: HEADROOM_TIME, memory_headroom)."""
+    best, margin = result.best, f"{100 * result.memory_headroom:g}%"
+    line = (f"Memory headroom: #1 leaves {100 * best.memory.headroom:.1f}% free ({_gib(best.memory.peak_bytes)} of "
+            f"{_gib(best.memory.capacity_bytes)} GiB on its fullest stage)")
+    over = result.passed_over
+    if over is not None:
+        gap = best.time.iteration_time_s / over.time.iteration_time_s - 1
+        return (f"{line}; chosen over {over.layout.describe()}, {gap:.1%} faster but "
+                f"{100 * over.memory.headroom:.1f}% free, under the {margin} headroom margin.")
+    if best.memory.headroom < result.memory_headroom:
+        return (f"{line}, under the {margin} headroom margin: no layout within {100 * HEADROOM_TIME:g}% of its time "
+                "leaves that much, so the fastest is chosen.")
+    return f"{line}, the {margin} headroom margin or more."
+
+
 def plan_report(result: Plan, precision_note: str = "") -> str:
     """The plan as text; the head says the precision planned (and `precision_note`, where it came from)."""
     head = (f"Planned {result.workload.name} in {result.workload.precision}{precision_note} on "
             f"{result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
-    return "\n".join([head, *rejections(result), "", candidates_table(result), winner(result.candidates[0])])
+    return "\n".join([head, *rejections(result), "", candidates_table(result), headroom(result),
+                      winner(result.candidates[0])])
 
 
 def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:

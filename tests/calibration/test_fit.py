@@ -143,7 +143,7 @@ def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     assert read == record and read.to_json() == doc and read.factors == fitted.factors
     assert read.fitted_on.measured_s == check.measured_s and len(read.id) == 16
     assert read.fitted_on.device_memory_bytes == cluster.memory_bytes
-    assert read.fits == {"compute_rate": 1, "memory_rate": 1, "intra_node": 1}
+    assert read.fits == dict.fromkeys(fitted.fitted, 1) and "compute_rate" in read.fits
     with pytest.raises(PipetteError, match="^c.json: malformed calibration"):
         CalibrationRecord.from_json({"schema": "megatron-pipette/calibration", "version": 1}, "c.json")
 

@@ -164,3 +164,44 @@ def test_five_starts_on_one_allocation_converge_and_never_switch_to_a_layout_tha
     out = capsys.readouterr().out
     assert out.count("calibration not stored: compute rate reached the bound of its search") == 1, out
     assert fastest.layout.describe() not in chosen_layouts
+
+
+def test_a_calibration_that_leaves_no_layout_fitting_is_dropped_and_the_job_plans_uncalibrated(cache: Entry,
+                                                                                              capsys) -> None:
+    """An overhead within its bound (a quarter of the device) can still leave nothing fitting on a small
+    device; every planning start then trained with the flags as given. Now the calibration is dropped,
+    in one line, and the start plans without it."""
+    device = 12 * GiB // 5                     # 2.4 GiB: the model's least peak here is 2.0
+    cache.write(CLUSTER, cluster_to_json(dataclasses.replace(PROBED, memory_bytes=device), "fp32"))
+    cache.write(CALIBRATION, {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
+                              "factors": {"compute_rate": 1.0, "memory_rate": 1.0, "link_bandwidth": {},
+                                          "memory_overhead_bytes": device // 4},
+                              "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1, "device_memory_bytes": device}})
+    doc = start(cache)
+    assert (f"WARNING: with the calibration in {cache.file(CALIBRATION)} (memory overhead +0.60 GiB per device) no "
+            "layout fits: it is dropped, and the job plans uncalibrated") in capsys.readouterr().out
+    assert "calibration" not in doc and cache.read(CALIBRATION) is None
+
+
+def test_a_start_keeps_the_memory_headroom_the_job_asks_for(cache: Entry, capsys) -> None:
+    """On a 3 GiB device the distributed optimizer's layout leaves 16% free; asked for 20%
+    (--auto-parallel-memory-headroom 20) the start picks the one without it, 0.8% slower, 33% free."""
+    import argparse
+
+    from megatron_pipette.integration.options import add_auto_parallel_args
+
+    parser = add_auto_parallel_args(argparse.ArgumentParser())
+    asked = parser.parse_args(["--auto-parallel-memory-headroom", "20"]).auto_parallel_memory_headroom
+    assert (asked, parser.parse_args([]).auto_parallel_memory_headroom) == (20.0, 5.0)
+    for bad in ("100", "nan", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--auto-parallel-memory-headroom", bad])
+    assert "argument --auto-parallel-memory-headroom: must be a percentage under 100, got '100'" in \
+        capsys.readouterr().err
+    cache.write(CLUSTER, cluster_to_json(dataclasses.replace(PROBED, memory_bytes=3 * GiB), "fp32"))
+    assert describe(start(cache)) == "tp1 pp1 dp4 mbs4 dopt+opg"
+    roomy = start(cache, dataclasses.replace(REQUEST, memory_headroom=asked / 100), replan=True)
+    assert describe(roomy) == "tp1 pp1 dp4 mbs4"
+    assert ("Memory headroom: #1 leaves 32.9% free (2.0 of 3.0 GiB on its fullest stage); chosen over "
+            "tp1 pp1 dp4 mbs4 dopt+opg, 0.8% faster but 16.3% free, under the 20% headroom margin.") in \
+        capsys.readouterr().out

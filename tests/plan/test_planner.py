@@ -6,9 +6,10 @@ from helpers.plans import chosen
 from megatron_pipette.cost.memory import estimate_memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.placement import default_placement
-from megatron_pipette.plan.planner import least_recompute, misfit_advice, plan
+from megatron_pipette.plan.planner import HEADROOM_TIME, MEMORY_HEADROOM, least_recompute, misfit_advice, plan
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.report.plan_document import plan_json
+from megatron_pipette.report.plans import plan_report
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -103,3 +104,47 @@ def test_recomputation_the_user_fixed_is_kept():
     assert result.candidates
     assert all((c.layout.recompute_granularity, c.layout.recompute_method, c.layout.recompute_num_layers)
                == ("full", "uniform", 1) for c in result.candidates)
+
+
+@pytest.fixture(scope="module")
+def gpt13_on_a_dgx():
+    """GPT-3 1.3B on one DGX A100, every fitting layout ranked by time (no headroom asked)."""
+    w = workload_from_preset("gpt3-1.3b")
+    model = CostModel(preset_cluster("dgx-a100", num_nodes=1))
+    return w, model, plan(w, model, top_k=40, memory_headroom=0)
+
+
+def test_a_layout_without_headroom_gives_way_to_one_as_fast_with_room(gpt13_on_a_dgx):
+    """The fastest layout (mbs16) leaves 4.9% of the device free, under the 5% margin; mbs8, 0.7%
+    slower, leaves 45%: it is the pick, even when one candidate is asked for, and the plan names the
+    faster one it passed over."""
+    w, model, every = gpt13_on_a_dgx
+    fastest = every.best
+    assert fastest.memory.headroom < MEMORY_HEADROOM
+    within = [c for c in every.candidates if c.memory.headroom >= MEMORY_HEADROOM
+              and c.time.iteration_time_s <= (1 + HEADROOM_TIME) * fastest.time.iteration_time_s]
+    picked = plan(w, model, top_k=1)
+    assert picked.best.layout == within[0].layout and picked.best.layout.micro_batch_size == 8
+    assert picked.passed_over.layout == fastest.layout and picked.memory_headroom == MEMORY_HEADROOM
+    report = plan_report(picked)
+    assert (f"Memory headroom: #1 leaves 45.1% free (43.9 of 80.0 GiB on its fullest stage); chosen over "
+            f"{fastest.layout.describe()}, 0.7% faster but 4.9% free, under the 5% headroom margin.") in report, report
+
+
+def test_without_a_layout_with_headroom_near_its_time_the_fastest_is_picked_and_said_so(gpt13_on_a_dgx):
+    w, model, every = gpt13_on_a_dgx
+    none = plan(w, model, top_k=3, memory_headroom=0.9)
+    assert none.best.layout == every.best.layout and none.passed_over is None
+    assert ("leaves 4.9% free (76.1 of 80.0 GiB on its fullest stage), under the 90% headroom margin: no layout "
+            "within 2% of its time leaves that much, so the fastest is chosen.") in plan_report(none)
+
+
+def test_pipette_plan_takes_the_margin_and_refuses_one_it_cannot_keep(capsys):
+    from megatron_pipette.cli.main import main
+
+    args = ["plan", "--model", "gpt3-1.3b", "--num-nodes", "1", "--top", "1"]
+    assert main([*args, "--memory-headroom", "0"]) == 0
+    assert "tp1 pp1 dp8 mbs16 dopt+opg" in capsys.readouterr().out
+    assert main([*args, "--memory-headroom", "100"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--memory-headroom must be a percentage of 0 or more and "
+                                                    "under 100, got 100")
