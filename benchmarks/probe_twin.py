@@ -17,7 +17,9 @@ search: the probe is found by host and reused, the stored layouts placed on the 
 checked. Megatron needs --global-batch-size divisible by the data-parallel size, and no layout of
 GPT-3 175B with its batch of 1536 exists on 2047 DGX nodes (2047 = 23 x 89), so the loss is planned
 for GPT-3 13B with a batch of 8 x 2047 and a synthetic layer profile (the hook's path reuses a
-profile; its times do not change what the re-plan costs).
+profile; its times do not change what the re-plan costs). Last, a spare node takes the lost one's
+place: the probe on that allocation measures only rounds with the new node in them (schedule's
+known_nodes) and keeps the first probe's figures for the other pairs (ClusterFile.with_known).
 """
 
 from __future__ import annotations
@@ -113,6 +115,23 @@ def lose_a_node(probed: ClusterFile, lost: int) -> None:
               f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration")
 
 
+def replace_a_node(truth, probed: ClusterFile, lost: int, budget_s: float, noise: float, seed: int) -> None:
+    """The probe of `truth` with node `lost` replaced by a spare (a new host), told the others are known."""
+    hosts = tuple("spare" if k == lost else f"node{k}" for k in range(truth.num_nodes))
+    started = time.perf_counter()
+    run = run_twin(dataclasses.replace(truth, hosts=hosts), budget_s=budget_s, small_bytes=4096,
+                   large_bytes=64 << 20, repeats=3, noise=noise, seed=seed,
+                   known_nodes=np.array([k != lost for k in range(truth.num_nodes)]))
+    wall = time.perf_counter() - started
+    now = ClusterFile.from_json(run.doc)
+    where = probed.nodes_of(now.node_identities)
+    merged = now.with_known(probed, where)
+    p = now.probe
+    print(f"  a spare in place of node {lost}: probed in {run.simulated_s:.2f} s simulated ({wall:.1f} s wall), "
+          f"{p.inter_rounds_measured} inter-node rounds, {p.node_pairs_measured} node pairs measured; "
+          f"{int(merged.measured_pairs.sum()) // 2} pairs measured with the first probe's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1024, 2048])
@@ -162,7 +181,9 @@ def main() -> None:
             print(f"  planned on the {name:>6} cluster in {planned:5.1f} s: {best.layout.describe()}, "
                   f"{on_truth.iteration_time_s:.4f} s/iteration on the truth")
         print(f"  probed plan / truth plan on the truth: {priced['probed'] / priced['truth']:.4f} (bar 1.03)")
-        lose_a_node(ClusterFile.from_json(doc), nodes // 2 if ns.lost is None else ns.lost)
+        lost = nodes // 2 if ns.lost is None else ns.lost
+        lose_a_node(ClusterFile.from_json(doc), lost)
+        replace_a_node(truth, ClusterFile.from_json(doc), lost, ns.budget_s, ns.noise, ns.seed)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
     with contextlib.ExitStack() as held:   # rank 0 holds the entry's lock until the plan is made
         found: list[replan.Start] = []
 
-        def look_up() -> tuple[PlanRecord | None, bool, bool, bool]:
+        def look_up() -> tuple[PlanRecord | None, bool, bool, bool, list[bool] | None]:
             if (why := typed_problem(request)) is not None:
                 raise UnrunnableFlags(why)      # before probing: the flags as given cannot run either
             if resume is not None and (why := unresumable(request, resume.where)) is not None:
@@ -124,19 +124,20 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
                                    nodes=node_identities(identities, request.gpus_per_node))
             found.append(start)
             return start.plan, start.pinned, start.plan is None and start.cluster is None, \
-                start.plan is None and start.profile is None
+                start.plan is None and start.profile is None, start.known_nodes
 
-        found_plan, pinned, probe, profile = _on_rank0_then_broadcast(look_up, rank, group)
+        found_plan, pinned, probe, profile, known_nodes = _on_rank0_then_broadcast(look_up, rank, group)
         if found_plan is not None:
             return found_plan, None if pinned else entry
         return _measure_and_plan(request, entry, found[0] if found else None, probe, profile, rank, phases,
-                                 budget, timeout, group), entry
+                                 budget, timeout, group, known_nodes), entry
 
 
 def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | None, probe: bool, profile: bool,
                       rank: int, phases: Phases, budget: float, timeout: timedelta,
-                      group: dist.ProcessGroup | None) -> PlanRecord:
-    """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0."""
+                      group: dist.ProcessGroup | None, known_nodes: list[bool] | None = None) -> PlanRecord:
+    """Collective: probe (every rank) and profile (rank 0) what the cache lacks, then plan on rank 0
+    (`known_nodes`: the nodes a cached probe measured, whose pairs the probe skips)."""
     workload = request.workload
     on_gpu = torch.cuda.is_available() and not rehearsal_requested()
     probed = None
@@ -146,7 +147,7 @@ def _measure_and_plan(request: JobRequest, entry: Entry, start: replan.Start | N
         probed = phases.run("probe", lambda: run_probe(
             budget_s=budget * PROBE_SHARE, precision=workload.precision if on_gpu else "fp32",
             small_bytes=4096, large_bytes=64 * MiB if on_gpu else MiB, repeats=3,
-            timeout_s=timeout.total_seconds()))   # rank 0 only
+            timeout_s=timeout.total_seconds(), known_nodes=known_nodes))   # rank 0 only
     else:
         phases.skip("probe", "cached")
 
@@ -189,6 +190,8 @@ def _profile_and_plan(request: JobRequest, start: replan.Start, probed: ClusterF
     new = {}
     cluster = start.cluster
     if probed is not None:
+        if start.known is not None:     # the pairs of nodes measured before, as measured then
+            probed = probed.with_known(start.known, start.known_where)
         cluster, new[CLUSTER] = probed.cluster, probed.to_json()
         if probed.node_identities is not None:      # what a later allocation on some of these nodes finds
             new[NODES] = node_index(probed.node_identities)

@@ -57,10 +57,10 @@ from megatron_pipette.plan.losses import place_layouts
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
 from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
 from megatron_pipette.report.plans import plan_report
-from megatron_pipette.spec.cluster_file import NodeIdentity, select_nodes
+from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, select_nodes
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile, check_profile_device, check_profile_matches
+from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.units import GiB
 
 TOP_K = 5
@@ -89,6 +89,16 @@ class Start:
     pinned: bool = False
     cluster: Cluster | None = None
     profile: LayerProfile | None = None
+    known: ClusterFile | None = None
+    """A probe that measured some of this allocation's nodes, not all: the probe measures the rest
+    (schedule.probe_rounds' known_nodes) and takes the pairs it skips from this one (with_known)."""
+    known_where: tuple[int | None, ...] = ()
+    """Per node of this allocation, its index in `known` (None: a new node)."""
+
+    @property
+    def known_nodes(self) -> list[bool] | None:
+        """What the probe is told it need not measure again (the same on every rank), or None."""
+        return None if self.known is None else [k is not None for k in self.known_where]
 
 
 def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phases,
@@ -121,6 +131,8 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
         reused = reuse_measured(entry, request, nodes, phases)
         if reused.plan is not None:
             return reused
+        if reused.known is not None:        # some nodes new: the probe measures them
+            return replace(reused, profile=profile or reused.profile)
         cluster, profile = reused.cluster, profile or reused.profile
     if cluster is None or profile is None:
         return Start(cluster=cluster, profile=profile)
@@ -207,35 +219,46 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
     """For an allocation this entry has no probe of: the probe of another entry that measured every one
     of its nodes (by host and GPUs), those nodes' figures cached here; its layer profile where it is
     this model's on these devices; and when that entry's loss plan is for this many nodes, its layouts
-    placed on these nodes and checked (plan_problems) as this start's plan. Start() when none did."""
+    placed on these nodes and checked (plan_problems) as this start's plan. Where no probe measured
+    them all, the one that measured most (Start.known), for the probe of the rest; Start() when none."""
+    partial = Start()
     for other in entries_measuring(entry, nodes):
         probed = other.read(CLUSTER)
         where = None if probed is None else probed.nodes_of(nodes)
-        if where is None or None in where:
+        if where is None:
+            continue
+        if None in where:
+            if partial.known is None:
+                partial = Start(profile=_reused_profile(other, request), known=probed, known_where=tuple(where))
             continue
         reused = probed.select(where, f"{probed.cluster.name}, {len(nodes)} of its nodes")
         cluster = reused.cluster
-        entry.write(CLUSTER, reused.to_json())
+        # Without indentation, which at thousands of nodes takes json's pure-Python encoder (0.6 s at 2048).
+        entry.write_file(CLUSTER.name, (json.dumps(reused.to_json()) + "\n").encode())
         entry.write(NODES, node_index(nodes))
         phases.skip("probe", "reused")
         log(f"the probe cached in {other.path} measured every node of this allocation: probe skipped", 0)
-        profiled = other.read(PROFILE)
-        try:
-            if profiled is not None:
-                check_profile_matches(profiled.profile, request.workload, str(other.file(PROFILE)))
-                check_profile_device(profiled.profile, cluster, str(other.file(PROFILE)))
-        except PipetteError:
-            profiled = None
-        if profiled is None:
+        profile = _reused_profile(other, request)
+        if profile is None:
             return Start(cluster=cluster)
-        entry.write(PROFILE, profiled.to_json())
+        entry.write(PROFILE, other.read(PROFILE).to_json())
         phases.skip("profile", "reused")
         loss = other.read(LOSS_PLAN)
         if loss is None or loss.world_size != cluster.world_size:
-            return Start(cluster=cluster, profile=profiled.profile)
-        return Start(_take_loss_plan(request, entry, other, loss, cluster, profiled.profile, phases),
-                     cluster=cluster, profile=profiled.profile)
-    return Start()
+            return Start(cluster=cluster, profile=profile)
+        return Start(_take_loss_plan(request, entry, other, loss, cluster, profile, phases),
+                     cluster=cluster, profile=profile)
+    if partial.known is not None:
+        new = sum(k is None for k in partial.known_where)
+        log(f"the probe cached for {partial.known.cluster.name} measured {len(nodes) - new} of this allocation's "
+            f"{len(nodes)} nodes: probing the {new} new one(s) and their pairs", 0)
+    return partial
+
+
+def _reused_profile(other: Entry, request: JobRequest) -> LayerProfile | None:
+    """Another entry's layer profile, where it is of this job's model and devices (measured_problem)."""
+    profiled = other.read(PROFILE)
+    return None if profiled is None or measured_problem(request, profiled=profiled) else profiled.profile
 
 
 def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanRecord, cluster: Cluster,

@@ -199,12 +199,15 @@ def _all_to_all(t: Transport, costs: RoundCosts, *, deadline_s: float, repeats: 
     return result
 
 
-def run_engine(t: Transport, plan: BudgetPlan, *, repeats: int, large_bytes: int) -> Measurements | None:
-    """Run the whole probe on `t` (collective); the measurements on the root, None elsewhere."""
+def run_engine(t: Transport, plan: BudgetPlan, *, repeats: int, large_bytes: int,
+               known_nodes: np.ndarray | None = None) -> Measurements | None:
+    """Run the whole probe on `t` (collective); the measurements on the root, None elsewhere.
+    `known_nodes` ((nodes,) bool, the same on every rank): nodes a probe measured before, whose pairs
+    are not measured again (schedule.probe_rounds)."""
     n, gpn = t.world_size, t.gpus_per_node
     gemm, copy = t.compute(plan.gemm_window_s, plan.copy_window_s)
     table = t.gather_max(t.ranks, np.column_stack([gemm, copy]), n)
-    intra_rounds, inter_rounds = probe_rounds(n // gpn, gpn)
+    intra_rounds, inter_rounds = probe_rounds(n // gpn, gpn, known_nodes)
     intra, inter = PhaseResult(intra_rounds), PhaseResult(inter_rounds)
     intra_deadline = plan.intra_deadline_s(t.elapsed(), len(intra_rounds), len(inter_rounds))
     _Phase(t, intra, deadline_s=intra_deadline, repeats=repeats, num_slots=n, bandwidth_first=False).run()

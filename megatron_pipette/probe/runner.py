@@ -15,6 +15,7 @@ import os
 import socket
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,7 +49,7 @@ def _raise(answer: object) -> None:
 
 def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precision: str, small_bytes: int,
               large_bytes: int, repeats: int, out: str | os.PathLike | None = None,
-              timeout_s: float | None = None) -> ClusterFile | None:
+              timeout_s: float | None = None, known_nodes: list[bool] | None = None) -> ClusterFile | None:
     """Probe the cluster formed by `group` (default: the world) within `budget_s` seconds.
 
     Collective: every rank of the group calls it with the same arguments. Returns the cluster
@@ -56,7 +57,9 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     to `out` when given. `timeout_s` bounds each point-to-point wait (default 60 s + the
     budget) so a dead partner ends the probe with an error rather than a hang. Raises
     PipetteError on every rank for a user error (bad argument, unwritable --out, ranks not in
-    node blocks), RuntimeError on every rank when rank 0 fails otherwise.
+    node blocks), RuntimeError on every rank when rank 0 fails otherwise. `known_nodes` (per node,
+    the same on every rank, one at least False): nodes a probe measured before, whose pairs with
+    each other are not measured again (probe.schedule).
     """
     check_args(budget_s, precision, small_bytes, large_bytes, repeats)
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else 60.0 + budget_s)
@@ -79,7 +82,8 @@ def run_probe(group: dist.ProcessGroup | None = None, *, budget_s: float, precis
     measured, note = compute.gemm_precision(precision, device)
     transport = TorchTransport(group, device, gpus_per_node=int(gpn), precision=measured,
                                small_bytes=small_bytes, large_bytes=large_bytes, timeout=timeout)
-    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes)
+    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes,
+                              known_nodes=None if known_nodes is None else np.array(known_nodes, dtype=bool))
     probed: ClusterFile | None = None
     answer: object = None
     failure: BaseException | None = None

@@ -163,11 +163,13 @@ class TwinRun:
 
 
 def run_twin(truth: Cluster, *, budget_s: float, small_bytes: int, large_bytes: int, repeats: int,
-             noise: float = 0.0, seed: int = 0, precision: str = "bf16") -> TwinRun:
-    """The probe, every rank at once, on the simulated `truth`."""
+             noise: float = 0.0, seed: int = 0, precision: str = "bf16",
+             known_nodes: np.ndarray | None = None) -> TwinRun:
+    """The probe, every rank at once, on the simulated `truth` (`known_nodes`: see probe.engine.run_engine)."""
     transport = TwinTransport(truth, TwinSettings(small_bytes=small_bytes, large_bytes=large_bytes, noise=noise,
                                                   seed=seed))
-    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes)
+    measurements = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=large_bytes,
+                              known_nodes=known_nodes)
     build = partial(build_document, measurements, twin_identities(truth), name=f"twin-of-{truth.name}",
                     precision=precision, small_bytes=small_bytes, large_bytes=large_bytes, max_repeats=repeats,
                     probe_meta={"backend": "twin", "budget_s": float(budget_s), "noise": noise, "seed": seed})

@@ -372,6 +372,36 @@ class ClusterFile:
                            identities, measured)
 
 
+    def with_known(self, before: ClusterFile, where: Sequence[int | None]) -> ClusterFile:
+        """This file (a probe of an allocation some of whose nodes `before` measured: node k is before's
+        node where[k], None for a new one), with before's figures and measured flags for the pairs of
+        known nodes this probe did not measure (it skips them: probe.schedule), not its own fill."""
+        c, n = self.cluster, self.cluster.num_nodes
+        known = np.array([w is not None for w in where])
+        old = np.array([0 if w is None else w for w in where], dtype=np.int64)
+        take = known[:, None] & known[None, :] & ~np.eye(n, dtype=bool)
+        if self.measured_pairs is not None:
+            take &= ~self.measured_pairs
+        figures = {}
+        for key in LEVEL_KEYS:
+            mine, theirs = getattr(c.inter_node, key), getattr(before.cluster.inter_node, key)
+            if mine is not None:
+                figures[key] = np.array(mine, dtype=float)
+                if theirs is not None:
+                    figures[key][take] = theirs[np.ix_(old, old)][take]
+        inter = LinkLevel(**figures)
+        measured = self.measured_pairs
+        if measured is not None and before.measured_pairs is not None:
+            measured = measured | (take & before.measured_pairs[np.ix_(old, old)])
+        probe = {**(self.document.get("probe") or {}), "reused_from": before.cluster.name,
+                 "node_pairs_reused": int(take.sum()) // 2}
+        doc = {**self.document, "inter_node": {**self.document["inter_node"], **_level_json(inter)}, "probe": probe}
+        if measured is not None:
+            doc["inter_node"]["measured"] = encode_pairs(measured)
+        return ClusterFile(replace(c, inter_node=inter), self.precision, self.device_name, ProbeReport.from_json(probe),
+                           doc, self.node_identities, measured)
+
+
 def select_nodes(cluster: Cluster, nodes: Sequence[int], name: str) -> Cluster:
     """The cluster of some of `cluster`'s nodes, in that order (node k is its node nodes[k]): their
     devices, classes, links and domains, unchanged (an allocation after a loss, or a planned one)."""

@@ -215,9 +215,13 @@ def test_a_loss_plan_the_job_cannot_take_is_searched_again_from_the_reused_probe
     assert start.plan is not None and start.plan.best.layout.pp == 2
 
 
-def test_an_allocation_with_a_node_never_measured_probes(measured):
-    """One node unknown (another machine, or the same host with other GPUs): nothing is reused."""
+def test_an_allocation_with_a_node_never_measured_probes_that_node_and_reuses_the_rest(measured):
+    """One node unknown (another machine, or the same host with other GPUs): the probe runs, told which
+    nodes were measured before (Start.known_nodes, for every rank) and where they are in that probe;
+    the layer profile is reused."""
     entry, probed = measured
     other = dataclasses.replace(probed.node_identities[1], gpus=("GPU-x", "GPU-y"))
-    start = restart(entry, [probed.node_identities[0], other], request(2))
-    assert start.plan is None and start.cluster is None and start.profile is None
+    start = restart(entry, [probed.node_identities[2], other, probed.node_identities[0]], request(3))
+    assert start.plan is None and start.cluster is None and start.profile is not None
+    assert start.known_nodes == [True, False, True] and start.known_where == (2, None, 0)
+    assert start.known.to_json() == probed.to_json()

@@ -17,8 +17,9 @@ from megatron_pipette.probe.budget import plan_budget
 from megatron_pipette.probe.document import build_document, gpus_per_node
 from megatron_pipette.probe.engine import run_engine
 from megatron_pipette.probe.fit import alpha_beta, medium_bytes, pair_min, two_way_alpha_beta
-from megatron_pipette.probe.twin import TwinSettings, TwinTransport
-from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, cluster_from_json
+from megatron_pipette.probe.schedule import NEW_NODE_ROUNDS
+from megatron_pipette.probe.twin import TwinSettings, TwinTransport, run_twin
+from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, cluster_from_json, select_nodes
 from megatron_pipette.spec.hardware import LinkLevel, preset_cluster
 
 NAN = math.nan
@@ -175,6 +176,41 @@ def test_the_file_names_each_nodes_gpus_and_the_pairs_measured_and_a_subset_keep
     del doc["inter_node"]["measured"]
     older = ClusterFile.from_json(doc)
     assert older.node_identities is None and older.measured_pairs is None and older.nodes_of([]) == []
+
+
+def test_an_allocation_with_nodes_measured_before_probes_only_rounds_with_a_new_node_and_keeps_the_rest():
+    """20 of 24 nodes were probed before; the new probe runs at most NEW_NODE_ROUNDS inter-node rounds,
+    each with a new node in it, and with_known takes the first probe's figures for the pairs of old
+    nodes it left out; a slow new node is priced from its few partners."""
+    nodes, slow = 24, 22
+    truth = preset_cluster("dgx-h100", num_nodes=nodes, gpus_per_node=2)
+    truth = dataclasses.replace(truth, inter_node=slowed_nodes(truth.inter_node, [slow], 4.0))
+
+    def probe(cluster, known=None):
+        return ClusterFile.from_json(json.loads(json.dumps(run_twin(
+            cluster, budget_s=30, small_bytes=S, large_bytes=L, repeats=1, noise=0.02, known_nodes=known).doc)))
+
+    before = probe(select_nodes(truth, range(20), "first"))
+    everyone = probe(truth)
+    where = before.nodes_of(everyone.node_identities)
+    assert where == [*range(20), None, None, None, None]
+    now = probe(truth, known=np.array([w is not None for w in where]))
+    p = now.probe
+    assert p.inter_rounds_measured == p.inter_rounds <= NEW_NODE_ROUNDS + 2 < everyone.probe.inter_rounds
+    assert p.duration_s < everyone.probe.duration_s
+    merged = now.with_known(before, where)
+    old = np.ix_(range(20), range(20))
+    skipped = ~now.measured_pairs[old] & ~np.eye(20, dtype=bool)
+    assert skipped.any()
+    for key in ("bandwidth_Bps", "latency_s"):
+        np.testing.assert_array_equal(getattr(merged.cluster.inter_node, key)[old][skipped],
+                                      getattr(before.cluster.inter_node, key)[skipped])
+    assert (merged.measured_pairs[old] == (now.measured_pairs[old] | before.measured_pairs)).all()
+    assert merged.probe.backend == "twin"
+    others = [k for k in range(nodes) if k != slow]
+    np.testing.assert_allclose(merged.cluster.inter_node.bandwidth_Bps[slow, others], 47.5e9 / 4, rtol=0.25)
+    again = ClusterFile.from_json(json.loads(json.dumps(merged.to_json())))
+    np.testing.assert_array_equal(again.cluster.inter_node.bandwidth_Bps, merged.cluster.inter_node.bandwidth_Bps)
 
 
 def test_a_slow_pair_is_reported_when_its_round_ran():
