@@ -19,6 +19,10 @@ benchmarks/fit_execution.py refits them on the development set of published H100
   the layer's kernels), and the launch latency of a layer of many small kernels (per-expert
   quantisation and GEMMs, router, permutations): one fixed cost per MoE layer, micro-batch and
   direction (`moe_layer_fixed_s`).
+
+Only the first corrects a price, so it applies to what the roofline prices and never to a layer
+profile's measured seconds (cost.compute.measured_rate). The other two price what no profile times:
+the profiler runs one-rank groups, with no collective beside its GEMMs, and profiles no MoE layer.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_scaled_compute_scales_profiled_layers_too() -> None:
 
 def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     cluster = cpu_like()
-    check, placement = check_of(cluster, LAYOUTS["dp4"], Factors(compute_rate=0.4, link_bandwidth={"intra_node": 2}))
+    check, placement = check_of(cluster, LAYOUTS["dp4"], Factors(compute_rate=0.4, link_bandwidth={"intra_node": 0.5}))
     fitted = fit(TINY, cluster, None, LAYOUTS["dp4"], placement, check)
     record = CalibrationRecord.of(fitted, LAYOUTS["dp4"], placement, check)
     doc = json.loads(json.dumps(record.to_json()))
