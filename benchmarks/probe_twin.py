@@ -12,14 +12,15 @@ and again, --rebuilds times, from the same measurements.
 
 Then the loss of one node (--lost, default the middle one): the probed file is cached as a first
 start's entry with its plan for the loss of a node (`replan.store_loss_plan`, timed), and a restart
-on the survivors runs rank 0's look-up (`replan.look_up`, timed), which must neither probe nor
-search: the probe is found by host and reused, the stored layouts placed on the survivors and
-checked. Megatron needs --global-batch-size divisible by the data-parallel size, and no layout of
-GPT-3 175B with its batch of 1536 exists on 2047 DGX nodes (2047 = 23 x 89), so the loss is planned
-for GPT-3 13B with a batch of 8 x 2047 and a synthetic layer profile (the hook's path reuses a
-profile; its times do not change what the re-plan costs). Last, a spare node takes the lost one's
-place: the probe on that allocation measures only rounds with the new node in them (schedule's
-known_nodes) and keeps the first probe's figures for the other pairs (ClusterFile.with_known).
+on the survivors runs rank 0's look-up (`replan.look_up`, timed: wall time, and the process's CPU
+time, which the machine's load does not inflate), which must neither probe nor search: the probe is
+found by host and reused, the stored layout placed on the survivors and checked. Megatron needs
+--global-batch-size divisible by the data-parallel size, and no layout of GPT-3 175B with its
+batch of 1536 exists on 2047 DGX nodes (2047 = 23 x 89), so the loss is planned for GPT-3 13B with
+a batch of 8 x 2047 and a synthetic layer profile (the hook's path reuses a profile; its times do
+not change what the re-plan costs). Last, a spare node takes the lost one's place: the probe on
+that allocation measures only rounds with the new node in them (schedule's known_nodes) and keeps
+the first probe's figures for the other pairs (ClusterFile.with_known).
 """
 
 from __future__ import annotations
@@ -107,12 +108,15 @@ def lose_a_node(probed: ClusterFile, lost: int) -> None:
                                                      gpus_per_node=8),
                                    replan.Switches(), phases, nodes=[probed.node_identities[k] for k in survivors])
         replanned, cpu = time.perf_counter() - started, time.process_time() - cpu
+        start.caching.join()
+        cached = time.perf_counter() - started - replanned
         searched = "loss plan" in phases.seconds or start.plan.best.layout not in [c.layout for c in loss.candidates]
         print(f"  after losing node {lost}: re-planned in {replanned:.2f} s (bar 2 s; {cpu:.2f} s of CPU, load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), placing the stored layout "
               f"{phases.seconds['plan']:.2f} s of it; probe {phases.skipped.get('probe', 'ran')}, profile "
               f"{phases.skipped.get('profile', 'ran')}, {'searched' if searched else 'no search'}: "
-              f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration")
+              f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration; the "
+              f"survivors' probe written to the cache on a thread, {cached:.2f} s after the plan")
 
 
 def replace_a_node(truth, probed: ClusterFile, lost: int, budget_s: float, noise: float, seed: int) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,7 +61,7 @@ from megatron_pipette.report.plans import plan_report
 from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, select_nodes
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfileFile
 from megatron_pipette.units import GiB
 
 TOP_K = 5
@@ -94,6 +95,8 @@ class Start:
     (schedule.probe_rounds' known_nodes) and takes the pairs it skips from this one (with_known)."""
     known_where: tuple[int | None, ...] = ()
     """Per node of this allocation, its index in `known` (None: a new node)."""
+    caching: threading.Thread | None = None
+    """The reused probe's figures being written into the entry (reuse_measured), or None."""
 
     @property
     def known_nodes(self) -> list[bool] | None:
@@ -229,25 +232,23 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
             continue
         if None in where:
             if partial.known is None:
-                partial = Start(profile=_reused_profile(other, request), known=probed, known_where=tuple(where))
+                profiled = _reused_profile(other, request)
+                partial = Start(profile=None if profiled is None else profiled.profile, known=probed,
+                                known_where=tuple(where))
             continue
-        reused = probed.select(where, f"{probed.cluster.name}, {len(nodes)} of its nodes")
-        cluster = reused.cluster
-        # Without indentation, which at thousands of nodes takes json's pure-Python encoder (0.6 s at 2048).
-        entry.write_file(CLUSTER.name, (json.dumps(reused.to_json()) + "\n").encode())
-        entry.write(NODES, node_index(nodes))
+        name = f"{probed.cluster.name}, {len(nodes)} of its nodes"
+        cluster = select_nodes(probed.cluster, where, name)
         phases.skip("probe", "reused")
         log(f"the probe cached in {other.path} measured every node of this allocation: probe skipped", 0)
-        profile = _reused_profile(other, request)
-        if profile is None:
-            return Start(cluster=cluster)
-        entry.write(PROFILE, other.read(PROFILE).to_json())
-        phases.skip("profile", "reused")
-        loss = other.read(LOSS_PLAN)
-        if loss is None or loss.world_size != cluster.world_size:
-            return Start(cluster=cluster, profile=profile)
-        return Start(_take_loss_plan(request, entry, other, loss, cluster, profile, phases),
-                     cluster=cluster, profile=profile)
+        profiled, plan = _reused_profile(other, request), None
+        if profiled is not None:
+            entry.write(PROFILE, profiled.to_json())
+            phases.skip("profile", "reused")
+            loss = other.read(LOSS_PLAN)
+            if loss is not None and loss.world_size == cluster.world_size:
+                plan = _take_loss_plan(request, entry, other, loss, cluster, profiled.profile, phases)
+        return Start(plan, cluster=cluster, profile=None if profiled is None else profiled.profile,
+                     caching=_cache_reused(entry, probed, where, name, nodes))
     if partial.known is not None:
         new = sum(k is None for k in partial.known_where)
         log(f"the probe cached for {partial.known.cluster.name} measured {len(nodes) - new} of this allocation's "
@@ -255,10 +256,29 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
     return partial
 
 
-def _reused_profile(other: Entry, request: JobRequest) -> LayerProfile | None:
+def _reused_profile(other: Entry, request: JobRequest) -> ProfileFile | None:
     """Another entry's layer profile, where it is of this job's model and devices (measured_problem)."""
     profiled = other.read(PROFILE)
-    return None if profiled is None or measured_problem(request, profiled=profiled) else profiled.profile
+    return None if profiled is None or measured_problem(request, profiled=profiled) else profiled
+
+
+def _cache_reused(entry: Entry, probed: ClusterFile, where: list[int], name: str,
+                  nodes: Sequence[NodeIdentity]) -> threading.Thread:
+    """Write this allocation's cluster file (`probed`'s nodes `where`) and node index into `entry`, on a
+    thread: at 2048 nodes that is 90 MB and about 0.8 s of rank 0's time, which the start's plan does
+    not wait for (the interpreter joins the thread at exit; the next reader is a later start or the
+    self-check)."""
+    def write() -> None:
+        try:
+            # Without indentation, which at thousands of nodes takes json's pure-Python encoder.
+            entry.write_file(CLUSTER.name, (json.dumps(probed.select(where, name).to_json()) + "\n").encode())
+            entry.write(NODES, node_index(nodes))
+        except Exception as e:  # noqa: BLE001 (a cache left without it probes again; the job goes on)
+            log(f"WARNING: {entry.file(CLUSTER)} not written: {type(e).__name__}: {e}", 0)
+
+    thread = threading.Thread(target=write, name="pipette-cache-write")
+    thread.start()
+    return thread
 
 
 def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanRecord, cluster: Cluster,
