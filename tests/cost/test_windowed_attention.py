@@ -28,6 +28,7 @@ def gpt_oss(**kw):
     return Workload(**{**base, **kw})
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("freq", [None, 1, 2, 3, "[1,0]*4", "[0]*7+[1]"])
 def test_windowed_layers_are_megatrons(freq):
     """megatron/core/transformer/utils.py is_layer_window_attention, called with Megatron's parsed
@@ -158,6 +159,7 @@ def _saved_storages(clamp):
     return sorted(size for size in kept.values() if size >= fc1_output.untyped_storage().nbytes())
 
 
+@pytest.mark.megatron
 def test_the_clamp_keeps_a_concatenated_copy_as_megatron_core_does():
     """weighted_bias_quick_geglu_impl with a clamp value keeps the clamped halves' concatenation
     beside fc1's output (which the clamps' own backward holds): one fc1 output more."""
