@@ -620,17 +620,18 @@ def _pattern_counts(job: Job, per_chunk: tuple[tuple[int, ...], ...] | None,
     """(p, v) layers of a kind per chunk (`per_chunk`, the Job's count of `pattern`'s layers; None:
     counted here), and of them those full recomputation redoes (block: the first n of each chunk;
     uniform: all)."""
-    chunks = job.chunk_layers()
-    counts = np.array(per_chunk if per_chunk is not None else
-                      [[sum(pattern[i] for i in chunk) for chunk in stage] for stage in chunks], dtype=float)
+    counts = np.array(per_chunk if per_chunk is not None else _in_chunks(job, pattern), dtype=float)
     layout = job.layout
     if layout.recompute_granularity != "full":
         return counts, np.zeros_like(counts)
     if layout.recompute_method != "block":
         return counts, counts.copy()
-    n = layout.recompute_num_layers
-    return counts, np.array([[sum(pattern[i] for i in chunk[:n]) for chunk in stage] for stage in chunks],
-                            dtype=float)
+    return counts, np.array(_in_chunks(job, pattern, first=layout.recompute_num_layers), dtype=float)
+
+
+def _in_chunks(job: Job, pattern: tuple[bool, ...], first: int | None = None) -> list[list[int]]:
+    """`pattern`'s layers in each (stage, chunk), among the first `first` layers of each (None: all)."""
+    return [[sum(pattern[i] for i in chunk[:first]) for chunk in stage] for stage in job.chunk_layers()]
 
 
 def _recomputed_layers(layout: Layout, layers: np.ndarray) -> np.ndarray:
