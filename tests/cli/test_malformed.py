@@ -65,9 +65,10 @@ VALID = {
 """(flag, value) pairs that are not malformed: zero layers on a stage, zero warm-up iterations, rank
 or seed 0, exact timings; --top above the number of layouts lists them all. (--world-size and
 --gpus-per-node of probe-sim must match the truth file: huge values are tried there by file.)"""
-FLOAT_VALID = {("--attention-dropout", "0"), ("--hidden-dropout", "0"),
+FLOAT_VALID = {("--attention-dropout", "0"), ("--hidden-dropout", "0"), ("--memory-headroom", "0"),
                *((flag, value) for flag in ("--mscale", "--mscale-all-dim") for value in ("-1", "0"))}
-"""Zero dropout; YaRN's mscale values, which Megatron takes of any sign (they weigh a logarithm)."""
+"""Zero dropout; no memory headroom (the fastest layout that fits); YaRN's mscale values, which
+Megatron takes of any sign (they weigh a logarithm)."""
 ENUMS = {"--position-embedding-type", "--normalization", "--attention-backend", "--fp8-format", "--fp8-recipe",
          "--moe-token-dispatcher-type", "--recompute-granularity", "--recompute-method", "--cp-comm-type",
          "--recompute-modules", "--precision", "--gpu", "--cluster"}
