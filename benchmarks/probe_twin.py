@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import shutil
 import tempfile
 import time
 
@@ -76,8 +77,9 @@ def synthetic_profile(workload, device_name: str) -> dict:
                        for tp in (1, 2, 4, 8) for mbs in (1, 2, 4, 8)]}
 
 
-def lose_a_node(probed: ClusterFile, lost: int) -> None:
-    """A first start's entry on `probed` with its loss plan, then rank 0's look-up after losing `lost`."""
+def lose_a_node(probed: ClusterFile, lost: int, replans: int) -> None:
+    """A first start's entry on `probed` with its loss plan, then rank 0's look-up after losing `lost`
+    (`replans` times, the machine's load varying)."""
     nodes = probed.cluster.num_nodes
     workload = dataclasses.replace(workload_from_preset("gpt3-13b"), global_batch_size=8 * (nodes - 1))
     survivors = [k for k in range(nodes) if k != lost]
@@ -99,24 +101,27 @@ def lose_a_node(probed: ClusterFile, lost: int) -> None:
               f"caches its probe in {cached:.2f} s and searches its plan for {nodes - 1} nodes in "
               f"{phases.seconds['loss plan']:.1f} s ({len(loss.candidates)} layouts kept, best "
               f"{loss.best.layout.describe()})")
-        later = Entry(cache, "1" * 16)
-        later.open()
-        phases = Phases()
-        started, cpu = time.perf_counter(), time.process_time()
-        with contextlib.redirect_stdout(io.StringIO()):
-            start = replan.look_up(later, JobRequest(workload=workload, world_size=8 * len(survivors),
-                                                     gpus_per_node=8),
-                                   replan.Switches(), phases, nodes=[probed.node_identities[k] for k in survivors])
-        replanned, cpu = time.perf_counter() - started, time.process_time() - cpu
-        start.caching.join()
-        cached = time.perf_counter() - started - replanned
-        searched = "loss plan" in phases.seconds or start.plan.best.layout not in [c.layout for c in loss.candidates]
-        print(f"  after losing node {lost}: re-planned in {replanned:.2f} s (bar 2 s; {cpu:.2f} s of CPU, load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), placing the stored layout "
-              f"{phases.seconds['plan']:.2f} s of it; probe {phases.skipped.get('probe', 'ran')}, profile "
-              f"{phases.skipped.get('profile', 'ran')}, {'searched' if searched else 'no search'}: "
-              f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration; the "
-              f"survivors' probe written to the cache on a thread, {cached:.2f} s after the plan")
+        for attempt in range(replans):       # each a restart into an entry of its own
+            later = Entry(cache, f"{attempt + 1:016x}")
+            later.open()
+            phases = Phases()
+            started, cpu = time.perf_counter(), time.process_time()
+            with contextlib.redirect_stdout(io.StringIO()):
+                start = replan.look_up(later, JobRequest(workload=workload, world_size=8 * len(survivors),
+                                                         gpus_per_node=8), replan.Switches(), phases,
+                                       nodes=[probed.node_identities[k] for k in survivors])
+            replanned, cpu = time.perf_counter() - started, time.process_time() - cpu
+            start.caching.join()
+            cached = time.perf_counter() - started - replanned
+            shutil.rmtree(later.path)       # the next restart finds the first start's entry, not this one
+            searched = "loss plan" in phases.seconds or \
+                start.plan.best.layout not in [c.layout for c in loss.candidates]
+            print(f"  after losing node {lost}: re-planned in {replanned:.2f} s (bar 2 s; {cpu:.2f} s of CPU, load "
+                  f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), placing the stored layout "
+                  f"{phases.seconds['plan']:.2f} s of it; probe {phases.skipped.get('probe', 'ran')}, profile "
+                  f"{phases.skipped.get('profile', 'ran')}, {'searched' if searched else 'no search'}: "
+                  f"{start.plan.best.layout.describe()}, {start.plan.best.iteration_time_s:.3f} s/iteration; the "
+                  f"survivors' probe written to the cache on a thread, {cached:.2f} s after the plan")
 
 
 def replace_a_node(truth, probed: ClusterFile, lost: int, budget_s: float, noise: float, seed: int) -> None:
@@ -144,6 +149,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rebuilds", type=int, default=3, help="times the document is built again, timed alone")
     parser.add_argument("--lost", type=int, default=None, help="the node lost (default: the middle one)")
+    parser.add_argument("--replans", type=int, default=3, help="restarts timed after the loss")
     ns = parser.parse_args()
     workload = workload_from_preset("gpt3-175b")
     for nodes in ns.nodes:
@@ -186,7 +192,7 @@ def main() -> None:
                   f"{on_truth.iteration_time_s:.4f} s/iteration on the truth")
         print(f"  probed plan / truth plan on the truth: {priced['probed'] / priced['truth']:.4f} (bar 1.03)")
         lost = nodes // 2 if ns.lost is None else ns.lost
-        lose_a_node(ClusterFile.from_json(doc), lost)
+        lose_a_node(ClusterFile.from_json(doc), lost, ns.replans)
         replace_a_node(truth, ClusterFile.from_json(doc), lost, ns.budget_s, ns.noise, ns.seed)
 
 

@@ -130,6 +130,7 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
     if switches.reprobe:
         return Start()
     cluster, profile = _cached(entry, request)
+    reused = Start()
     if cluster is None and nodes:
         reused = reuse_measured(entry, request, nodes, phases)
         if reused.plan is not None:
@@ -138,8 +139,8 @@ def look_up(entry: Entry, request: JobRequest, switches: Switches, phases: Phase
             return replace(reused, profile=profile or reused.profile)
         cluster, profile = reused.cluster, profile or reused.profile
     if cluster is None or profile is None:
-        return Start(cluster=cluster, profile=profile)
-    return Start(plan_from_cache(request, entry, cluster, profile, phases))
+        return Start(cluster=cluster, profile=profile, caching=reused.caching)
+    return Start(plan_from_cache(request, entry, cluster, profile, phases), caching=reused.caching)
 
 
 def _cached(entry: Entry, request: JobRequest) -> tuple[Cluster | None, LayerProfile | None]:
