@@ -111,7 +111,8 @@ def no_valid_layout(result: Plan) -> str:
 
 
 def headroom(result: Plan) -> str:
-    """What the pick leaves free, and why it is the pick (planner step 5: HEADROOM_TIME, memory_headroom)."""
+    """What the pick leaves free, and why it is the pick (planner step 5: HEADROOM_TIME, memory_headroom;
+    a plan made without a margin, such as plan.losses' of a few stored layouts, says only the first)."""
     best, margin = result.best, f"{100 * result.memory_headroom:g}%"
     line = (f"Memory headroom: #1 leaves {100 * best.memory.headroom:.1f}% free ({_gib(best.memory.peak_bytes)} of "
             f"{_gib(best.memory.capacity_bytes)} GiB on its fullest stage)")
@@ -123,7 +124,7 @@ def headroom(result: Plan) -> str:
     if best.memory.headroom < result.memory_headroom:
         return (f"{line}, under the {margin} headroom margin: no layout within {100 * HEADROOM_TIME:g}% of its time "
                 "leaves that much, so the fastest is chosen.")
-    return f"{line}, the {margin} headroom margin or more."
+    return f"{line}, the {margin} headroom margin or more." if result.memory_headroom else f"{line}."
 
 
 def plan_report(result: Plan, precision_note: str = "") -> str:

@@ -137,6 +137,7 @@ def test_without_a_layout_with_headroom_near_its_time_the_fastest_is_picked_and_
     assert none.best.layout == every.best.layout and none.passed_over is None
     assert ("leaves 4.9% free (76.1 of 80.0 GiB on its fullest stage), under the 90% headroom margin: no layout "
             "within 2% of its time leaves that much, so the fastest is chosen.") in plan_report(none)
+    assert "Memory headroom: #1 leaves 4.9% free (76.1 of 80.0 GiB on its fullest stage).\n" in plan_report(every)
 
 
 def test_pipette_plan_takes_the_margin_and_refuses_one_it_cannot_keep(capsys):
