@@ -32,9 +32,9 @@ demo: venv
 FAST := -m "not torchrun and not slow and not gpu and not megatron" tests/spec tests/cost tests/plan tests/cli \
         tests/golden tests/probe tests/twin tests/architecture tests/calibration tests/report
 
-# `make test` is the suite CI runs (about 7 minutes of tests on 2 cores); the three tests marked
-# slow (a resume on a smaller allocation, a hung rank, a lost elastic node: about 2.6 minutes) run
-# with `make test-slow`.
+# `make test` is the suite CI runs (about 7 minutes of tests on 2 cores); the tests marked slow (a
+# resume on a smaller allocation, a hung rank, a lost elastic node, the matrix of checkpoint
+# transitions: about 10 minutes) run with `make test-slow`.
 test: venv lint
 	$(PY) -m pytest -q -m "not slow"
 

@@ -192,5 +192,5 @@ def restarts_note() -> str:
     success is a failure it restarts, up to --max-restarts: torch/distributed/elastic/agent/server/api.py)."""
     env = os.environ
     left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return (f" (torchrun will restart the workers {left} more time(s), and each start refuses the same way "
-            "within seconds, until --max-restarts is used up)") if left > 0 else ""
+    return (f" (torchrun will restart the workers {left} more time(s), until --max-restarts is used up; each start "
+            "refuses the same way before probing or loading anything)") if left > 0 else ""

@@ -262,7 +262,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     replanned = CHOSEN.search(second).group(1)
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
     assert re.search(rf"> auto-parallel: resuming the checkpoint in {tmp_path / 'ckpt'}, saved under "
-                     rf"{CHOSEN.search(first).group(1)} [^,]*, under {replanned} .*\(Megatron reshards it\)", second)
+                     rf"{CHOSEN.search(first).group(1)} [^,]*, under {replanned} .*\(Megatron reshards it; kept as "
+                     r"saved: --use-distributed-optimizer True\)", second)
     chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
     assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines
     assert "--recompute-granularity full" in chosen_lines[0], chosen_lines
