@@ -135,7 +135,7 @@ class Entry:
         if stat.S_ISDIR(st.st_mode):
             return
         what = f"a symbolic link to {os.readlink(self.path)}" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        self._move_aside(self.path, f"{self.flag} {self.root}: the entry {self.path} is {what}",
+        move_aside(self.path, f"{self.flag} {self.root}: the entry {self.path} is {what}",
                          "starting the entry afresh")
 
     def _refuse_unsafe(self, directory: Path) -> None:
@@ -223,17 +223,7 @@ class Entry:
         return decoded
 
     def _set_aside(self, doc: Document, reason: str) -> None:
-        self._move_aside(self.file(doc), reason, doc.without)
-
-    @staticmethod
-    def _move_aside(path: Path, reason: str, without: str) -> None:
-        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        try:
-            os.replace(path, aside)
-        except OSError as e:
-            log(f"WARNING: {reason}; it cannot be moved aside ({e.strerror or e}): {without}", 0)
-            return
-        log(f"WARNING: {reason}; moved aside to {aside.name}: {without}", 0)
+        move_aside(self.file(doc), reason, doc.without)
 
     def write(self, doc: Document, value: Mapping[str, Any]) -> bool:
         """Store `value` as `doc`, at once; False when it cannot be (warned about once per entry)."""
@@ -301,3 +291,15 @@ def entries_measuring(entry: Entry, nodes: Sequence[NodeIdentity]) -> list[Entry
             with contextlib.suppress(OSError):
                 found.append((common, os.stat(other.file(NODES)).st_mtime, other))
     return [other for _, _, other in sorted(found, key=lambda f: (-f[0], -f[1]))]
+
+
+def move_aside(path: Path, reason: str, without: str) -> None:
+    """Rename a file (or entry) that cannot be used to `NAME.corrupt-<time>`, with one warning saying
+    `reason` and what the job does `without` it (the cache's files; a checkpoint's damaged plan)."""
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    try:
+        os.replace(path, aside)
+    except OSError as e:
+        log(f"WARNING: {reason}; it cannot be moved aside ({e.strerror or e}): {without}", 0)
+        return
+    log(f"WARNING: {reason}; moved aside to {aside.name}: {without}", 0)

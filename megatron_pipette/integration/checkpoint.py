@@ -27,6 +27,7 @@ from typing import Any
 from megatron_pipette.errors import PipetteError, UnresumableCheckpoint
 from megatron_pipette.files import read_bounded, write_atomic
 from megatron_pipette.integration import megatron_args
+from megatron_pipette.integration.cache import move_aside
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.layout import Layout
@@ -126,23 +127,17 @@ def _described(path: Path, load: Path, own: Layout, where: str) -> Layout:
 
 def _read_plan(plan_file: Path, where: str) -> Layout | None:
     """The layout of a checkpoint's plan, or None: absent, or damaged (then moved aside, one line)."""
-    from megatron_pipette.integration.cache import Entry
-
-    try:    # a regular file of a bounded size (a FIFO or /dev/zero here would hang or fill memory)
-        data = read_bounded(plan_file, where, limit=MAX_PLAN_BYTES)
-    except (FileNotFoundError, PipetteError):
-        data = None
-    if data is None:
-        if plan_file.exists() or plan_file.is_symlink():
-            Entry._move_aside(plan_file, f"{where}: {plan_file} is not a readable plan file",  # noqa: SLF001
-                              "what the checkpoint fixes is read from the checkpoint itself")
-        return None
     try:
+        data = read_bounded(plan_file, "--load", limit=MAX_PLAN_BYTES, follow=False)
         return PlanRecord.from_json(json.loads(data), str(plan_file)).best.layout
-    except (PipetteError, ValueError, RecursionError, TypeError, KeyError, AttributeError) as e:
-        Entry._move_aside(plan_file, f"{where}: {plan_file} is damaged ({type(e).__name__}: {str(e)[:80]})",  # noqa: SLF001
-                          "what the checkpoint fixes is read from the checkpoint itself")
+    except FileNotFoundError:
         return None
+    except PipetteError as e:       # not a regular file, too large, or not a plan document
+        why = str(e)
+    except Exception as e:  # noqa: BLE001 (not JSON, or a reader tripping on a malformed field: only this file)
+        why = f"{plan_file} is damaged ({type(e).__name__}: {str(e)[:80]})"
+    move_aside(plan_file, f"{where}: {why}", "what the checkpoint fixes is read from the checkpoint itself")
+    return None
 
 
 def write_plan(save: str, iteration: int, plan: PlanRecord) -> None:
