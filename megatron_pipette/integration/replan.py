@@ -225,7 +225,7 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
     this model's on these devices; and when that entry's loss plan is for this many nodes, its layouts
     placed on these nodes and checked (plan_problems) as this start's plan. Where no probe measured
     them all, the one that measured most (Start.known), for the probe of the rest; Start() when none."""
-    partial = Start()
+    partial, partial_profile = Start(), None
     for other in entries_measuring(entry, nodes):
         probed = other.read(CLUSTER)
         where = None if probed is None else probed.nodes_of(nodes)
@@ -233,8 +233,8 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
             continue
         if None in where:
             if partial.known is None:
-                profiled = _reused_profile(other, request)
-                partial = Start(profile=None if profiled is None else profiled.profile, known=probed,
+                partial_profile = _reused_profile(other, request)
+                partial = Start(profile=None if partial_profile is None else partial_profile.profile, known=probed,
                                 known_where=tuple(where))
             continue
         name = f"{probed.cluster.name}, {len(nodes)} of its nodes"
@@ -254,6 +254,9 @@ def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdenti
         new = sum(k is None for k in partial.known_where)
         log(f"the probe cached for {partial.known.cluster.name} measured {len(nodes) - new} of this allocation's "
             f"{len(nodes)} nodes: probing the {new} new one(s) and their pairs", 0)
+    if partial_profile is not None:
+        entry.write(PROFILE, partial_profile.to_json())
+        phases.skip("profile", "reused")
     return partial
 
 

@@ -72,10 +72,11 @@ class Output:
             time.sleep(0.1)
 
 
-def start_agent(port: int, hosts_store: bool, args: list[str], cache: Path, output: Output, name: str):
+def start_agent(port: int, hosts_store: bool, args: list[str], cache: Path, output: Output, name: str,
+                nnodes: str = "1:2"):
     """One torchrun agent, 2 processes, joining a 1-to-2-node rendezvous on loopback; `hosts_store` makes
     it the one holding the c10d store (the agent that must survive)."""
-    torchrun = (f"--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id elastic-test "
+    torchrun = (f"--nnodes {nnodes} --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id elastic-test "
                 f"--max-restarts 3 --rdzv-conf is_host={int(hosts_store)},{RDZV_CONF}")
     env = {**os.environ, "TORCHRUN_ARGS": torchrun, "NPROC": "2", "PYTHON": sys.executable,
            "PIPETTE_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -146,6 +147,34 @@ def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_l
     print(f"kill to iteration {resumed_from + 1} (resumed from {resumed_from} under {second.group(1)}): "
           f"{next_at - killed_at:.1f} s; the hook on the restart: {hook}; on the first start: "
           f"{PHASES.search(before).group(1)}")
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_node_beside_one_probed_before_is_probed_with_its_pairs_alone(tmp_path: Path) -> None:
+    """A dry run on one node of 2 processes, then one on two nodes (two agents on this machine, node
+    names host/0 and host/1): the second finds host/0 in the first's probe by host, probes only what is
+    new, reuses the layer profile, and plans for 4 processes."""
+    cache, output = tmp_path / "cache", Output()
+    port = free_port()
+    first = start_agent(port, True, ["--auto-parallel-dry-run"], cache, output, "first", nnodes="1")
+    assert first.wait(timeout=180) == 0, output.text()[-6000:]
+    assert "> auto-parallel: probed 2 devices on 1 node(s)" in output.text(), output.text()[-6000:]
+    started, port = time.monotonic(), free_port()
+    agents = {name: start_agent(port, name == "a", ["--auto-parallel-dry-run"], cache, output, name, nnodes="2")
+              for name in ("a", "b")}
+    try:
+        assert [agent.wait(timeout=180) for agent in agents.values()] == [0, 0], output.text()[-6000:]
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                kill_tree(agent.pid)
+    second = output.text(started)
+    assert "measured 1 of this allocation's 2 nodes: probing the 1 new one(s) and their pairs" in second, second
+    assert "> auto-parallel: probed 4 devices on 2 node(s)" in second, second
+    hook = PHASES.search(second).group(1)
+    assert "profile reused" in hook and "probe " in hook, hook
+    assert processes(CHOSEN.search(second).group(1)) == 4
 
 
 TINY = dataclasses.replace(workload_from_preset("tiny-gpt"), global_batch_size=48)
@@ -223,7 +252,9 @@ def test_an_allocation_with_a_node_never_measured_probes_that_node_and_reuses_th
     the layer profile is reused."""
     entry, probed = measured
     other = dataclasses.replace(probed.node_identities[1], gpus=("GPU-x", "GPU-y"))
-    start = restart(entry, [probed.node_identities[2], other, probed.node_identities[0]], request(3))
+    phases = Phases()
+    start = restart(entry, [probed.node_identities[2], other, probed.node_identities[0]], request(3), phases)
     assert start.plan is None and start.cluster is None and start.profile is not None
+    assert Entry(entry.root, SECOND).read(PROFILE) is not None and phases.skipped == {"profile": "reused"}
     assert start.known_nodes == [True, False, True] and start.known_where == (2, None, 0)
     assert start.known.to_json() == probed.to_json()
