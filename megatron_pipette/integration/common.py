@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,9 @@ class Phases:
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     """Phase -> why it did not run ("cached", "pinned plan")."""
+    budget_s: float = math.inf
+    """--auto-parallel-budget-s, which the phases share: work a start can do without (the plan for the
+    loss of a node) is left out when it would not fit what is left (`left`)."""
     _start: float = field(default_factory=time.perf_counter)
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
@@ -29,6 +33,9 @@ class Phases:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
 
     def line(self) -> str:
         """"probe 1.5 s, profile 2.0 s, plan 0.1 s; total 4.1 s", or for a start that reused the cache

@@ -251,7 +251,7 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         options.check_options(opts)
     except PipetteError as e:
         raise SystemExit(f"auto-parallel: {e}") from None
-    phases = Phases()
+    phases = Phases(budget_s=opts.auto_parallel_budget_s)
     supplied = []
     if rehearsal_requested():
         enable_cpu_rehearsal()

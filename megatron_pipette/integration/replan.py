@@ -65,6 +65,9 @@ from megatron_pipette.spec.layer_profile import LayerProfile, ProfileFile
 from megatron_pipette.units import GiB
 
 TOP_K = 5
+LOSS_PLAN_MARGIN = 2.0
+"""The plan for a loss is searched when what is left of the budget is this many times the start's own
+search (the same search, one node fewer), so that the start ends within its budget."""
 PINNED_FLAG = "--auto-parallel-plan-file"
 
 
@@ -204,6 +207,11 @@ def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases:
     one search on every node but the last, with the same model."""
     cluster = model.cluster
     if cluster.num_nodes < 2:
+        return
+    searched = phases.seconds.get("plan", 0.0)
+    if phases.left() < LOSS_PLAN_MARGIN * searched:
+        log(f"no plan stored for the loss of a node: its search (about {searched:.0f} s, as this start's) would "
+            f"not fit the {max(phases.left(), 0):.0f} s left of --auto-parallel-budget-s", 0)
         return
     survivors = CostModel(select_nodes(cluster, range(cluster.num_nodes - 1), f"{cluster.name} less a node"),
                           profile=model.profile, overheads=model.overheads, execution=model.execution)

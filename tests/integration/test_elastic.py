@@ -189,6 +189,10 @@ def request(nodes: int, **typed) -> JobRequest:
 def measured(tmp_path: Path) -> tuple[Entry, ClusterFile]:
     """The entry of a first start on three nodes of two GPUs: its probe (the twin's, with each node's
     GPUs), its layer profile, and the plan made from them (which stores the plan for a loss)."""
+    return first_start(tmp_path, Phases())
+
+
+def first_start(tmp_path: Path, phases: Phases) -> tuple[Entry, ClusterFile]:
     truth = preset_cluster("dgx-a100", num_nodes=3, gpus_per_node=2)
     probed = ClusterFile.from_json(run_twin(truth, budget_s=5, small_bytes=4096, large_bytes=2 ** 20,
                                             repeats=1).doc)
@@ -200,8 +204,15 @@ def measured(tmp_path: Path) -> tuple[Entry, ClusterFile]:
                           "device": {"rank": 0, "device_name": truth.gpu.name}, "model": profile_model_fields(TINY),
                           "layers": [{"tensor_model_parallel_size": tp, "micro_batch_size": 1, "forward_s": 2e-3 / tp,
                                       "backward_s": 4e-3 / tp, "activation_bytes": 500000 // tp} for tp in (1, 2)]})
-    assert replan.look_up(entry, request(3), replan.Switches(), Phases()).plan is not None
+    assert replan.look_up(entry, request(3), replan.Switches(), phases).plan is not None
     return entry, probed
+
+
+def test_no_plan_for_a_loss_is_searched_past_the_budget(tmp_path: Path, capsys) -> None:
+    """A start with no time left of --auto-parallel-budget-s plans, but stores no plan for a loss."""
+    entry, _ = first_start(tmp_path, Phases(budget_s=0.0))
+    assert entry.read(LOSS_PLAN) is None and entry.read(PLAN) is not None
+    assert "no plan stored for the loss of a node: its search" in capsys.readouterr().out
 
 
 def restart(entry: Entry, nodes, job: JobRequest, phases: Phases | None = None) -> replan.Start:
