@@ -221,8 +221,7 @@ def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases:
         entry.remove(LOSS_PLAN)
         log(f"no layout fits {cluster.num_nodes - 1} node(s): a restart after the loss of a node will search", 0)
         return
-    ref = None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
-    if entry.write(LOSS_PLAN, PlanRecord.from_plan(result, calibration=ref).to_json()):
+    if entry.write(LOSS_PLAN, PlanRecord.from_plan(result, calibration=_reference(calibration)).to_json()):
         log(f"for the loss of a node: {result.best.layout.describe()} on {cluster.num_nodes - 1} node(s), "
             f"stored in {entry.file(LOSS_PLAN)}", 0)
 
@@ -230,9 +229,10 @@ def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases:
 def reuse_measured(entry: Entry, request: JobRequest, nodes: Sequence[NodeIdentity], phases: Phases) -> Start:
     """For an allocation this entry has no probe of: the probe of another entry that measured every one
     of its nodes (by host and GPUs), those nodes' figures cached here; its layer profile where it is
-    this model's on these devices; and when that entry's loss plan is for this many nodes, its layouts
-    placed on these nodes and checked (plan_problems) as this start's plan. Where no probe measured
-    them all, the one that measured most (Start.known), for the probe of the rest; Start() when none."""
+    this model's on these devices; and when that entry's loss plan is for this many nodes, its best
+    layout that runs placed on these nodes and checked (plan_problems) as this start's plan. Where no
+    probe measured them all, the one that measured most (Start.known), for the probe of the rest;
+    Start() when none."""
     partial, partial_profile = Start(), None
     for other in entries_measuring(entry, nodes):
         probed = other.read(CLUSTER)
@@ -295,8 +295,8 @@ def _cache_reused(entry: Entry, probed: ClusterFile, where: list[int], name: str
 
 def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanRecord, cluster: Cluster,
                     profile: LayerProfile, phases: Phases) -> PlanRecord | None:
-    """The loss plan's layouts placed on this allocation's links, ranked and checked; None (the caller
-    searches) when none of them can run this job."""
+    """The loss plan's best layout that runs here, placed on this allocation's links and checked; None
+    (the caller searches) when none can run this job."""
     calibration = other.read(CALIBRATION)
     if calibration is None or loss.calibration is None or calibration.id != loss.calibration.id:
         calibration = None
@@ -314,10 +314,14 @@ def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanR
     return _write_plan(result, entry, phases, calibration)
 
 
+def _reference(calibration: CalibrationRecord | None) -> CalibrationRef | None:
+    """What a plan document says of the calibration it was made with."""
+    return None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
+
+
 def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: CalibrationRecord | None) -> PlanRecord:
     print(plan_report(result), flush=True)
-    ref = None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
-    record = PlanRecord.from_plan(result, phases_s=phases.seconds, calibration=ref)
+    record = PlanRecord.from_plan(result, phases_s=phases.seconds, calibration=_reference(calibration))
     entry.write(PLAN, record.to_json())      # a plan that cannot be cached is still used
     return record
 

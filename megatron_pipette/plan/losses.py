@@ -5,7 +5,7 @@ of every layout takes seconds to minutes at scale (about 10 s for GPT-3 175B on 
 layouts rank best on N-1 nodes hardly depends on which node was lost (the world size, the memory
 and the compute are the same; only links and placement differ), so at plan time one search on the
 allocation less one node keeps its best layouts (the loss plan, made by `plan.planner.plan`), and
-after a loss `place_layouts` checks, places and ranks those few on the survivors' own links. Pure:
+after a loss `place_layouts` places the best of those few that runs on the survivors' own links. Pure:
 no torch, no I/O.
 """
 
