@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.checkpoints import write_checkpoint
 from helpers.plans import chosen
 from helpers.processes import free_port, kill_tree
 from megatron_pipette.integration.groups import expected_groups, group_sizes
@@ -118,8 +119,8 @@ def test_a_restart_reuses_its_plan_and_a_plan_for_another_job_is_not_applied(run
             "--save-interval", "1000"]
     first = run_torchrun(WORKER, line, nproc=2, timeout=240)
     assert "> auto-parallel: probed 2 devices" in first
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")   # as Megatron's first save leaves it
     doc = json.loads(cached_plan(cache).read_text())
+    write_checkpoint(ckpt, 10, chosen(doc)[0], 2)   # as Megatron's save under the plan leaves it
     other = json.loads(json.dumps(doc))
     other["model"]["global_batch_size"], other["candidates"][0]["layout"]["micro_batch_size"] = 48, 3
     (tmp_path / "other.json").write_text(json.dumps(other))
