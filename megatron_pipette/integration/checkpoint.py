@@ -64,7 +64,10 @@ def iteration_dir(args: Any) -> tuple[Path, bool] | None:
     tracker, step = Path(load) / CHECKPOINT_TRACKER, getattr(args, "ckpt_step", None)
     if not step and not tracker.is_file():
         return None
-    text = "" if step else tracker.read_text(errors="replace").strip()
+    try:    # a regular file of a few bytes (a FIFO here would hang the start)
+        text = "" if step else read_bounded(tracker, "--load", limit=4096).decode(errors="replace").strip()
+    except PipetteError as e:
+        raise UnresumableCheckpoint(str(e)) from None
     if text == "release":
         return Path(load) / "release", True
     try:
@@ -183,9 +186,9 @@ def resume_line(resume: Resume, now: Layout, load: str) -> str:
 
 
 def restarts_note() -> str:
-    """Under torchrun's elastic agent, what its restarts will do after a refusal (every worker exit but
+    """Under torchrun's elastic agent, what its restarts will do after the hook stops (every worker exit but
     success is a failure it restarts, up to --max-restarts: torch/distributed/elastic/agent/server/api.py)."""
     env = os.environ
     left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return (f" (torchrun will restart the workers {left} more time(s), until --max-restarts is used up; each start "
-            "refuses the same way before probing or loading anything)") if left > 0 else ""
+    return (f" (torchrun will restart the workers {left} more time(s), until --max-restarts is used up; a start on "
+            "the same processes stops the same way, before probing or loading anything)") if left > 0 else ""

@@ -115,7 +115,7 @@ def _plan_on_rank0(args: Any, argv: list[str], opts: Any, rank: int, world: int,
             if (why := typed_problem(request)) is not None:
                 raise UnrunnableFlags(why)      # before probing: the flags as given cannot run either
             if resume is not None and (why := unresumable(request, resume.where)) is not None:
-                raise UnresumableCheckpoint(why + checkpoint.restarts_note())   # before probing or Megatron's load
+                raise UnresumableCheckpoint(why)   # before probing or Megatron's load
             entry.open()
             waited = held.enter_context(entry.locked(LOCK_SHARE * budget))
             if waited >= 1:
@@ -284,7 +284,7 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
     except Exception as e:  # any failure falls back (or stops) on every rank, together
         why = str(e) if isinstance(e, PipetteError) else f"{type(e).__name__}: {e}"
         kind = "stop" if isinstance(e, UnrunnableFlags) else "failed"
-        chosen, status = None, f"{kind}:{why}".replace("\n", " ")[:500]
+        chosen, status = None, f"{kind}:{why}".replace("\n", " ")[:1000]
     if phases.elapsed() > opts.auto_parallel_budget_s:
         status = f"failed:budget of {opts.auto_parallel_budget_s:g} s exceeded ({phases.elapsed():.0f} s)"
     # Peers stuck in a collective with a failed rank give up after probe_timeout; wait longer.
@@ -293,7 +293,7 @@ def auto_parallel(args: Any, argv: list[str], opts: Any) -> None:
         reason, stop = failure_verdict(statuses)
         if stop:
             _close_quietly()
-            raise SystemExit(f"auto-parallel failed: {reason}")
+            raise SystemExit(f"auto-parallel failed: {reason}" + checkpoint.restarts_note())
         if resume is not None and (unkept := resume.rule.unkept(fallback)):
             _close_quietly()    # training on would only fail in Megatron's load_checkpoint
             raise SystemExit(f"auto-parallel failed: {reason}; the flags as given cannot resume the checkpoint in "
