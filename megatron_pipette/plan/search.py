@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import Job, resolve_job
-from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.layout import Layout, check_tensor_parallel_size
 from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
@@ -126,9 +126,26 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
     Megatron would reject in `rejected` (a typed size that does not divide the GPUs among them; one that
     cannot load the checkpoint)."""
     constraints = {**(constraints or {}), **(resume.equalities if resume is not None else {})}
+    rejected = rejected if rejected is not None else Rejections()
+
+    def choices(name: str, options):
+        return [constraints[name]] if name in constraints else list(options)
+
+    for tp, cp, pp, dp in _grids(workload, world_size, gpus_per_node, constraints, allow_tp_across_nodes,
+                                 gpus_per_domain, rejected):
+        for ep, etp in _expert_options(workload, tp, pp, world_size, choices, constraints):
+            sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
+                     "expert_tensor_parallel_size": etp}
+            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume)
+
+
+def _grids(workload: Workload, world_size: int, gpus_per_node: int, constraints: Mapping[str, Any],
+           allow_tp_across_nodes: bool, gpus_per_domain: int | None,
+           rejected: Rejections) -> Iterator[tuple[int, int, int, int]]:
+    """(TP, CP, PP, DP) of every grid the search walks (enumerate_layouts, profile_shapes), each grid
+    Megatron would reject counted in `rejected`."""
     _check_constraints(constraints)
     domain = gpus_per_domain or gpus_per_node
-    rejected = rejected if rejected is not None else Rejections()
 
     def choices(name: str, options):
         return [constraints[name]] if name in constraints else list(options)
@@ -161,10 +178,44 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                                             f"the data-parallel size {dp} ({world_size} GPUs / TP {tp} x CP {cp} x "
                                             f"PP {pp})"))
                     continue
-                for ep, etp in _expert_options(workload, tp, pp, world_size, choices, constraints):
-                    sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
-                             "expert_tensor_parallel_size": etp}
-                    yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume)
+                yield tp, cp, pp, dp
+
+
+def micro_batch_options(per_replica: int) -> list[int]:
+    """Micro-batch sizes searched for a replica's share of the global batch: its divisors up to
+    MAX_MICRO_BATCH_SIZE."""
+    return [d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH_SIZE]
+
+
+@dataclass(frozen=True)
+class ProfileShapes:
+    """The per-rank shapes a layer profile times for a search: every size the search may ask it for."""
+
+    tp_sizes: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+    cp_sizes: tuple[int, ...]
+
+
+def profile_shapes(workload: Workload, world_size: int, gpus_per_node: int,
+                   constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
+                   gpus_per_domain: int | None = None, resume: ResumeRule | None = None) -> ProfileShapes:
+    """The TP, micro-batch and CP sizes of the layouts enumerate_layouts may yield with the same
+    arguments, by its own rules (its grids, micro-batch options and constraints), less the TP sizes
+    no layout of this model can have (check_tensor_parallel_size): a profile of exactly these leaves
+    the search nothing to extrapolate across sizes. Empty when no grid is valid."""
+    constraints = {**(constraints or {}), **(resume.equalities if resume is not None else {})}
+    tps, mbs, cps = set(), set(), set()
+    for tp, cp, _, dp in _grids(workload, world_size, gpus_per_node, constraints, allow_tp_across_nodes,
+                                gpus_per_domain, Rejections()):
+        try:
+            check_tensor_parallel_size(workload, tp)
+        except Infeasible:
+            continue
+        tps.add(tp)
+        cps.add(cp)
+        mbs.update([constraints["micro_batch_size"]] if "micro_batch_size" in constraints
+                   else micro_batch_options(workload.global_batch_size // dp))
+    return ProfileShapes(tuple(sorted(tps)), tuple(sorted(mbs)), tuple(sorted(cps)))
 
 
 def context_parallel_options(workload: Workload, ranks: int) -> list[int]:
@@ -199,7 +250,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
     overlap = constraints.get("overlap_grad_reduce", dp > 1)
     for (first, last, counted), mbs, (rg, rm, rn), sp, dopt in product(
             splits,
-            choices("micro_batch_size", (d for d in divisors(per_replica) if d <= MAX_MICRO_BATCH_SIZE)),
+            choices("micro_batch_size", micro_batch_options(per_replica)),
             recomputes,
             choices("sequence_parallel", (True, False) if tp > 1 else (False,)),
             choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):

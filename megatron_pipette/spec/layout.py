@@ -383,13 +383,9 @@ def _spelt_chunks(workload: Workload, layout: Layout) -> list[list[int]]:
     return [[stages[c * pp + r].count("t") for c in range(v)] for r in range(pp)]
 
 
-def validate_layout(workload: Workload, layout: Layout, world_size: int | None = None) -> None:
-    """Raise Infeasible, naming the flags, if Megatron would reject this layout."""
-    check_user_layout(layout)
-    tp, pp, dp, mbs = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
-    if world_size is not None and layout.world_size != world_size:
-        raise Infeasible(f"TP {tp} x CP {layout.cp} x PP {pp} x DP {dp} = {layout.world_size} GPUs, "
-                         f"not the {world_size} given")
+def check_tensor_parallel_size(workload: Workload, tp: int) -> None:
+    """Raise Infeasible unless TP divides the model's heads, query groups and FFN (a rule of the TP size
+    alone, which the search also uses to choose what a layer profile times)."""
     if workload.num_attention_heads % tp:
         raise Infeasible(f"--num-attention-heads {workload.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
@@ -398,6 +394,16 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
                          f"--tensor-model-parallel-size {tp}")
     if workload.ffn % tp:
         raise Infeasible(f"--ffn-hidden-size {workload.ffn} is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def validate_layout(workload: Workload, layout: Layout, world_size: int | None = None) -> None:
+    """Raise Infeasible, naming the flags, if Megatron would reject this layout."""
+    check_user_layout(layout)
+    tp, pp, dp, mbs = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    if world_size is not None and layout.world_size != world_size:
+        raise Infeasible(f"TP {tp} x CP {layout.cp} x PP {pp} x DP {dp} = {layout.world_size} GPUs, "
+                         f"not the {world_size} given")
+    check_tensor_parallel_size(workload, tp)
     if workload.global_batch_size % (mbs * dp):
         raise Infeasible(f"--global-batch-size {workload.global_batch_size} is not divisible by "
                          f"--micro-batch-size {mbs} x data-parallel size {dp}")
