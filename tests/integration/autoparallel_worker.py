@@ -31,9 +31,9 @@ from megatron_pipette.integration.install import install  # noqa: E402
 install()  # what the .pth does on import; explicit here so the test does not depend on site-packages
 
 if "PIPETTE_TEST_MIN_WAIT_S" in os.environ:
-    from megatron_pipette.integration import hook
+    from megatron_pipette.integration import start
 
-    hook.MIN_WAIT_S = float(os.environ["PIPETTE_TEST_MIN_WAIT_S"])
+    start.MIN_WAIT_S = float(os.environ["PIPETTE_TEST_MIN_WAIT_S"])
 
 if os.environ.get("PIPETTE_TEST_FAIL_PROBE_RANK") == str(physical):
     from megatron_pipette.probe import runner

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_pipette.integration.hook import control_group
+from megatron_pipette.integration.start import control_group
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ def test_a_flag_the_line_cannot_run_stops_every_rank_strict_or_not():
     """The ranks' statuses: a planning failure falls back (the reason names each rank); an
     UnrunnableFlags failure on any rank stops them all, as the user's own line would fail too, and so
     does a missing rank (hung or dead), which is then the reason given."""
-    from megatron_pipette.integration.hook import failure_verdict
+    from megatron_pipette.integration.decide import failure_verdict
 
     assert failure_verdict(["ok:a", "failed:probe timed out", "failed:probe timed out"]) == \
         ("rank 1,2: probe timed out", False)
@@ -268,7 +268,7 @@ def test_without_transformer_engine_the_attention_keeps_its_scores(monkeypatch):
 
 def test_the_cache_key_identity_names_the_gpus_given(monkeypatch):
     """Without a visible GPU UUID (here: no GPU), the GPUs a job was given are CUDA_VISIBLE_DEVICES'."""
-    from megatron_pipette.integration.hook import _identity
+    from megatron_pipette.integration.decide import _identity
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     two = _identity()
