@@ -10,7 +10,8 @@ CP_MIN_TOKENS of the sequence, the expert tensor-parallel size is TP or 1, uneve
 pipeline splits only shorten the first and/or last stage (Megatron's
 --decoder-first/last-pipeline-num-layers), the two nearest splits of each kind, and full
 recomputation is searched in Megatron's recommended form (uniform, 1 layer
-per group); block recomputation is available as a constraint.
+per group); block recomputation is available as a constraint. `profile_shapes` gives the per-rank
+sizes of those layouts, which the hook's layer profile times.
 """
 
 from __future__ import annotations
