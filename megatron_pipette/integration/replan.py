@@ -195,10 +195,11 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
     return record
 
 
-def _search(request: JobRequest, model: CostModel, phases: Phases) -> Plan:
-    return phases.run("plan", lambda: plan(request.workload, model, constraints=request.constraints,
-                                           resume=request.checkpoint, top_k=TOP_K,
-                                           memory_headroom=request.memory_headroom))
+def _search(request: JobRequest, model: CostModel, phases: Phases, phase: str = "plan") -> Plan:
+    """The job's search on `model`, timed as `phase`: the start's own, and the one for the loss of a node."""
+    return phases.run(phase, lambda: plan(request.workload, model, constraints=request.constraints,
+                                          resume=request.checkpoint, top_k=TOP_K,
+                                          memory_headroom=request.memory_headroom))
 
 
 def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases: Phases,
@@ -215,8 +216,7 @@ def store_loss_plan(request: JobRequest, model: CostModel, entry: Entry, phases:
         return
     survivors = CostModel(select_nodes(cluster, range(cluster.num_nodes - 1), f"{cluster.name} less a node"),
                           profile=model.profile, overheads=model.overheads, execution=model.execution)
-    result = phases.run("loss plan", lambda: plan(request.workload, survivors, constraints=request.constraints,
-                                                  top_k=TOP_K, memory_headroom=request.memory_headroom))
+    result = _search(request, survivors, phases, "loss plan")
     if not result.candidates:
         entry.remove(LOSS_PLAN)
         log(f"no layout fits {cluster.num_nodes - 1} node(s): a restart after the loss of a node will search", 0)
