@@ -41,7 +41,7 @@ Parts:
              (cost.experts.moe_mlp) and Execution.moe_layer_fixed_s, the per-micro-batch cost it
              fitted on published runs without telling the two apart; the two dispatches'
              intercepts differ by the dropless host wait. Megatron's router and dispatcher need
-             CUDA: the dry run prices the shapes only. Not yet run on a GPU.
+             CUDA: the dry run prices the shapes only.
   train      one Megatron training step of a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq
              2048, vocab 32000, mbs 2, gbs 8; bf16, TP1 PP1, local spec, torch's AdamW as
              Megatron falls back to without Apex or TE, mock data) through
@@ -88,7 +88,7 @@ from megatron_pipette.cost.experts import moe_mlp  # noqa: E402
 from megatron_pipette.cost.gemm import fp8_curve, gemm_curve, linear_work  # noqa: E402
 from megatron_pipette.cost.memory import environment_overheads  # noqa: E402
 from megatron_pipette.errors import PipetteError  # noqa: E402
-from megatron_pipette.profile.runtime import single_device_megatron  # noqa: E402
+from megatron_pipette.profile.runtime import resolve_device, single_device_megatron  # noqa: E402
 from megatron_pipette.spec.hardware import GPU, lookup_gpu, preset_cluster  # noqa: E402
 from megatron_pipette.spec.job import resolve_job  # noqa: E402
 from megatron_pipette.spec.layout import Layout  # noqa: E402
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, default=5.0, help="sustained: rate and nvidia-smi window")
     p.add_argument("--burst-s", type=float, default=1.0, help="sustained: the short burst")
     ns = p.parse_args(argv)
-    device = torch.device("cpu" if ns.dry_run else "cuda")
+    device = resolve_device("cpu" if ns.dry_run else "cuda")   # cuda:N: fork_rng needs the index
     try:
         gpu = target_gpu(device, ns.gpu)
     except PipetteError as e:

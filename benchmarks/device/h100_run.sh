@@ -71,6 +71,13 @@ main() {
                 --target /tmp/site .whl/*.whl || say "wheel install failed"
         fi
         export PYTHONPATH=/tmp/site:$PWD
+        # What `pip install` of this package ships (setup.py): the .pth that adds --auto-parallel to
+        # unmodified Megatron scripts. PYTHONPATH folders are not site folders, so it goes into the
+        # interpreter's own (the machine is bare and given back after the run).
+        if wants injob; then
+            cp megatron_pipette_autoload.pth "$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/" \
+                || say "the autoload .pth could not be installed: --auto-parallel will be refused"
+        fi
     fi
     "$PYTHON" - <<'EOF'
 import platform, torch
@@ -164,10 +171,12 @@ EOF
     fi
     if wants injob; then
         local room=$(($(left) - 20))   # 20 s for the recap
-        say "the in-job path: three starts under --auto-parallel (limit ${room} s)"
-        # Each start gets a third of the room; the script's own limit per start keeps it inside.
+        local starts=${INJOB_STARTS:-3}
+        say "the in-job path: $starts starts under --auto-parallel (limit ${room} s)"
+        # Each start gets its share of the room; the script's own limit per start keeps it inside.
+        # INJOB_ARGS: more of in_job.py's options (--first-only, --pick-check MBS ...; INJOB_STARTS to match).
         step "$room" "$PYTHON" benchmarks/device/in_job.py $dry_flag --out "$OUT/in_job" \
-            --limit-s $(((room - 10) / 3)) ${MEGATRON_LM:+--megatron-lm "$MEGATRON_LM"}
+            --limit-s $(((room - 10) / starts)) ${MEGATRON_LM:+--megatron-lm "$MEGATRON_LM"} ${INJOB_ARGS:-}
     fi
     say "recap"
     "$PYTHON" benchmarks/device/recap.py "$OUT"

@@ -2,7 +2,7 @@
 restart with `--load`.
 
     python benchmarks/device/in_job.py --out DIR [--dry-run] [--budget-s S] [--iters N]
-        [--megatron-lm DIR]
+        [--megatron-lm DIR] [--first-only] [--pick-check MBS ...]
 
 Why: the hook's probe on NCCL, its CUDA layer profile feeding the plan, the re-initialisation with
 NCCL and the CUDA self-check have only run on CPU with gloo. Three starts of
@@ -15,6 +15,10 @@ mock data, the ~1.3B GPT of cost_check.py's train part:
            calibration the first start stored is used;
 3. resume: `--load` of the first start's checkpoint: the job resumes at the saved iteration in the
            plan's layout and trains the last 10 iterations of the schedule.
+
+`--pick-check 2 4` adds one start per micro-batch size with `--micro-batch-size` typed (the search
+keeps it; the cache's probe and profile are reused): the planner's pick against measured
+alternatives, each start's median step. `--first-only` runs the first start alone, without a save.
 
 Each start's rows: exit code, the hook's `> auto-parallel:` lines (chosen layout, prediction,
 phases, self-check: predicted and measured time and memory), the iteration times and losses, and
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=90.0, help="--auto-parallel-budget-s of each start")
     p.add_argument("--limit-s", type=float, default=150.0, help="hard limit of each start")
     p.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout whose pretrain_gpt.py also runs once")
+    p.add_argument("--first-only", action="store_true", help="the first start alone, without --save")
+    p.add_argument("--pick-check", type=int, nargs="+", default=[], metavar="MBS",
+                   help="one more start per micro-batch size, typed: the pick against measured alternatives")
     ns = p.parse_args(argv)
     out = ns.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -94,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     # which also saves), the resume trains the last 10.
     line = flags(ns.dry_run, ns.iters + 10, cache, ns.budget_s)
     stop = ["--exit-interval", str(ns.iters)]
-    plan = [("first", example, line + stop + ["--save", str(ckpt), "--save-interval", str(ns.iters)]),
-            ("cached", example, line + stop), ("resume", example, line + ["--load", str(ckpt)])]
+    save = [] if ns.first_only else ["--save", str(ckpt), "--save-interval", str(ns.iters)]
+    plan = [("first", example, line + stop + save)]
+    if not ns.first_only:
+        plan += [("cached", example, line + stop), ("resume", example, line + ["--load", str(ckpt)])]
+    plan += [(f"mbs{m}", example, line + stop + ["--micro-batch-size", str(m)]) for m in ns.pick_check]
     if ns.megatron_lm is not None:
         plan.append(("megatron_lm", ns.megatron_lm / "pretrain_gpt.py",
                      flags(ns.dry_run, ns.iters + 10, out / "cache-megatron-lm", ns.budget_s) + stop))
@@ -105,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         doc["starts"].append(row)
         (out / "in_job.json").write_text(json.dumps(doc, indent=1) + "\n")
         print("\n".join(summary(row)), flush=True)
-    first, resumed = doc["starts"][0], doc["starts"][2]
-    if first["losses"] and resumed["losses"]:
+    first = doc["starts"][0]
+    resumed = next((r for r in doc["starts"] if r["name"] == "resume"), None)
+    if resumed and first["losses"] and resumed["losses"]:
         print(f"resume: first start ended at iteration {len(first['losses'])} loss {first['losses'][-1]:.4f}; "
               f"the resumed job starts at iteration {resumed['first_iteration']} loss {resumed['losses'][0]:.4f}")
+    if ns.pick_check:
+        print("the pick against typed micro-batches (median step, s): " + ", ".join(
+            f"{r['name']} {r['step_s']}" for r in doc["starts"] if r["name"] == "first" or r["name"].startswith("mbs")))
     steps = [r["step_s"] for r in doc["starts"] if r["step_s"]]
     if steps:
         print(f"median step over the starts: {statistics.median(steps):.4g} s")
