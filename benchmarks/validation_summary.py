@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -28,6 +29,21 @@ def _load_part(folder: str, name: str) -> dict:
     return json.loads((RESULTS / folder / f"{name}.json").read_text())
 
 
+SELF_CHECK = re.compile(r"self-check, iterations \S+: predicted ([0-9.]+) s/iteration, measured ([0-9.]+) s")
+HOOK_TOTAL = re.compile(r"^phases: .*total ([0-9.]+) s")
+
+
+def _in_job(folder: str) -> dict[str, dict]:
+    """Each start of an in-job run by name: its median step, first iteration, and the hook's
+    self-check (measured/predicted) and wall time as its lines print them."""
+    starts = {}
+    for row in _load_part(f"{folder}/in_job", "in_job")["starts"]:
+        check = next(m for m in map(SELF_CHECK.search, row["hook"]) if m)
+        total = next(m for m in map(HOOK_TOTAL.match, row["hook"]) if m)
+        starts[row["name"]] = {**row, "ratio": float(check[2]) / float(check[1]), "hook_s": float(total[1])}
+    return starts
+
+
 def rows() -> list[list[str]]:
     h100_folder = "published_runs_h100-2026-11-26-ep-overlap"
     h100 = _load(h100_folder)
@@ -41,6 +57,8 @@ def rows() -> list[list[str]]:
     sustained = {r["dtype"]: r["ratio"] for r in _load_part(f"{gpu}-cost-check", "sustained")["rows"]}
     loop = statistics.median(r["ratio"]["loop"] for r in _load_part(f"{gpu}-cost-check", "grouped")["rows"])
     step = {r["what"]: r["ratio"] for r in _load_part(f"{gpu}-profiles", "train")["rows"]}
+    job, pick = _in_job("h200-2026-11-28-in-job"), _in_job("h200-2026-11-28-pick")
+    others = ", ".join(f"{r['step_s']:.3f} s ({n[3:]})" for n, r in pick.items() if n.startswith("mbs"))
     return [
         ["NVIDIA's published H100 runs, the development set (19: NeMo 24.07, Megatron-Bridge 25.09-26.04, "
          "Megatron-LM README), published layouts with their recipes",
@@ -68,6 +86,15 @@ def rows() -> list[list[str]]:
          f"x{step['max_allocated_bytes']:.3f}, its time x{step['step_s']:.2f}",
          "`bash benchmarks/device/cost_check.sh` on the GPU (benchmarks/device/README.md)",
          f"2026-11-26, `{gpu}-cost-check`, `{gpu}-profiles`"],
+        ["One H200: `--auto-parallel` on NCCL, a 1.28B GPT (Megatron's local layers) started, restarted from "
+         "the cache, resumed with `--load`; the pick against typed micro-batches",
+         f"self-check measured/predicted x{job['first']['ratio']:.2f} at the first start (hook "
+         f"{job['first']['hook_s']:.1f} s), x{job['cached']['ratio']:.2f} restarted with the calibration (hook "
+         f"{job['cached']['hook_s']:.1f} s), x{job['resume']['ratio']:.2f} resumed at iteration "
+         f"{job['resume']['first_iteration']}; the pick (micro-batch 8) {pick['first']['step_s']:.3f} s a step "
+         f"against {others}",
+         "`bash benchmarks/device/in_job.sh` on the GPU (benchmarks/device/README.md)",
+         "2026-11-28, `h200-2026-11-28-in-job`, `h200-2026-11-28-pick`"],
     ]
 
 

@@ -12,17 +12,25 @@ def measured(part="layer", tp=1, mbs=1, rc=None, fwd=1.0, bwd=2.0, act=100, shar
                     run_s=run)
 
 
-def test_plan_puts_one_layer_per_tp_first_and_measures_only_the_extreme_micro_batches():
+def test_plan_puts_one_layer_per_tp_first_and_the_extreme_micro_batches_before_the_middles():
     order = plan_shapes([2, 1], [1, 2, 4], [None, "selective", "full"])
     assert [(s.part, s.tensor_model_parallel_size, s.micro_batch_size) for s in order[:2]] == [
         ("layer", 1, 1), ("layer", 2, 1)]
-    assert {s.micro_batch_size for s in order} == {1, 4}
+    first_middle = next(i for i, s in enumerate(order) if s.micro_batch_size == 2)
+    assert {s.micro_batch_size for s in order[:first_middle]} == {1, 4}
+    assert {s.micro_batch_size for s in order[first_middle:]} == {2}
     layers = [s for s in order if s.part == "layer"]
-    assert len(layers) == 2 * 2 * 3
-    assert len(order) == len(set(order)) == 12 + 2 * 2 * 2
-    # Recompute variants come after every plain layer shape.
+    assert len(layers) == 2 * 3 * 3
+    assert len(order) == len(set(order)) == 18 + 2 * 2 * 3
+    # Among the extremes, recompute variants come after every plain layer shape.
     first_variant = next(i for i, s in enumerate(order) if s.recompute_granularity)
     assert all(s.recompute_granularity is None for s in order[:first_variant])
+
+
+def test_middle_micro_batches_come_each_intervals_middle_first():
+    order = plan_shapes([1], [1, 2, 4, 8, 16, 32], [None])
+    plain = [s.micro_batch_size for s in order if s.part == "layer"]
+    assert plain == [1, 32, 8, 4, 16, 2]
 
 
 def test_single_micro_batch_size_plans_each_shape_once():
