@@ -177,7 +177,7 @@ def record_plan_at_save(args: Any, plan: PlanRecord, is_writer: Callable[[], boo
 def resume_line(resume: Resume, now: Layout, load: str) -> str:
     """The hook's line on the resume: the layouts it was saved and is resumed under, and what Megatron does."""
     saved = resume.saved.describe()
-    line = f"resuming the checkpoint in {load}, saved under {saved}, under "
+    line = f"resuming the checkpoint in {load} (saved as {saved}) in "
     if now.describe() == saved:
         return line + "the same layout"
     if not resume.rule.binds:

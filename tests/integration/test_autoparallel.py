@@ -132,7 +132,7 @@ def test_a_restart_reuses_its_plan_and_a_plan_for_another_job_is_not_applied(run
         r"--micro-batch-size is 3 in the plan, 1 fixed here\): planning again", said), said
     assert f"using the plan in {cached_plan(cache)}" in again and "probed" not in again
     layout = chosen(doc)[0].describe()
-    assert f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {layout}, under the same layout" in again
+    assert f"> auto-parallel: resuming the checkpoint in {ckpt} (saved as {layout}) in the same layout" in again
     assert "> auto-parallel: phases: probe, profile and plan cached; total" in again, said
     check_groups(again, doc)
 
@@ -262,8 +262,8 @@ def test_resume_on_a_smaller_allocation_replans(run_bounded, tmp_path: Path, mon
     assert CHOSEN.search(first).group(1).endswith("dp1")  # tp2 pp2 on 4
     replanned = CHOSEN.search(second).group(1)
     assert "dp" in replanned and replanned != CHOSEN.search(first).group(1)
-    assert re.search(rf"> auto-parallel: resuming the checkpoint in {tmp_path / 'ckpt'}, saved under "
-                     rf"{CHOSEN.search(first).group(1)} [^,]*, under {replanned} .*\(Megatron reshards it; kept as "
+    assert re.search(rf"> auto-parallel: resuming the checkpoint in {tmp_path / 'ckpt'} \(saved as "
+                     rf"{CHOSEN.search(first).group(1)}[^)]*\) in {replanned} .*\(Megatron reshards it; kept as "
                      r"saved: --use-distributed-optimizer True\)", second)
     chosen_lines = [re.search(r"> auto-parallel: chosen layout [^\n]*", out).group(0) for out in (first, second)]
     assert all("--use-distributed-optimizer" in line for line in chosen_lines), chosen_lines

@@ -136,7 +136,7 @@ def test_the_survivor_of_a_lost_node_resumes_from_the_last_checkpoint_in_a_new_l
     first, second = CHOSEN.search(before), CHOSEN.search(after)
     assert first and processes(first.group(1)) == 4, before[-6000:]
     assert second and processes(second.group(1)) == 2, after[-6000:]
-    assert (f"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {first.group(1)}, under "
+    assert (f"> auto-parallel: resuming the checkpoint in {ckpt} (saved as {first.group(1)}) in "
             f"{second.group(1)} (Megatron reshards it; kept as saved: --use-distributed-optimizer ") in after, \
         after[-6000:]
     assert "> auto-parallel: taking the plan for the loss of a node stored in" in after, after[-6000:]

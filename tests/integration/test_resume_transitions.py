@@ -220,9 +220,9 @@ def test_the_resume_line_says_what_megatron_does() -> None:
     found = checkpoint.Resume(where="--load ckpt (iter_0000004)", saved=saved, rule=resume_rule(
         saved, moe=True, loads_optimizer=True, optimizer_sharding="fully_reshardable"))
     now = replace(saved, expert_model_parallel_size=4)
-    assert checkpoint.resume_line(found, saved, "ckpt").endswith("under the same layout")
+    assert checkpoint.resume_line(found, saved, "ckpt").endswith("(saved as tp1 ep2 pp1 dp4 mbs1 dopt) in the same layout")
     assert checkpoint.resume_line(found, now, "ckpt") == (
-        "resuming the checkpoint in ckpt, saved under tp1 ep2 pp1 dp4 mbs1 dopt, under tp1 ep4 pp1 dp4 mbs1 dopt "
+        "resuming the checkpoint in ckpt (saved as tp1 ep2 pp1 dp4 mbs1 dopt) in tp1 ep4 pp1 dp4 mbs1 dopt "
         "(Megatron reshards it; kept as saved: --use-distributed-optimizer True, EP > 1 or ETP != TP)")
     free = replace(found, rule=resume_rule(saved, moe=True, loads_optimizer=False, optimizer_sharding=None))
     assert "(Megatron reshards its weights; its optimizer state is not loaded)" in checkpoint.resume_line(
@@ -314,7 +314,7 @@ def test_a_transition_resumes_with_the_uninterrupted_losses_or_refuses_in_one_li
         return
     now = CHOSEN.search(out).group(1)
     assert all(f" {part} " in f" {now} " for part in under.split()), now
-    assert re.search(rf"> auto-parallel: resuming the checkpoint in {ckpt}, saved under {re.escape(first)}, under "
+    assert re.search(rf"> auto-parallel: resuming the checkpoint in {ckpt} \(saved as {re.escape(first)}\) in "
                      rf"{re.escape(now)} \(Megatron reshards it; kept as saved: ", out), out[-3000:]
     resumed = losses(out)
     assert sorted(resumed) == [4, 5, 6], resumed
