@@ -57,7 +57,7 @@ from megatron_pipette.integration.plan_check import JobRequest, measured_problem
 from megatron_pipette.plan.losses import place_layouts
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
 from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
-from megatron_pipette.report.plans import plan_report
+from megatron_pipette.report.plans import plan_report, rejected_by_rule
 from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, select_nodes
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
@@ -182,8 +182,7 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
     result = result or _search(request, model, phases)
     if not result.candidates:
         cluster = model.cluster
-        rejected = "; ".join(f"{n} rejected: {reason}" for reason, n in sorted(result.rejected.items(),
-                                                                              key=lambda kv: -kv[1])[:3])
+        rejected = "; ".join(f"{n} rejected, e.g. {reason}" for n, reason in rejected_by_rule(result)[:3])
         if not result.considered:       # every layout was rejected before memory was asked
             raise PipetteError(f"no layout of this model is valid on {cluster.world_size} devices with the flags "
                                f"as given ({rejected or 'none enumerated'})")

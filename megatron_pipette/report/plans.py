@@ -83,31 +83,39 @@ def winner(c: Candidate) -> str:
     return "\n".join(lines)
 
 
+def rejected_by_rule(result: Plan) -> list[tuple[int, str]]:
+    """The rules Megatron would reject layouts by, most common first: how many layouts broke each, and
+    the rule as the first of them read it. Never the counting key, whose numbers are all N ("> N" for
+    "> 1"): a placeholder no reader can fill."""
+    common = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [(count, result.rejection_examples.get(kind, kind)) for kind, count in common]
+
+
 def rejections(result: Plan, limit: int = 5) -> list[str]:
     """The layouts Megatron would reject, most common reasons first."""
-    total = sum(result.rejected.values())
-    if not total:
+    common = rejected_by_rule(result)
+    if not common:
         return []
-    common = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
-    lines = [f"{total} layouts Megatron would reject were left out:"]
-    lines += [f"  {count:>6}  {reason}" for reason, count in common[:limit]]
+    lines = [f"{sum(c for c, _ in common)} layouts Megatron would reject were left out (each rule with the "
+             "numbers of the first layout that broke it):"]
+    lines += [f"  {count:>6}  {reason}" for count, reason in common[:limit]]
     if len(common) > limit:
-        lines.append(f"  {sum(c for _, c in common[limit:]):>6}  for {len(common) - limit} other reasons")
+        lines.append(f"  {sum(c for c, _ in common[limit:]):>6}  for {len(common) - limit} other reasons")
     return lines
 
 
 def no_valid_layout(result: Plan) -> str:
     """One line for a search in which Megatron would reject every layout: the most common rule
     broken, as the first layout that broke it read."""
-    common = sorted(result.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    common = rejected_by_rule(result)
     head = f"no layout of {result.workload.name} on {result.world_size} GPUs is valid"
     if not common:
         return f"{head} within the layout flags given"
-    kind, count = common[0]
-    others = sum(result.rejected.values()) - count
+    count, reason = common[0]
+    others = sum(c for c, _ in common) - count
     reasons = f"{len(common) - 1} other reason" + ("s" if len(common) > 2 else "")
     rest = f" ({count} layouts; {others} more for {reasons})" if others else ""
-    return f"{head}: {result.rejection_examples.get(kind, kind)}{rest}"
+    return f"{head}: {reason}{rest}"
 
 
 def headroom(result: Plan) -> str:

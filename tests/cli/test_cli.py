@@ -1,4 +1,5 @@
 import json
+import re
 from importlib.metadata import entry_points
 
 import pytest
@@ -336,3 +337,12 @@ def test_nemos_virtual_pipeline_flag_points_to_megatrons(capsys):
         main(["plan", "--virtual-pipeline-model-parallel-size", "4"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--num-layers-per-virtual-pipeline-stage" in err and len(err.strip().splitlines()) == 1
+
+
+def test_rejections_name_the_numbers_of_a_layout_never_a_placeholder(capsys):
+    """The rejection counts are kept by rule with every number an N; printed so, "> 1" read "> N" and
+    "micro-batches (1) ... size 2" read "(N) ... size N". Each rule is printed as a layout broke it."""
+    code, out, _ = run(capsys, "plan", *SMALL, "--num-layers-per-virtual-pipeline-stage", "2", "--top", "1")
+    assert code == 0 and "--pipeline-model-parallel-size > 1" in out
+    assert "the number of micro-batches (1) to be a multiple of --pipeline-model-parallel-size 2" in out
+    assert not re.search(r"\bN\b", out), out

@@ -119,8 +119,8 @@ def test_nothing_valid_and_nothing_fitting_are_told_apart(cache: Entry) -> None:
     from megatron_pipette.errors import PipetteError
 
     with pytest.raises(PipetteError, match=r"^no layout of this model is valid on 4 devices with the flags as "
-                                           r"given \(1 rejected: --tensor-model-parallel-size N does not divide "
-                                           r"the N GPUs\)"):
+                                           r"given \(1 rejected, e.g. --tensor-model-parallel-size 3 does not "
+                                           r"divide the 4 GPUs\)"):
         start(cache, JobRequest(workload=TINY, world_size=4, gpus_per_node=4,
                                 typed={**CONSTRAINTS, "tensor_model_parallel_size": 3}))
 
