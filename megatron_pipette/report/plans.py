@@ -7,6 +7,7 @@ from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import HEADROOM_TIME, Candidate, Plan
 from megatron_pipette.spec.cluster_file import ClusterFile
+from megatron_pipette.spec.layout import legend
 from megatron_pipette.units import GiB
 
 
@@ -31,7 +32,8 @@ def candidates_table(result: Plan) -> str:
         rows.append([str(i), c.layout.describe(), f"{c.time.iteration_time_s:.3f}", sim,
                      f"{c.time.tflops_per_gpu:.3g}",
                      f"{_gib(c.memory.peak_bytes)}/{_gib(c.memory.capacity_bytes)}", placement])
-    return table(rows, ["#", "layout", "s/iter", "simulated", "TFLOP/s/GPU", "peak GiB/GPU", "placement"])
+    return (table(rows, ["#", "layout", "s/iter", "simulated", "TFLOP/s/GPU", "peak GiB/GPU", "placement"]) + "\n"
+            + legend([c.layout for c in result.candidates]))
 
 
 def node_order(placement: Placement, width: int = 22) -> str:

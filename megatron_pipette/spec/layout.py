@@ -28,6 +28,20 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_
 gated-delta-net attention, which it refuses)."""
 LAYOUT_LETTERS = "EtLm"
 """Layer letters of --pipeline-model-parallel-layout (megatron-core's char2layer_type)."""
+ABBREVIATIONS = {
+    "tp": "--tensor-model-parallel-size", "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size", "pp": "--pipeline-model-parallel-size",
+    "dp": "data-parallel size (GPUs / (TP x CP x PP))", "mbs": "--micro-batch-size",
+    "lpv": "--num-layers-per-virtual-pipeline-stage", "layout=": "--pipeline-model-parallel-layout",
+    "first": "--decoder-first-pipeline-num-layers", "last": "--decoder-last-pipeline-num-layers",
+    "+emb": "--account-for-embedding-in-pipeline-split", "+loss": "--account-for-loss-in-pipeline-split",
+    "sp": "--sequence-parallel", "+tpo": "--tp-comm-overlap", "epo": "--overlap-moe-expert-parallel-comm",
+    "+dw": "--delay-wgrad-compute", "dopt": "--use-distributed-optimizer", "+opg": "--overlap-param-gather",
+    "+step": "--overlap-param-gather-with-optimizer-step",
+    "rc=sel": "--recompute-granularity selective (/MODULES: --recompute-modules)",
+    "rc=full": "--recompute-granularity full (/METHOD N: --recompute-method, --recompute-num-layers)",
+}
+"""What each part of Layout.describe's label stands for."""
 MAX_LAYOUT_LENGTH = 1 << 16
 """Letters a --pipeline-model-parallel-layout may unroll to: far more than any model's layers and
 stages, few enough that a repeat count like t*99999999999 ends in an error, not a full memory."""
@@ -156,38 +170,45 @@ class Layout:
         return self.world_size // (self.etp * self.ep * self.pp)
 
     def describe(self) -> str:
-        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1
-        (sp+tpo: --tp-comm-overlap; +opg: --overlap-param-gather, +step:
-        --overlap-param-gather-with-optimizer-step; +emb, +loss: the embedding or the loss counted in
-        the pipeline split)."""
-        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []),
-                 *([f"ep{self.ep}"] if self.ep > 1 else []),
-                 *([f"etp{self.etp}"] if self.expert_tensor_parallel_size is not None else []),
-                 f"pp{self.pp}", f"dp{self.dp}", f"mbs{self.micro_batch_size}"]
+        """A short label: tp2 cp2 ep4 pp4 dp8 mbs1 lpv2 first6 last6 sp dopt+opg rc=full/uniform1 (each
+        abbreviation's meaning in ABBREVIATIONS, which `legend` prints)."""
+        return " ".join(text for text, _ in self._labels())
+
+    def abbreviations(self) -> list[str]:
+        """The ABBREVIATIONS keys its label uses, in the label's order."""
+        return [key for _, keys in self._labels() for key in keys]
+
+    def _labels(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Each part of the label, with the ABBREVIATIONS it is made of (one source for both)."""
+        parts = [(f"tp{self.tp}", ("tp",)), *([(f"cp{self.cp}", ("cp",))] if self.cp > 1 else []),
+                 *([(f"ep{self.ep}", ("ep",))] if self.ep > 1 else []),
+                 *([(f"etp{self.etp}", ("etp",))] if self.expert_tensor_parallel_size is not None else []),
+                 (f"pp{self.pp}", ("pp",)), (f"dp{self.dp}", ("dp",)), (f"mbs{self.micro_batch_size}", ("mbs",))]
         if self.num_layers_per_virtual_pipeline_stage:
-            parts.append(f"lpv{self.num_layers_per_virtual_pipeline_stage}")
+            parts.append((f"lpv{self.num_layers_per_virtual_pipeline_stage}", ("lpv",)))
         if self.pipeline_model_parallel_layout is not None:
-            parts.append(f"layout={self.pipeline_model_parallel_layout}")
+            parts.append((f"layout={self.pipeline_model_parallel_layout}", ("layout=",)))
         if self.decoder_first_pipeline_num_layers is not None:
-            parts.append(f"first{self.decoder_first_pipeline_num_layers}")
+            parts.append((f"first{self.decoder_first_pipeline_num_layers}", ("first",)))
         if self.decoder_last_pipeline_num_layers is not None:
-            parts.append(f"last{self.decoder_last_pipeline_num_layers}")
+            parts.append((f"last{self.decoder_last_pipeline_num_layers}", ("last",)))
         if self.account_for_embedding_in_pipeline_split:
-            parts.append("+emb")
+            parts.append(("+emb", ("+emb",)))
         if self.account_for_loss_in_pipeline_split:
-            parts.append("+loss")
+            parts.append(("+loss", ("+loss",)))
         if self.sequence_parallel:
-            parts.append("sp" + ("+tpo" if self.tp_comm_overlap else ""))
+            parts.append(_joined("sp", ("+tpo", self.tp_comm_overlap)))
         if self.overlap_moe_expert_parallel_comm:
-            parts.append("epo" + ("+dw" if self.delay_wgrad_compute else ""))
+            parts.append(_joined("epo", ("+dw", self.delay_wgrad_compute)))
         if self.use_distributed_optimizer:
-            parts.append("dopt" + ("+opg" if self.overlap_param_gather else "")
-                         + ("+step" if self.overlap_param_gather_with_optimizer_step else ""))
+            parts.append(_joined("dopt", ("+opg", self.overlap_param_gather),
+                                 ("+step", self.overlap_param_gather_with_optimizer_step)))
         if self.recompute_granularity == "selective":
-            parts.append("rc=sel" + ("" if self.recompute_modules is None else "/" + "+".join(self.recompute_modules)))
+            parts.append(("rc=sel" + ("" if self.recompute_modules is None else "/" + "+".join(self.recompute_modules)),
+                          ("rc=sel",)))
         elif self.recompute_granularity == "full":
-            parts.append(f"rc=full/{self.recompute_method}{self.recompute_num_layers}")
-        return " ".join(parts)
+            parts.append((f"rc=full/{self.recompute_method}{self.recompute_num_layers}", ("rc=full",)))
+        return parts
 
     def megatron_args(self) -> list[str]:
         """The Megatron command-line flags that select this layout."""
@@ -551,3 +572,15 @@ def _validate_recompute(layout: Layout, layers: list[int]) -> None:
         raise Infeasible("--recompute-method and --recompute-num-layers apply only with --recompute-granularity full")
     if layout.recompute_modules is not None and g != "selective":
         raise Infeasible("--recompute-modules applies only with --recompute-granularity selective")
+
+
+def _joined(head: str, *tails: tuple[str, bool]) -> tuple[str, tuple[str, ...]]:
+    """A label part with its switched-on suffixes ("dopt+opg"), and the abbreviations it uses."""
+    keys = (head, *(tail for tail, on in tails if on))
+    return "".join(keys), keys
+
+
+def legend(layouts: list[Layout]) -> str:
+    """One line saying what the abbreviations of these layouts' labels stand for (only those used)."""
+    keys = dict.fromkeys(key for layout in layouts for key in layout.abbreviations())
+    return "Abbreviations: " + "; ".join(f"{key} {ABBREVIATIONS[key]}" for key in keys) + "."

@@ -346,3 +346,11 @@ def test_rejections_name_the_numbers_of_a_layout_never_a_placeholder(capsys):
     assert code == 0 and "--pipeline-model-parallel-size > 1" in out
     assert "the number of micro-batches (1) to be a multiple of --pipeline-model-parallel-size 2" in out
     assert not re.search(r"\bN\b", out), out
+
+
+def test_the_plan_table_explains_its_abbreviations_under_it(capsys):
+    code, out, _ = run(capsys, "plan", *SMALL, "--top", "3")
+    lines = out.splitlines()
+    legend = next(i for i, line in enumerate(lines) if line.startswith("Abbreviations: "))
+    assert code == 0 and lines[legend - 1].startswith("3  tp"), lines[legend - 3:legend + 1]
+    assert "dopt --use-distributed-optimizer" in lines[legend] and "lpv" not in lines[legend]
