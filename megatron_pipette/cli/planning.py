@@ -151,8 +151,8 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({**estimate_json(layout, time, memory), "cluster": cluster.name}, indent=1))
     else:
-        print(plans.estimate_report(f"{layout.describe()} in {workload.precision}{precision_note(ns, workload)}",
-                                     time, memory))
+        print(plans.estimate_report(f"{layout.describe()} in {plans.precision_priced(workload)}"
+                                     f"{precision_note(ns, workload)}", time, memory))
     return 0
 
 
@@ -183,7 +183,7 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
 
 
 def _placed(job: Job, placement: Placement) -> str:
-    return (f"{job.layout.describe()} in {job.workload.precision} placed on nodes "
+    return (f"{job.layout.describe()} in {plans.precision_priced(job.workload)} placed on nodes "
             f"{plans.node_order(placement)}")
 
 

@@ -8,6 +8,7 @@ from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import HEADROOM_TIME, Candidate, Plan
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.layout import legend
+from megatron_pipette.spec.workload import Workload
 from megatron_pipette.units import GiB
 
 
@@ -137,9 +138,17 @@ def headroom(result: Plan) -> str:
     return f"{line}, the {margin} headroom margin or more." if result.memory_headroom else f"{line}."
 
 
+def precision_priced(workload: Workload) -> str:
+    """The precision a plan or estimate is priced in: the training dtype, and FP8 GEMMs where
+    --fp8-format runs the layers' linears in FP8 (docs/fp8.md)."""
+    if workload.fp8 is None:
+        return workload.precision
+    return f"{workload.precision} with FP8 GEMMs (--fp8-format {workload.fp8}, --fp8-recipe {workload.fp8_recipe})"
+
+
 def plan_report(result: Plan, precision_note: str = "") -> str:
-    """The plan as text; the head says the precision planned (and `precision_note`, where it came from)."""
-    head = (f"Planned {result.workload.name} in {result.workload.precision}{precision_note} on "
+    """The plan as text; the head says the precision priced (and `precision_note`, where it came from)."""
+    head = (f"Planned {result.workload.name} in {precision_priced(result.workload)}{precision_note} on "
             f"{result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
     return "\n".join([head, *rejections(result), "", candidates_table(result), headroom(result),

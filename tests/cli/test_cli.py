@@ -354,3 +354,13 @@ def test_the_plan_table_explains_its_abbreviations_under_it(capsys):
     legend = next(i for i, line in enumerate(lines) if line.startswith("Abbreviations: "))
     assert code == 0 and lines[legend - 1].startswith("3  tp"), lines[legend - 3:legend + 1]
     assert "dopt --use-distributed-optimizer" in lines[legend] and "lpv" not in lines[legend]
+
+
+def test_an_fp8_plan_and_estimate_are_headed_with_the_precision_priced(capsys):
+    """Priced with FP8 GEMMs, once headed "in bf16" alone."""
+    fp8 = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--num-nodes", "1", "--fp8-format", "hybrid"]
+    priced = "in bf16 with FP8 GEMMs (--fp8-format hybrid, --fp8-recipe delayed) on dgx-h100x1"
+    code, out, _ = run(capsys, "plan", *fp8, "--top", "1")
+    assert code == 0 and out.startswith(f"Planned llama3-8b {priced}"), out[:200]
+    code, out, _ = run(capsys, "estimate", *fp8, "--tensor-model-parallel-size", "8")
+    assert code == 0 and out.startswith("tp8 pp1 dp1 mbs1 in bf16 with FP8 GEMMs (--fp8-format hybrid"), out[:200]
