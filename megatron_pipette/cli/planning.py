@@ -78,7 +78,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--memory-headroom must be a percentage of 0 or more and under 100, got "
                            f"{ns.memory_headroom:g}")
     check_picture_path(ns.timeline, "--timeline")
-    constraints = layout_constraints(ns)
+    constraints = _as_megatron_runs(ns, layout_constraints(ns))
     check_user_layout(Layout(**constraints))
     try:
         check_implementation(Layout(**constraints), transformer_engine_layers(ns))
@@ -108,6 +108,18 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _as_megatron_runs(ns: argparse.Namespace, typed: dict) -> dict:
+    """The typed layout flags as Megatron runs them: its validate_args turns --sequence-parallel off at
+    TP 1 rather than refusing it (megatron/training/arguments.py, megatron-core 0.19.2 lines 1390-1399:
+    "Disabling sequence parallelism because tensor model parallelism is disabled"), so NVIDIA's TP 1
+    launch lines with it plan; one line says so (on stderr beside --json)."""
+    if not (typed.get("sequence_parallel") and typed.get("tensor_model_parallel_size", 1) == 1):
+        return typed
+    print("--sequence-parallel with --tensor-model-parallel-size 1: priced without it, as Megatron turns "
+          "sequence parallelism off at TP 1", file=sys.stderr if ns.json else sys.stdout)
+    return {**typed, "sequence_parallel": False}
+
+
 def _cost_model(cluster: Cluster, profile: LayerProfile | None) -> CostModel:
     """The cost model of `cluster`, with the memory overheads of this shell's environment (the job's,
     when pipette runs in its launch script: PYTORCH_CUDA_ALLOC_CONF)."""
@@ -133,7 +145,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns, DEFAULT_MODEL)
     cluster = cluster_from_args(ns, workload.precision)
     profile = profile_from_args(ns, workload, cluster)
-    fields = layout_constraints(ns)
+    fields = _as_megatron_runs(ns, layout_constraints(ns))
     tp = fields.get("tensor_model_parallel_size", 1)
     pp = fields.get("pipeline_model_parallel_size", 1)
     cp = fields.get("context_parallel_size", 1)

@@ -364,3 +364,18 @@ def test_an_fp8_plan_and_estimate_are_headed_with_the_precision_priced(capsys):
     assert code == 0 and out.startswith(f"Planned llama3-8b {priced}"), out[:200]
     code, out, _ = run(capsys, "estimate", *fp8, "--tensor-model-parallel-size", "8")
     assert code == 0 and out.startswith("tp8 pp1 dp1 mbs1 in bf16 with FP8 GEMMs (--fp8-format hybrid"), out[:200]
+
+
+def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does(capsys):
+    """NVIDIA's Llama 3 8B launch line types --tensor-model-parallel-size 1 with --sequence-parallel;
+    Megatron's validate_args turns sequence parallelism off at TP 1, and pipette once refused it (exit 3)."""
+    line = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--num-nodes", "1", "--tensor-model-parallel-size", "1",
+            "--sequence-parallel"]
+    said = ("--sequence-parallel with --tensor-model-parallel-size 1: priced without it, as Megatron turns sequence "
+            "parallelism off at TP 1\n")
+    code, out, err = run(capsys, "plan", *line, "--top", "1")
+    assert code == 0 and err == "" and out.startswith(said + "Planned llama3-8b"), (err, out[:300])
+    code, out, err = run(capsys, "plan", *line, "--top", "1", "--json")
+    assert code == 0 and err == said and not json.loads(out)["candidates"][0]["layout"]["sequence_parallel"]
+    code, out, err = run(capsys, "estimate", *line)
+    assert code == 0 and out.startswith(said + "tp1 pp1 dp8 mbs1 in bf16"), out[:300]
