@@ -99,7 +99,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_NOTHING_FITS
     if not ns.json:
-        print(plans.plan_report(result, precision_note(ns, workload)))
+        print(plans.plan_report(result, precision_note(ns, workload), constraints))
     if ns.timeline:
         best = result.candidates[0]
         job = resolve_job(workload, best.layout, cluster.world_size)

@@ -189,7 +189,7 @@ def plan_and_write(request: JobRequest, model: CostModel, entry: Entry, phases: 
         raise PipetteError(f"no layout of this model fits in {cluster.memory_bytes / GiB:.1f} GiB per device "
                            f"on {cluster.world_size} devices ({result.out_of_memory} of {result.considered} "
                            f"layouts are out of memory" + (f"; {rejected}" if rejected else "") + ")")
-    record = _write_plan(result, entry, phases, calibration)
+    record = _write_plan(result, request, entry, phases, calibration)
     store_loss_plan(request, model, entry, phases, calibration)
     return record
 
@@ -310,7 +310,7 @@ def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanR
         return None
     log(f"taking the plan for the loss of a node stored in {other.path}: its layouts placed on this "
         "allocation, no search", 0)
-    return _write_plan(result, entry, phases, calibration)
+    return _write_plan(result, request, entry, phases, calibration)
 
 
 def _reference(calibration: CalibrationRecord | None) -> CalibrationRef | None:
@@ -318,10 +318,16 @@ def _reference(calibration: CalibrationRecord | None) -> CalibrationRef | None:
     return None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
 
 
-def _write_plan(result: Plan, entry: Entry, phases: Phases, calibration: CalibrationRecord | None) -> PlanRecord:
-    print(plan_report(result), flush=True)
+def _write_plan(result: Plan, request: JobRequest, entry: Entry, phases: Phases,
+                calibration: CalibrationRecord | None) -> PlanRecord:
+    """Print the plan (naming the layout flags the search kept) and cache it, saying where and how a
+    later start plans again instead of reusing it."""
+    print(plan_report(result, fixed=request.constraints), flush=True)
     record = PlanRecord.from_plan(result, phases_s=phases.seconds, calibration=_reference(calibration))
-    entry.write(PLAN, record.to_json())      # a plan that cannot be cached is still used
+    if entry.write(PLAN, record.to_json()):      # a plan that cannot be cached is still used
+        log(f"plan stored in {entry.file(PLAN)} (allocation {entry.key}): a later start of this job on this "
+            "allocation reuses it; --auto-parallel-replan plans again from the cached probe and layer profile, "
+            "--auto-parallel-reprobe measures again", 0)
     return record
 
 
@@ -375,7 +381,8 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
         phases.skip(name, "cached")
     calibration = entry.read(CALIBRATION)
     if calibration is None or (cached.calibration is not None and calibration.id == cached.calibration.id):
-        log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped", 0)
+        log(f"using the plan in {path} (allocation {entry.key}); probe and profile skipped "
+            "(--auto-parallel-replan plans again)", 0)
         phases.skip("plan", "cached")
         return cached
     cluster, profile = _cached(entry, request)
@@ -397,7 +404,8 @@ def cached_plan(cached: PlanRecord, request: JobRequest, replan_if_slower: float
         f"{cached.best.iteration_time_s:.3g} s before", 0)
     chosen = _choose(kept, result.best, replan_if_slower)
     others = [c for c in result.candidates if (c.layout, c.placement) != (chosen.layout, chosen.placement)]
-    return _write_plan(replace(result, candidates=(chosen, *others)[:TOP_K]), entry, phases, calibration)
+    return _write_plan(replace(result, candidates=(chosen, *others)[:TOP_K]), request, entry, phases,
+                       calibration)
 
 
 def _choose(kept: Candidate, best: Candidate | None, replan_if_slower: float | None) -> Candidate:

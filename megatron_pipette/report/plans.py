@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from megatron_pipette.cost.memory import TIGHT_HEADROOM, MemoryEstimate, misfit_reason
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import HEADROOM_TIME, Candidate, Plan
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.layout import legend
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, megatron_flag
 from megatron_pipette.units import GiB
 
 
@@ -146,13 +149,24 @@ def precision_priced(workload: Workload) -> str:
     return f"{workload.precision} with FP8 GEMMs (--fp8-format {workload.fp8}, --fp8-recipe {workload.fp8_recipe})"
 
 
-def plan_report(result: Plan, precision_note: str = "") -> str:
-    """The plan as text; the head says the precision priced (and `precision_note`, where it came from)."""
+def fixed_flags(fixed: Mapping[str, Any]) -> list[str]:
+    """The line naming the layout flags the search kept as given (a pasted launch line's TP, PP,
+    micro-batch...), so that a plan over one micro-batch size does not read as a search over all."""
+    if not fixed:
+        return []
+    flags = [megatron_flag(name) if value is True else f"without {megatron_flag(name)}" if value is False
+             else f"{megatron_flag(name)} {value}" for name, value in fixed.items()]
+    return [f"Kept fixed, not searched: {', '.join(flags)}."]
+
+
+def plan_report(result: Plan, precision_note: str = "", fixed: Mapping[str, Any] | None = None) -> str:
+    """The plan as text; the head says the precision priced (and `precision_note`, where it came from),
+    and the layout flags `fixed` that the search kept."""
     head = (f"Planned {result.workload.name} in {precision_priced(result.workload)}{precision_note} on "
             f"{result.cluster_name} ({result.world_size} GPUs): "
             f"{result.considered} layouts considered, {result.out_of_memory} do not fit in memory.")
-    return "\n".join([head, *rejections(result), "", candidates_table(result), headroom(result),
-                      winner(result.candidates[0])])
+    return "\n".join([head, *fixed_flags(fixed or {}), *rejections(result), "", candidates_table(result),
+                      headroom(result), winner(result.candidates[0])])
 
 
 def estimate_report(layout_desc: str, time: TimeEstimate, memory: MemoryEstimate) -> str:

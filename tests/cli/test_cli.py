@@ -379,3 +379,12 @@ def test_sequence_parallel_at_tp_1_is_turned_off_as_megatron_does(capsys):
     assert code == 0 and err == said and not json.loads(out)["candidates"][0]["layout"]["sequence_parallel"]
     code, out, err = run(capsys, "estimate", *line)
     assert code == 0 and out.startswith(said + "tp1 pp1 dp8 mbs1 in bf16"), out[:300]
+
+
+def test_a_plan_says_which_typed_layout_flags_it_kept_fixed(capsys):
+    code, out, _ = run(capsys, "plan", *SMALL, "--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
+                       "--top", "1")
+    assert code == 0 and out.splitlines()[1] == ("Kept fixed, not searched: --tensor-model-parallel-size 2, "
+                                                 "--micro-batch-size 1."), out[:400]
+    code, out, _ = run(capsys, "plan", *SMALL, "--top", "1")
+    assert code == 0 and "Kept fixed" not in out

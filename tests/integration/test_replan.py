@@ -78,6 +78,18 @@ def test_a_cached_probe_is_planned_from_without_probing(cache: Entry, capsys) ->
     assert describe(doc) == "tp1 pp1 dp4 mbs4 dopt+opg"
 
 
+def test_a_start_names_the_flags_it_kept_and_the_entry_it_stored_and_how_to_plan_again(cache: Entry, capsys) -> None:
+    start(cache)
+    out = capsys.readouterr().out
+    assert "\nKept fixed, not searched: without --sequence-parallel.\n" in out
+    assert (f"> auto-parallel: plan stored in {cache.file(PLAN)} (allocation k): a later start of this job on this "
+            "allocation reuses it; --auto-parallel-replan plans again from the cached probe and layer profile, "
+            "--auto-parallel-reprobe measures again\n") in out
+    start(cache)
+    assert (f"> auto-parallel: using the plan in {cache.file(PLAN)} (allocation k); probe and profile skipped "
+            "(--auto-parallel-replan plans again)\n") in capsys.readouterr().out
+
+
 def test_a_calibration_is_reported_and_the_layout_kept_unless_asked(cache: Entry, capsys) -> None:
     """The truth's links are 10x slower: the calibrated model predicts the cached layout at the
     measured time and finds a pipeline layout faster, but keeps the cached one by default."""
