@@ -103,6 +103,10 @@ def decide(started: Started, args: Any, argv: list[str], opts: Any) -> StartPlan
     if opts.auto_parallel_strict:
         close_quietly()
         raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
+    if opts.auto_parallel_dry_run:     # it asked for a plan, and there is none: not a success (exit 1)
+        close_quietly()
+        raise SystemExit(f"auto-parallel failed (--auto-parallel-dry-run): planning failed ({reason}); no plan "
+                         "to print, nothing trained")
     left_open = ""
     if fallback.micro_batch_size is None:     # left to the planner; Megatron cannot start without one
         fallback, left_open = replace(fallback, micro_batch_size=1), " (--micro-batch-size, not given: 1)"

@@ -142,7 +142,8 @@ def add_auto_parallel_args(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="probe and profile again instead of reusing the cached measurements (drops their "
                             "calibration), then plan")
     group.add_argument("--auto-parallel-dry-run", action="store_true",
-                       help="print the plan (checked against this job like any other) and exit without training")
+                       help="print the plan (checked against this job like any other) and exit without training "
+                            "(status 1 if planning failed)")
     group.add_argument("--auto-parallel-strict", action="store_true",
                        help="stop with an error if probing or planning fails, instead of training with "
                             "the flags as given")
