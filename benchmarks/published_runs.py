@@ -105,6 +105,13 @@ def predict(run: dict, large_gemm_efficiency: float | None = None) -> dict:
             "peak_gib": model.memory(job).peak_bytes / GiB}
 
 
+def result_row(run: dict, sets: dict[str, str]) -> dict:
+    """The run as results.json keeps it: its set, citation, measured and predicted time."""
+    got, measured = predict(run), measured_seconds(run)
+    return {"id": run["id"], "set": sets[run["id"]], "cite": run["cite"], "measured_s": measured, **got,
+            "error": got["predicted_s"] / measured - 1}
+
+
 def calibrate(runs: list[dict], sets: dict[str, str]) -> float:
     """The A100 large-GEMM efficiency (no measurement exists here) minimising the mean |error| over
     the development runs only; the held-out runs are not predicted."""
@@ -138,12 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'run':<14} {'set':<8} {'measured s':>10} {'predicted s':>11} {'error':>7}  layout")
     for run in runs:
-        got = predict(run)
-        measured = measured_seconds(run)
-        row = {"id": run["id"], "set": sets[run["id"]], "cite": run["cite"], "measured_s": measured, **got,
-               "error": got["predicted_s"] / measured - 1}
+        row = result_row(run, sets)
         rows.append(row)
-        print(f"{row['id']:<14} {row['set']:<8} {measured:>10.3f} {row['predicted_s']:>11.3f} "
+        print(f"{row['id']:<14} {row['set']:<8} {row['measured_s']:>10.3f} {row['predicted_s']:>11.3f} "
               f"{row['error']:>+7.1%}  {row['layout']}{'' if row['fits'] else ' (no layout fits)'}", flush=True)
     result = {"date": datetime.date.today().isoformat(), "split_seed": SPLIT_SEED,
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -290,6 +290,21 @@ def is_moe(row: dict) -> bool:
     return "--num-experts" in row["model_flags"] or "deepseek-v3-like" in row["model_flags"]
 
 
+def result_row(row: dict, search: bool = True) -> dict:
+    """The row as results.json keeps it: priced without and with its recipe and, with `search`,
+    the free search's pick."""
+    plain, recipe = pinned(row, recipe=False), pinned(row, recipe=True)
+    found = searched(row, recipe.get("predicted_s")) if search else {}
+    if found and is_moe(row) and row["published_layout"]["micro_batch_size"] is not None:
+        # How much of the gain is the micro-batch (per-micro-batch costs amortised) and how much
+        # the rest of the layout: the search again with the published micro-batch size.
+        published = {"micro_batch_size": row["published_layout"]["micro_batch_size"]}
+        found["at_published_mbs"] = searched(row, recipe.get("predicted_s"), published)
+    flags, not_priced = recipe_flags(row)
+    return {"id": row["id"], "measured_s": row["iteration_time_s"], "moe": is_moe(row), "plain": plain,
+            "recipe": recipe, "search": found, "recipe_flags": flags, "recipe_not_priced": not_priced}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="folder for results.json (default: print only)")
@@ -299,16 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<26} {'measured s':>10} {'no recipe':>9} {'predicted s':>11} {'error':>7} "
           f"{'peak GiB':>8}  {'search gain':>11}  search pick")
     for row in json.loads(DATA.read_text())["rows"]:
-        plain, recipe = pinned(row, recipe=False), pinned(row, recipe=True)
-        search = {} if ns.no_search else searched(row, recipe.get("predicted_s"))
-        if search and is_moe(row) and row["published_layout"]["micro_batch_size"] is not None:
-            # How much of the gain is the micro-batch (per-micro-batch costs amortised) and how much
-            # the rest of the layout: the search again with the published micro-batch size.
-            published = {"micro_batch_size": row["published_layout"]["micro_batch_size"]}
-            search["at_published_mbs"] = searched(row, recipe.get("predicted_s"), published)
-        flags, not_priced = recipe_flags(row)
-        rows.append({"id": row["id"], "measured_s": row["iteration_time_s"], "moe": is_moe(row), "plain": plain,
-                     "recipe": recipe, "search": search, "recipe_flags": flags, "recipe_not_priced": not_priced})
+        rows.append(result_row(row, search=not ns.no_search))
+        plain, recipe, search = rows[-1]["plain"], rows[-1]["recipe"], rows[-1]["search"]
         if "error" not in recipe:
             print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f}  {recipe['error_message']}")
             continue
