@@ -1,0 +1,398 @@
+"""Price NVIDIA's published Blackwell runs at their own layouts with the planner as it stands; print every row.
+
+    python benchmarks/published_runs_blackwell.py [--out benchmarks/results/published_runs_blackwell-DATE] [--search]
+    python benchmarks/published_runs_blackwell.py --resolve WHEEL_DIR
+
+Why: the baseline of issue 31 (Blackwell priced from evidence). The rows
+(benchmarks/published_runs_blackwell.json, a copy of the team's Blackwell development set: Megatron-Bridge
+25.09-26.08 on DGX-B200, DGX-B300, GB200 and GB300 NVL72) give each run's model, published layout,
+precision, global batch and measured tokens/s/GPU. Each row is priced as published_runs_h100.py prices
+its rows (its functions: the same parser, overlaps, recipe environment and pricing), with the launch
+written as the recipes write it: the precision's Megatron flags (--fp8-recipe mxfp8, --fp4-recipe
+nvfp4, ...), --num-virtual-stages-per-pipeline-rank for VP, --use-megatron-fsdp for the tables' FSDP
+column, the cluster named by the row. What the planner refuses is listed with its reason.
+
+--resolve WHEEL_DIR (an unpacked megatron-bridge wheel) writes each row's `recipe` (the H100 set's
+shape) from perf_recipes/<model>/<gpu>/ by reading the recipe functions' assignments (no import: the
+wheel needs a GPU stack); each recipe setting that names a Megatron argument becomes a candidate flag,
+priced where the planner prices it; the rest is listed as not known or not expressible.
+
+No tuning: this prices the rows with the cost model and catalog as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from published_runs_h100 import WORST_BAR, base_argv, build, layout_argv, result_row, summary
+
+from megatron_pipette.errors import PipetteError
+from megatron_pipette.spec.megatron_flags import flag_table
+
+DATA = Path(__file__).with_name("published_runs_blackwell.json")
+
+PRECISION = {
+    "bf16": [],
+    "fp8 current scaling (tensorwise)": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8 (as published; the 26.x Llama recipes use current scaling)": ["--fp8-format", "hybrid",
+                                                                       "--fp8-recipe", "tensorwise"],
+    None: ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "mxfp8": ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+    "nvfp4": ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"],
+}
+"""Each published precision as Megatron flags (on top of --bf16), as Megatron-Bridge 0.6.2's
+training/mixed_precision.py sets them: current scaling fp8 "hybrid" with recipe "tensorwise"
+(bf16_with_fp8_current_scaling_mixed), MXFP8 fp8 "e4m3" with recipe "mxfp8" (bf16_with_mxfp8_mixed),
+NVFP4 fp4 "e2m1" with recipe "nvfp4" (bf16_with_nvfp4_mixed). The 25.09 table has no precision
+column (None): its release notes say FP8 current scaling."""
+
+RECIPE_PRECISION = {"bf16": "bf16", "fp8 current scaling (tensorwise)": "fp8cs", None: "fp8cs",
+                    "fp8 (as published; the 26.x Llama recipes use current scaling)": "fp8cs",
+                    "mxfp8": "fp8mx", "nvfp4": "nvfp4"}
+"""The perf recipe's function-name suffix for each published precision."""
+
+STAND_IN = {"cluster": {"gb300-nvl72": "gb200-nvl72"}, "precision": PRECISION["fp8 current scaling (tensorwise)"]}
+"""What a refused setting is replaced by when looking for a row's further refusals (only there)."""
+
+
+def launch(row: dict) -> dict[str, list[str]]:
+    """The row's launch settings beyond model and layout, each as Megatron words."""
+    layout = row["published_layout"]
+    vp = layout["virtual_stages_per_pipeline_rank"]
+    return {"cluster": ["--cluster", row["cluster"]], "precision": PRECISION[row["precision"]],
+            "vp": ["--num-virtual-stages-per-pipeline-rank", str(vp)] if vp and vp > 1 else [],
+            "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+            if fsdp(layout) else []}
+
+
+def fsdp(layout: dict) -> bool:
+    """Whether the table's FSDP column says on: 64 in 25.09/25.11 (a cell "64 (0)" keeps its first
+    figure), 0 or absent for off."""
+    return str(layout["fsdp"]).split()[0] not in ("0", "None")
+
+
+def as_h100_row(row: dict, settings: dict[str, list[str]] | None = None) -> dict:
+    """The row in the H100 set's shape, so that published_runs_h100's functions price it:
+    precision, VP and FSDP go into the launch flags, the cluster into `cluster`."""
+    settings = settings or launch(row)
+    layout = row["published_layout"]
+    return {**row, "cluster": settings["cluster"][1], "precision": "bf16",
+            "model_flags": [*row["model_flags"], *settings["precision"], *settings["vp"], *settings["fsdp"]],
+            "published_layout": {"tp": layout["tp"], "pp": layout["pp"], "cp": layout["cp"], "ep": layout["ep"] or 1,
+                                 "etp": layout["etp"], "micro_batch_size": layout["micro_batch_size"],
+                                 "num_layers_per_virtual_pipeline_stage": None,
+                                 "pipeline_model_parallel_layout": None,
+                                 "account_for_embedding_and_loss_in_pipeline_split": False},
+            "recipe": row.get("recipe") or {"function": None, "megatron_flags": [], "not_expressible": []}}
+
+
+def refusals(row: dict) -> list[str]:
+    """Every launch setting of the row the planner refuses, with its message: the refused setting (the
+    one whose flag the message names) is replaced by a priced stand-in (STAND_IN, or dropped) and the
+    row read again."""
+    settings, found = launch(row), []
+    while True:
+        h100 = as_h100_row(row, settings)
+        try:
+            build([*base_argv(h100), *layout_argv(h100["published_layout"])])
+            return found
+        except PipetteError as e:
+            found.append(str(e))
+            flag = reason(str(e)).split()[0]
+            named = [key for key, words in settings.items() if flag in words]
+            if not named:
+                return found
+            key = named[0]
+            settings[key] = ["--cluster", STAND_IN["cluster"].get(row["cluster"], row["cluster"])] \
+                if key == "cluster" else STAND_IN["precision"] if key == "precision" else []
+
+
+def reason(message: str) -> str:
+    """A refusal's reason, by the flag (and value) it names."""
+    flag = re.search(r"--[a-z0-9-]+", message)
+    value = re.search(r"'([^']+)'", message) if flag and flag.group() in ("--cluster", "--fp8-recipe") else None
+    return (flag.group() if flag else message) + (f" {value.group(1)}" if value else "")
+
+
+def tokens_per_gpu(row: dict, seconds: float) -> float:
+    return row["global_batch_size"] * row["seq_length"] / (seconds * row["gpus"])
+
+
+def priced_row(row: dict, search: bool) -> dict:
+    """The row as results.json keeps it: published_runs_h100.result_row of the row in its shape, the
+    predicted tokens/s/GPU, and every refused launch setting."""
+    out = result_row(as_h100_row(row), search=search)
+    out.update(label=row["label"], cluster=row["cluster"], gpus=row["gpus"], precision=row["precision"],
+               measured_tokens_per_s_per_gpu=row["tokens_per_s_per_gpu"],
+               recipe_function=row.get("recipe", {}).get("function"),
+               recipe_note=row.get("recipe", {}).get("note"))
+    for key in ("plain", "recipe"):
+        if "predicted_s" in out[key]:
+            out[key]["predicted_tokens_per_s_per_gpu"] = tokens_per_gpu(row, out[key]["predicted_s"])
+    out["refused"] = refusals(row) if "error" not in out["recipe"] else []
+    return out
+
+
+def refusal_counts(rows: list[dict]) -> dict:
+    """Refused rows counted by their first refusal's reason, and rows counted by every reason they have."""
+    first, every = {}, {}
+    for r in rows:
+        if "error" in r["recipe"]:
+            continue
+        key = reason(r["recipe"]["error_message"])
+        first[key] = first.get(key, 0) + 1
+        for message in {reason(m) for m in r["refused"]} or {key}:
+            every[message] = every.get(message, 0) + 1
+    return {"by_first_reason": first, "by_every_reason": every}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="folder for results.json (default: print only)")
+    p.add_argument("--search", action="store_true", help="also run the free search on each priced row (slow)")
+    p.add_argument("--resolve", metavar="WHEEL_DIR",
+                   help="write the rows' `recipe` from an unpacked megatron-bridge wheel, then stop")
+    ns = p.parse_args(argv)
+    doc = json.loads(DATA.read_text())
+    if ns.resolve:
+        for row in doc["rows"]:
+            row["recipe"] = resolve_recipe(row, Path(ns.resolve) / "megatron" / "bridge" / "perf_recipes")
+        doc["recipe_about"] = ("each row's `recipe` was added to the team's set by published_runs_blackwell.py "
+                               "--resolve from the megatron-bridge 0.6.2 wheel's perf_recipes/ (the rest is the set as "
+                               "given): its function, candidate Megatron flags, what was not read (not_known) and "
+                               "settings with no Megatron 0.19.2 flag")
+        DATA.write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
+    rows = []
+    print(f"{'run':<46} {'measured tok/s/GPU':>18} {'predicted':>9} {'error':>7} {'peak GiB':>9}  refused / search")
+    for row in doc["rows"]:
+        rows.append(priced_row(row, ns.search))
+        recipe = rows[-1]["recipe"]
+        if "error" not in recipe:
+            print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,}  refused: "
+                  f"{'; '.join(rows[-1]['refused']) or recipe['error_message']}", flush=True)
+            continue
+        fits = " OOM" if not recipe["fits"] else " <2%" if recipe["headroom"] < 0.02 else ""
+        search = rows[-1]["search"]
+        gain = f"search {search['search_gain']:+.1%} {search['search_layout']}" if "search_gain" in search else ""
+        print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,} {recipe['predicted_tokens_per_s_per_gpu']:>9,.0f} "
+              f"{recipe['error']:>+7.1%} {recipe['peak_gib']:>7.1f}{fits:<4} {gain}", flush=True)
+    counts = refusal_counts(rows)
+    result = {"date": datetime.date.today().isoformat(),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(),
+              "error_sign": "predicted step time / measured - 1: positive is predicted too slow",
+              "summary": {k: summary(rows, k) for k in ("plain", "recipe")}, "refusals": counts, "rows": rows}
+    for name, s in result["summary"].items():
+        print(f"{name:>7}: {s['priced']}/{s['runs']} priced, mean |error| {s['mean_abs_error']:.1%} "
+              f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond "
+              f"{WORST_BAR:.0%}, {s['predicted_not_to_fit']} predicted not to fit, {s['fits_within_2pct']} within 2% "
+              f"of capacity")
+    print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
+    print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
+    if ns.out:
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+# --- the recipes, read from the wheel's source (--resolve) ---
+
+MODELS = {"LLAMA3_8B": ("llama", "llama3_8b"), "LLAMA3_70B": ("llama", "llama3_70b"),
+          "LLAMA3.1_405B": ("llama", "llama31_405b"), "DeepSeekV3": ("deepseek", "deepseek_v3"),
+          "Qwen3_30B_a3B": ("qwen", "qwen3_30b_a3b")}
+"""The tables' model names: the perf_recipes folder and the recipe functions' prefix."""
+
+LAYOUT_SETTINGS = {"model.tensor_model_parallel_size": "TP", "model.pipeline_model_parallel_size": "PP",
+                   "model.context_parallel_size": "CP", "model.virtual_pipeline_model_parallel_size": "VP",
+                   "model.expert_model_parallel_size": "EP", "model.expert_tensor_parallel_size": "ETP",
+                   "train.micro_batch_size": "MBS", "train.global_batch_size": "GBS"}
+"""Recipe settings the row's published layout gives (compared in the note, not taken as flags)."""
+
+NOT_MEGATRON = ("dataset.", "tokenizer.", "checkpoint.", "logger.", "scheduler.", "rerun_state_machine.",
+                "env_vars", "train.train_iters", "train.eval_iters", "peft.", "model.sequence_parallel",
+                "model.should_pad_vocab", "mixed_precision.fp8", "mixed_precision.fp8_recipe",
+                "mixed_precision.fp4", "mixed_precision.fp4_recipe", "model.seq_length")
+"""Recipe settings with no Megatron training flag to price, or given by the row (sequence parallelism
+with TP, the precision, the sequence length)."""
+
+ARGUMENT = {"rng.te_rng_tracker": "te_rng_tracker", "model.use_te_rng_tracker": "te_rng_tracker",
+            "dist.enable_megatron_core_experimental": "enable_experimental",
+            "model.cuda_graph_scope": "cuda_graph_modules", "model.bias_activation_fusion": "bias_swiglu_fusion",
+            "ddp.check_for_nan_in_grad": "check_for_nan_in_loss_and_grad"}
+"""Recipe settings whose Megatron 0.19.2 argument has another name (--cuda-graph-scope is deprecated
+for --cuda-graph-modules; the models here are all SwiGLU, whose bias fusion is --no-bias-swiglu-fusion)."""
+
+MIXED_PRECISION = {"bf16": {}, "fp8cs": {"mixed_precision.fp8_param_gather": True},
+                   "fp8mx": {"mixed_precision.fp8_param_gather": True,
+                             "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag": True},
+                   "nvfp4": {"mixed_precision.fp4_param_gather": True}}
+"""What _perf_precision(dtype) sets beyond the precision itself (training/mixed_precision.py of 0.6.2)."""
+
+PRECISION_SUFFIX = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_mx": "fp8mx", "nvfp4": "nvfp4"}
+
+
+def resolve_recipe(row: dict, root: Path) -> dict:
+    """The row's recipe in the H100 set's shape: the 0.6.2 perf recipe function for its model, GPU,
+    precision and GPU count (or the nearest GPU count, said in the note), its settings as candidate
+    Megatron flags (`not_expressible`, each "FLAGS: from where"), and what could not be read."""
+    label = row["label"].split()[1]
+    folder, prefix = MODELS[label]
+    gpu = row["system"].removeprefix("DGX-").lower()
+    suffix = RECIPE_PRECISION[row["precision"]]
+    functions = recipe_functions(root, folder, gpu)
+    pattern = re.compile(rf"{prefix}_pretrain_(\d+)gpu_{gpu}_{suffix}_config$")
+    counts = sorted(int(m.group(1)) for name in functions if (m := pattern.match(name)))
+    if not counts:
+        return {"function": None, "megatron_flags": [], "not_expressible": [],
+                "note": f"no megatron-bridge 0.6.2 perf recipe {prefix}_pretrain_*gpu_{gpu}_{suffix}_config"}
+    count = min(counts, key=lambda n: (abs(n - row["gpus"]), n))
+    name = f"{prefix}_pretrain_{count}gpu_{gpu}_{suffix}_config"
+    settings, unknown = {}, []
+    interpret(functions, name, {}, settings, unknown)
+    if row["published_layout"]["tp"] < 2:      # Bridge's CommOverlapConfig turns it off below TP 2
+        settings.pop("comm_overlap.tp_comm_overlap", None)    # (training/comm_overlap.py lines 442-445)
+        settings.pop("comm_overlap.tp_comm_overlap_cfg", None)
+    entries, flagless = [], []
+    for path, value in settings.items():
+        if path in LAYOUT_SETTINGS or path.startswith(NOT_MEGATRON) and not path.endswith("_param_gather"):
+            continue
+        words = megatron_words(path, value)
+        if words is None:
+            flagless.append(f"{path} = {value!r}")
+        elif words:
+            entries.append(f"{' '.join(words)}: {path} = {value!r} ({name})")
+    recipe_layout = " ".join(f"{k}{settings[p]}" for p, k in LAYOUT_SETTINGS.items() if p in settings)
+    published = row["published_layout"]
+    gpus = "its GPU count" if count == row["gpus"] else f"{count} GPUs, the row {row['gpus']}"
+    note = (f"recipe {name} ({gpus}): "
+            f"{recipe_layout}; published TP{published['tp']} PP{published['pp']} CP{published['cp']} "
+            f"VP{published['virtual_stages_per_pipeline_rank']} EP{published['ep']} "
+            f"MBS{published['micro_batch_size']} GBS{row['global_batch_size']}; the {row['release']} run used that "
+            f"release's recipe, which 0.6.2 (the 25.11-26.02 era) may not match")
+    return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
+            "not_known": unknown, "no_megatron_flag": flagless}
+
+
+def recipe_functions(root: Path, folder: str, gpu: str) -> dict[str, ast.FunctionDef]:
+    """Every function of the shared helpers and of perf_recipes/<folder>/<gpu>/, by name."""
+    files = [root / "_common.py", root / folder / "common.py", *sorted((root / folder / gpu).glob("*.py"))]
+    return {node.name: node for f in files if f.exists() for node in ast.parse(f.read_text()).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+CFG = object()
+"""The config a recipe builds, as a bound value while interpreting."""
+
+
+def interpret(functions: dict, name: str, bound: dict, settings: dict, unknown: list) -> None:
+    """Run a recipe function's straight-line assignments to `cfg.<section>.<field>` into `settings`
+    (later wins); calls to recipe helpers are followed with their arguments bound; anything else
+    (base recipes, conditionals, other calls) is recorded in `unknown`."""
+    fn = functions[name]
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+    defaults = fn.args.defaults + fn.args.kw_defaults
+    env = {p: ast.literal_eval(d) for p, d in zip(params[len(params) - len(defaults):], defaults) if d is not None}
+    env.update(bound)
+    for stmt in fn.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) or isinstance(stmt, ast.Return):
+            continue
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            call(functions, stmt.value, env, settings, unknown)
+        elif isinstance(stmt, ast.Assign):
+            value = value_of(functions, stmt.value, env, settings, unknown)
+            for target in stmt.targets:
+                if isinstance(target, ast.Name):
+                    env[target.id] = value
+                elif (path := cfg_path(target, env)) is not None:
+                    assign(path, value, settings)
+        else:
+            unknown.append(f"{name} line {stmt.lineno}: {ast.unparse(stmt).splitlines()[0]} (not read)")
+
+
+def call(functions: dict, node: ast.Call, env: dict, settings: dict, unknown: list) -> object:
+    """A call in a recipe: a recipe helper is interpreted; another (a base recipe) is recorded."""
+    name = node.func.id if isinstance(node.func, ast.Name) else None
+    if name not in functions:
+        passed_cfg = any(cfg_path(a, env) is not None for a in node.args)
+        if name not in ("getattr", "hasattr", "isinstance") and (passed_cfg or str(name).endswith("_config")):
+            unknown.append(f"{ast.unparse(node)}: outside perf_recipes, its settings not read")
+            return CFG
+        return ast.unparse(node)        # a local computation (getattr, ...), read by no assignment here
+    fn = functions[name]
+    params = [a.arg for a in fn.args.args]
+    bound = {p: value_of(functions, a, env, settings, unknown) for p, a in zip(params, node.args)}
+    bound.update({k.arg: value_of(functions, k.value, env, settings, unknown) for k in node.keywords})
+    interpret(functions, name, bound, settings, unknown)
+    return CFG
+
+
+def value_of(functions: dict, node: ast.expr, env: dict, settings: dict, unknown: list) -> object:
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if node.func.id == "_perf_precision":
+            dtype = ast.literal_eval(node.args[0])
+            settings.update(MIXED_PRECISION[PRECISION_SUFFIX[dtype]])
+            return ("precision", dtype)
+        if node.func.id == "CommOverlapConfig":
+            for k in node.keywords:
+                assign(f"comm_overlap.{k.arg}", value_of(functions, k.value, env, settings, unknown), settings)
+            return ("CommOverlapConfig",)
+        return call(functions, node, env, settings, unknown)
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ast.unparse(node)
+
+
+def cfg_path(node: ast.expr, env: dict) -> str | None:
+    """`cfg.model.x` as "model.x", where `cfg` is bound to the config."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and env.get(node.id) is CFG:
+        return ".".join(reversed(parts))
+    return None
+
+
+def assign(path: str, value: object, settings: dict) -> None:
+    if not isinstance(value, tuple):       # the precision and comm-overlap objects are read by value_of
+        settings.pop(path, None)
+        settings[path] = value
+
+
+def megatron_words(path: str, value: object) -> list[str] | None:
+    """The Megatron words that set `path` to `value` ([] where it is Megatron's default), or None where
+    the setting names no Megatron 0.19.2 argument (or its value could not be read)."""
+    table = flag_table()
+    if path in ("ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32"):
+        name, value = "grad_reduce_in_bf16", not value
+    else:
+        name = ARGUMENT.get(path, path.split(".")[-1])
+    if name not in table.options:
+        return None
+    option = table.flag(name)
+    if isinstance(value, bool):
+        default_on = option.startswith(("--no-", "--disable-", "--untie-"))
+        return [option] if value != default_on else []
+    if value is None or value == []:
+        return []
+    if isinstance(value, str) and value.startswith("torch."):
+        value = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}.get(value)
+    if isinstance(value, str) and not re.fullmatch(r"[\w.\-]+", value):
+        return None
+    return [option, *(str(v) for v in value)] if isinstance(value, list) else [option, str(value)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
