@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_pipette.cost import simulator
 from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
+from megatron_pipette.cost.schedules import InFlight, schedule_for
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
@@ -282,27 +282,18 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
     return entry.activation_bytes if entry is not None else _formula_layer_bytes(job, granularity, moe)
 
 
-# In-flight micro-batches, as megatron-core 0.19's schedules run them.
-
-def warmup_microbatches(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> int:
-    """Forward passes before the first backward (get_pp_rank_microbatches; group size = PP), `extra`
-    more under --overlap-moe-expert-parallel-comm (extra_warmup)."""
-    return min(simulator.interleaved_warmup(pp, rank, num_microbatches, vpp, pp) + extra, num_microbatches * vpp)
-
+# In-flight micro-batches, as megatron-core 0.19's schedules run them (cost.schedules).
 
 def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1, extra: int = 0) -> int:
-    """Model chunks (micro-batch x chunk) whose activations pipeline rank `rank` holds at its peak.
+    """Model chunks (micro-batch x chunk) whose activations pipeline rank `rank` holds at its peak
+    under the schedule Megatron runs (Schedule.microbatches_in_flight).
 
-    1F1B runs warmup forwards, then one forward before each backward, so the peak is warmup + 1,
-    capped at all of them. Example: PP 4, 8 micro-batches: ranks hold 4, 3, 2, 1; interleaved
-    with 2 chunks: 11, 9, 7, 5 (warmup (4-r-1)*2 + (2-1)*4, plus one). `extra`: the forwards
-    --overlap-moe-expert-parallel-comm adds to the warmup (without a pipeline too, where the next
-    micro-batch's forward runs beside the backward: two).
+    Example: PP 4, 8 micro-batches: ranks hold 4, 3, 2, 1; interleaved with 2 chunks: 11, 9, 7, 5
+    (warmup (4-r-1)*2 + (2-1)*4, plus one). `extra`: the forwards --overlap-moe-expert-parallel-comm
+    adds to the warmup (without a pipeline too, where the next micro-batch's forward runs beside the
+    backward: two).
     """
-    total = num_microbatches * vpp
-    if pp == 1:
-        return min(1 + extra, total)
-    return min(warmup_microbatches(pp, rank, num_microbatches, vpp, extra) + 1, total)
+    return schedule_for(pp, vpp).microbatches_in_flight(pp, rank, num_microbatches, vpp, extra)
 
 
 def extra_warmup(job: Job) -> int:
@@ -318,41 +309,14 @@ def in_flight_microbatches(job: Job) -> tuple[int, ...]:
                  for r in range(pp))
 
 
-class InFlight(NamedTuple):
-    """Model chunks one pipeline rank holds activations of, after one forward step."""
-
-    chunks: int
-    first_chunk: int
-    """Of them, chunk 0's (stage 0's holds the embedding's)."""
-    last_chunk: int
-    """Of them, the last chunk's (the last stage's holds the output layer's)."""
-
-
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
 def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> frozenset[InFlight]:
-    """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step.
-
-    Stage 0's chunk 0 holds the embedding and the last stage's last chunk the output layer, so there
-    their counts matter apart from the total (elsewhere they are left 0). The interleaved schedule
-    is simulated: forwards in table order, backwards in table order with the chunk reversed
-    (get_model_chunk_id).
-    """
-    if vpp == 1:
-        n = microbatches_in_flight(pp, rank, num_microbatches, extra=extra)
-        return frozenset({InFlight(chunks=n, first_chunk=n, last_chunk=n)})
-    if 0 < rank < pp - 1:  # holds neither embedding nor output: only the total matters
-        return frozenset({InFlight(chunks=microbatches_in_flight(pp, rank, num_microbatches, vpp, extra),
-                                   first_chunk=0, last_chunk=0)})
-    order = simulator.forward_chunks(num_microbatches, vpp, pp)
-    warmup = warmup_microbatches(pp, rank, num_microbatches, vpp, extra)
-    live, states = [0] * vpp, set()
-    for step in range(len(order)):
-        live[order[step]] += 1
-        states.add(InFlight(chunks=sum(live), first_chunk=live[0], last_chunk=live[-1]))
-        if step >= warmup:
-            live[vpp - 1 - order[step - warmup]] -= 1
-    return frozenset(states)
+    """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step, as the
+    schedule Megatron runs holds them (Schedule.in_flight_states)."""
+    schedule = schedule_for(pp, vpp)
+    return schedule.in_flight_states(pp, rank, num_microbatches, vpp,
+                                     schedule.warmup_microbatches(pp, rank, num_microbatches, vpp, extra))
 
 
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.

@@ -29,7 +29,7 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
-from megatron_pipette.cost.memory import extra_warmup, warmup_microbatches
+from megatron_pipette.cost.memory import extra_warmup
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
@@ -210,8 +210,9 @@ def _paired_share(job: Job) -> np.ndarray:
     """(pp, 1) share of a stage's forwards that run paired with a backward under
     --overlap-moe-expert-parallel-comm: all but its warmup, which the schedule lengthens by one
     forward (get_pp_rank_microbatches; without a pipeline the first forward runs alone)."""
-    m, v = job.num_microbatches, job.virtual_stages
-    warmup = [warmup_microbatches(job.layout.pp, r, m, v, extra_warmup(job)) for r in range(job.layout.pp)]
+    pp, m, v = job.layout.pp, job.num_microbatches, job.virtual_stages
+    schedule = schedules.schedule_for(pp, v)
+    warmup = [schedule.warmup_microbatches(pp, r, m, v, extra_warmup(job)) for r in range(pp)]
     return (1 - np.array(warmup, dtype=float) / (m * v))[:, None]
 
 
@@ -344,25 +345,18 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                    ep_comm=ep)
 
 
-def _run_schedule(name: str, times: schedules.StageTimes, m: int, simulate: bool) -> schedules.PipelineTime:
+def _run_schedule(schedule: schedules.Schedule, times: schedules.StageTimes, m: int,
+                  simulate: bool) -> schedules.PipelineTime:
     """Run the schedule once per distinct replica (all replicas alike on a uniform cluster)."""
     arrays = {f.name: getattr(times, f.name) for f in fields(times) if getattr(times, f.name) is not None}
     same = all(np.ptp(a, axis=0).max() == 0 for a in arrays.values())
     one = schedules.StageTimes(**{k: a[:1] for k, a in arrays.items()}) if same else times
-    run = schedules.simulate_pipeline if simulate else schedules.pipeline_time
-    out = run(name, one, m)
+    out = (schedule.simulate if simulate else schedule.time)(one, m)
     if not same:
         return out
     dp = times.forward_s.shape[0]
     return schedules.PipelineTime(**{k: np.repeat(getattr(out, k), dp, axis=0) for k in
                                      ("total_s", "finish_s", "busy_s", "p2p_s")}, exact=out.exact)
-
-
-def _overlapped(total: float, window: float, last: float) -> float:
-    """Exposed part of a reduction issued bucket by bucket while a backward of `window` seconds
-    produces the gradients: all but the last bucket (`last`, its share of the total) hide, as far
-    as the window allows."""
-    return max(total * last, total - window * (1 - last))
 
 
 def edge_bucket_share(job: Job, params: StageParameters, buckets: int) -> float:
@@ -373,61 +367,15 @@ def edge_bucket_share(job: Job, params: StageParameters, buckets: int) -> float:
     return max(1 / buckets, word_embedding_per_rank(job.workload, job.layout.tp) / params.total[0])
 
 
-def _param_gather_exposed(ag: np.ndarray, name: str, stages: _Stages, crit: int, first: float,
-                          step_window: np.ndarray) -> float:
-    """Exposed distributed-optimizer all-gather with --overlap-param-gather ((pp,) `ag`: each
-    stage's all-gather alone); without the flag the step runs every stage's at once (max).
-
-    Without interleaving Megatron sets align_param_gather = False (megatron/training/arguments.py,
-    "non-interleaved schedule does not support ... aligned param AG"), so no stage starts its
-    all-gather before its first forward pre-hook (DistributedDataParallel._make_forward_pre_hook ->
-    finish_param_sync dispatches it): stage 0 waits for its first bucket (`first`, its share) and
-    prefetches the rest behind its first forward (F_0); every later stage (one bucket: bucketing is
-    for the first stage only) waits for all of its own, and the pipeline fill waits for each in turn:
-    max(AG_0 - F_0, AG_0 x first) + sum over r >= 1 of AG_r.
-    Interleaved (align_param_gather): the schedule dispatches every stage's first chunks at once
-    (forward_backward_pipelining_with_interleaving, param_sync_func), so later stages hide theirs
-    behind the pipeline fill and stage 0 waits for its first bucket. With
-    --overlap-param-gather-with-optimizer-step the first chunk's all-gather is already running
-    (ChainedOptimizer._step dispatches it after that chunk's update) for `step_window` (pp,)
-    seconds more: the rest of each stage's optimizer step."""
-    fill_f = stages.times.forward_s[crit].sum(axis=1)
-    if name != "interleaved":
-        return float(max(ag[0] - fill_f[0], ag[0] * first) + ag[1:].sum())
-    fill = np.concatenate([[0.0], np.cumsum(fill_f + stages.times.fwd_comm_s[crit])[:-1]])
-    waits = np.concatenate([[ag[0] * first], ag[1:] - fill[1:]]) - step_window
-    return float(np.maximum(0.0, waits).max())
-
-
-def interleaved_grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray) -> np.ndarray:
-    """(pp,) gradient reduction of each rank still running after its last backward, under the
-    interleaved schedule with overlap_grad_reduce (`reduce` (pp,): a rank's whole reduction alone;
-    `backward` (pp, v): its backward seconds per chunk).
-
-    forward_backward_pipelining_with_interleaving (backward_step_helper_postprocess) launches
-    chunk c's reduction (all of its buckets: grad sync is disabled between backward steps) r
-    backward steps after that chunk's last one on pipeline rank r, i.e. c*p - r steps before the
-    rank's end: the rest of the backward blocks of chunks c-1 .. 0; chunk 0's at the very end.
-    The reductions run one after another on the data-parallel stream, chunk v-1 first."""
-    p, v = backward.shape
-    r = np.arange(p)
-    done = np.full(p, -np.inf)
-    for c in range(v - 1, -1, -1):
-        window = p * backward[:, :c].sum(axis=1) - r * backward[:, c - 1] if c else np.zeros(p)
-        done = np.maximum(done, -window) + reduce / v
-    return np.maximum(done, 0.0)
-
-
-def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: int,
+def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stages: _Stages, crit: int,
                 params: StageParameters, optimizer_s: np.ndarray, share: float) -> tuple[np.ndarray, float]:
     """(pp,) gradient reduction per stage still running after the stage's finish, and the
     exposed parameter all-gather of the distributed optimizer, with what the hidden part of both
     takes from the compute beside it (`share`, Execution.nccl_compute_share: the busiest rank's).
 
-    With overlap_grad_reduce Megatron (align_grad_reduce) overlaps only the first stage's
-    reduction with its last backward, bucket by bucket; later stages start theirs when they
-    finish (one bucket each), which the max over stages hides behind the others' cooldown.
-    Interleaved: interleaved_grad_sync_exposed.
+    With overlap_grad_reduce, and for the parameter all-gather with overlap_param_gather, the
+    schedule says what shows (Schedule.grad_reduce_exposed, Schedule.param_gather_exposed); the
+    max over stages hides a later stage's reduction behind the others' cooldown.
     Dense gradients reduce over data x context parallel, expert gradients over expert data
     parallel, one after the other on the data-parallel stream. `optimizer_s` (pp,): each stage's
     optimizer step."""
@@ -449,12 +397,7 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
     buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
     edge = edge_bucket_share(job, params, buckets)
     backward = stages.times.backward_s[crit]                                    # (p, v)
-    exposed = reduce.copy()
-    if layout.overlap_grad_reduce:
-        if name == "interleaved":
-            exposed = interleaved_grad_sync_exposed(reduce, backward)
-        else:
-            exposed[0] = _overlapped(reduce[0], backward[0, 0], edge)
+    exposed = schedule.grad_reduce_exposed(reduce, backward, edge) if layout.overlap_grad_reduce else reduce
     contention = share * float((reduce - exposed).max())
     gather = 0.0
     if dopt:
@@ -462,22 +405,22 @@ def _dp_exposed(job: Job, links: GroupLinks, name: str, stages: _Stages, crit: i
         # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
         window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
             else np.zeros(layout.pp)
-        gather = _param_gather_exposed(ag, name, stages, crit, edge, window) if layout.overlap_param_gather \
-            else float(ag.max())
+        gather = schedule.param_gather_exposed(ag, stages.times.forward_s[crit], stages.times.fwd_comm_s[crit],
+                                               edge, window) if layout.overlap_param_gather else float(ag.max())
         contention += share * max(0.0, float(ag.max()) - gather)
     return exposed, gather + contention
 
 
 def _pipeline(job: Job, work: StageWork, links: GroupLinks, execution: Execution,
-              simulate: bool) -> tuple[_Stages, str, schedules.PipelineTime, int]:
-    """The stage times, the schedule's name, its pass per replica and the critical replica."""
+              simulate: bool) -> tuple[_Stages, schedules.Schedule, schedules.PipelineTime, int]:
+    """The stage times, the schedule Megatron runs, its pass per replica and the critical replica."""
     layout = job.layout
     assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
         "links are for another grid"
     stages = _stage_times(job, work, links, execution)
-    name = schedules.schedule_name(layout.pp, job.virtual_stages)
-    pipe = _run_schedule(name, stages.times, job.num_microbatches, simulate)
-    return stages, name, pipe, int(np.argmax(pipe.total_s))
+    schedule = schedules.schedule_for(layout.pp, job.virtual_stages)
+    pipe = _run_schedule(schedule, stages.times, job.num_microbatches, simulate)
+    return stages, schedule, pipe, int(np.argmax(pipe.total_s))
 
 
 def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
@@ -489,7 +432,7 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
                      work.extrapolations)
 
 
-def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, name: str,
+def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, schedule: schedules.Schedule,
               pipe: schedules.PipelineTime, crit: int, execution: Execution, simulate: bool,
               extrapolations: tuple[str, ...] = ()) -> TimeEstimate:
     """The iteration around the pipeline's pass (_pipeline): data-parallel reduction and gather,
@@ -501,7 +444,7 @@ def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, na
     shards = (layout.dp * layout.cp, layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1)
     optimizer_s = (params.dense / shards[0] + params.expert / shards[1]) * optimizer_bytes_per_param(workload) \
         / cluster.memory_bandwidth_Bps
-    exposed, gather = _dp_exposed(job, links, name, stages, crit, params, optimizer_s,
+    exposed, gather = _dp_exposed(job, links, schedule, stages, crit, params, optimizer_s,
                                   execution.nccl_compute_share)
     done = pipe.finish_s.max(axis=0) + exposed                                   # (pp,) DP reduction ends
     t_dp = max(t_pipe, float(done.max()))
@@ -530,7 +473,7 @@ def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, na
         tflops_per_gpu=workload.model_flops_per_iteration() / total / layout.world_size / 1e12,
         breakdown=breakdown,
         stage_times=tuple(StageTime(forward_s=float(f), backward_s=float(b)) for f, b in zip(worst_f, worst_b)),
-        schedule=name, exact_schedule=pipe.exact or simulate, extrapolations=extrapolations)
+        schedule=schedule.name, exact_schedule=pipe.exact or simulate, extrapolations=extrapolations)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,9 +494,9 @@ class Timeline:
 def iteration_timeline(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
                        execution: Execution = DEFAULT_EXECUTION) -> Timeline:
     """iteration_time's prediction with the event-driven simulator's trace of its critical replica."""
-    stages, name, pipe, crit = _pipeline(job, work, links, execution, simulate=False)
-    trace = schedules.trace_pipeline(name, stages.times, job.num_microbatches, crit)
-    estimate = _estimate(job, cluster, links, stages, name, pipe, crit, execution, simulate=False,
+    stages, schedule, pipe, crit = _pipeline(job, work, links, execution, simulate=False)
+    trace = schedule.trace(stages.times, job.num_microbatches, crit)
+    estimate = _estimate(job, cluster, links, stages, schedule, pipe, crit, execution, simulate=False,
                          extrapolations=work.extrapolations)
     return Timeline(estimate=estimate, events=trace.events,
                     recompute_s=stages.recompute[crit], pipeline_s=float(trace.total_s),

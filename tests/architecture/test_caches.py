@@ -12,8 +12,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_pipette"
 PLANNER = ("spec", "cost", "plan")
 CACHES = {"cache", "lru_cache"}
 MEMOS = {"OrderedDict", "dict"}
-REGISTRIES = {"cost.schedules.SCHEDULES", "cost.schedules.PROGRAMS"}
-"""Module-level dicts filled once at import (by cost.schedules.register), not memos."""
 
 
 def _decorator_name(node: ast.expr) -> str | None:
@@ -23,11 +21,12 @@ def _decorator_name(node: ast.expr) -> str | None:
 
 def module_level_caches() -> list[str]:
     """`layer.module.name` of every module-level function under @cache / @lru_cache and every
-    module-level name bound to an empty dict or OrderedDict (a memo; registries aside), in the planner."""
+    module-level name bound to an empty dict or OrderedDict (a memo), in the planner (subpackages too)."""
     found = []
     for layer in PLANNER:
-        for path in sorted((PACKAGE / layer).glob("*.py")):
-            prefix = f"{layer}.{path.stem}"
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            parts = path.relative_to(PACKAGE).with_suffix("").parts
+            prefix = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             for node in ast.parse(path.read_text()).body:
                 if isinstance(node, ast.FunctionDef) and any(_decorator_name(d) in CACHES
                                                              for d in node.decorator_list):
@@ -37,8 +36,7 @@ def module_level_caches() -> list[str]:
                               and not value.args and not value.keywords)
                 if empty_call or (isinstance(value, ast.Dict) and not value.keys):
                     target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-                    if f"{prefix}.{target.id}" not in REGISTRIES:
-                        found.append(f"{prefix}.{target.id}")
+                    found.append(f"{prefix}.{target.id}")
     return found
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from megatron_pipette.cost import simulator
 from megatron_pipette.cost.interleaved import interleaved_time
-from megatron_pipette.cost.schedules import SCHEDULES, StageTimes, pipeline_time, schedule_name, simulate_pipeline
+from megatron_pipette.cost.schedules import SCHEDULES, StageTimes, schedule_for, with_interleaving
 
 
 def times(f, b, phi=None, beta=None) -> StageTimes:
@@ -28,27 +28,28 @@ def uniform(p, v, f=1.0, b=2.0):
 def test_1f1b_uniform_stages_take_m_plus_p_minus_1_slots(p, m):
     # covers the lattice with all-warmup stages (m < p), the full lattice (p <= m < 2p-1) and the closed form
     expected = (m + p - 1) * 3.0
-    assert pipeline_time("1f1b", uniform(p, 1), m).total_s[0] == pytest.approx(expected)
-    assert simulate_pipeline("1f1b", uniform(p, 1), m).total_s[0] == pytest.approx(expected)
+    assert SCHEDULES["1f1b"].time(uniform(p, 1), m).total_s[0] == pytest.approx(expected)
+    assert SCHEDULES["1f1b"].simulate(uniform(p, 1), m).total_s[0] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 3), (8, 16, 2), (8, 8, 3)])
 def test_interleaved_uniform_stages_follow_narayanan(p, m, v):
     # megatron-core's interleaved 1F1B: bubble (p-1)(f+b)/v with f, b the per-rank totals
     expected = m * 3.0 + (p - 1) * 3.0 / v
-    assert simulate_pipeline("interleaved", uniform(p, v), m).total_s[0] == pytest.approx(expected)
-    assert pipeline_time("interleaved", uniform(p, v), m).total_s[0] == pytest.approx(expected)
+    assert SCHEDULES["interleaved"].simulate(uniform(p, v), m).total_s[0] == pytest.approx(expected)
+    assert SCHEDULES["interleaved"].time(uniform(p, v), m).total_s[0] == pytest.approx(expected)
 
 
 def test_no_pipelining_is_every_microbatch_back_to_back():
-    assert pipeline_time("no-pipelining", times([[0.5]], [[1.5]]), 7).total_s[0] == pytest.approx(14.0)
+    assert SCHEDULES["no-pipelining"].time(times([[0.5]], [[1.5]]), 7).total_s[0] == pytest.approx(14.0)
 
 
 def test_registry_picks_megatrons_schedule():
-    assert schedule_name(1, 1) == "no-pipelining"
-    assert schedule_name(4, 1) == "1f1b"
-    assert schedule_name(4, 2) == "interleaved"
+    assert schedule_for(1, 1).name == "no-pipelining"
+    assert schedule_for(4, 1).name == "1f1b"
+    assert schedule_for(4, 2).name == "interleaved"
     assert set(SCHEDULES) >= {"no-pipelining", "1f1b", "interleaved"}
+    assert all(s.name == name for name, s in SCHEDULES.items())
 
 
 durations = st.floats(0.01, 10.0, allow_nan=False)
@@ -81,7 +82,7 @@ def test_1f1b_closed_form_is_the_simulator_with_slower_exchanges(case, slowdown)
     t = StageTimes(forward_s=t.forward_s, backward_s=t.backward_s, fwd_comm_s=t.fwd_comm_s,
                    bwd_comm_s=t.bwd_comm_s, fwd_xchg_s=t.fwd_comm_s * np.array(slowdown[:2])[:, None],
                    bwd_xchg_s=t.bwd_comm_s * np.array(slowdown[2:])[:, None])
-    closed, sim = pipeline_time("1f1b", t, m), simulate_pipeline("1f1b", t, m)
+    closed, sim = SCHEDULES["1f1b"].time(t, m), SCHEDULES["1f1b"].simulate(t, m)
     np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)
     np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
 
@@ -144,7 +145,7 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_the_programs_longest_path(c
                    bwd_comm_s=t.bwd_comm_s[:1], fwd_xchg_s=t.fwd_comm_s[:1] * slowdown[0],
                    bwd_xchg_s=t.bwd_comm_s[:1] * slowdown[1])
     total, finish, _ = rendezvous_times(simulator.program_1f1b(t.shape[1], m), t)
-    got = pipeline_time("1f1b", t, m)
+    got = SCHEDULES["1f1b"].time(t, m)
     assert got.total_s[0] == pytest.approx(total, rel=1e-12)
     np.testing.assert_allclose(got.finish_s[0], finish, rtol=1e-12)
 
@@ -157,7 +158,7 @@ def test_1f1b_one_microbatch_goes_down_and_back(case):
     t, _ = case
     f, b = t.forward_s[0, :, 0], t.backward_s[0, :, 0]
     phi, beta = t.fwd_comm_s[0, :-1], t.bwd_comm_s[0, :-1]
-    got = pipeline_time("1f1b", t, 1)
+    got = SCHEDULES["1f1b"].time(t, 1)
     down = f.sum() + phi.sum()
     back = np.cumsum((b + np.append(beta, 0.0))[::-1])[::-1]     # stage s: b_s..b_p-1 and hops s..p-2
     np.testing.assert_allclose(got.finish_s[0], down + back, rtol=1e-12)
@@ -173,7 +174,7 @@ def test_1f1b_p2p_time_counts_the_programs_blocking_calls(case, slowdown):
     t = StageTimes(forward_s=t.forward_s[:1], backward_s=t.backward_s[:1], fwd_comm_s=t.fwd_comm_s[:1],
                    bwd_comm_s=t.bwd_comm_s[:1], fwd_xchg_s=t.fwd_comm_s[:1] * slowdown, bwd_xchg_s=None)
     _, _, p2p = rendezvous_times(simulator.program_1f1b(t.shape[1], m), t)
-    got = pipeline_time("1f1b", t, m)
+    got = SCHEDULES["1f1b"].time(t, m)
     np.testing.assert_allclose(got.p2p_s[0], p2p, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got.busy_s[0] - got.p2p_s[0],
                                m * (t.forward_s[0, :, 0] + t.backward_s[0, :, 0]), rtol=1e-12)
@@ -185,9 +186,9 @@ def test_exchanges_cost_more_than_single_messages_on_half_duplex_links():
     half = StageTimes(forward_s=alone.forward_s, backward_s=alone.backward_s, fwd_comm_s=alone.fwd_comm_s,
                       bwd_comm_s=alone.bwd_comm_s, fwd_xchg_s=2 * alone.fwd_comm_s, bwd_xchg_s=2 * alone.bwd_comm_s)
     # every steady step of the bottleneck stage has two exchanges, each 0.5 s longer
-    slower = pipeline_time("1f1b", half, m).total_s[0] - pipeline_time("1f1b", alone, m).total_s[0]
-    assert slower == pytest.approx(simulate_pipeline("1f1b", half, m).total_s[0]
-                                   - simulate_pipeline("1f1b", alone, m).total_s[0])
+    slower = SCHEDULES["1f1b"].time(half, m).total_s[0] - SCHEDULES["1f1b"].time(alone, m).total_s[0]
+    assert slower == pytest.approx(SCHEDULES["1f1b"].simulate(half, m).total_s[0]
+                                   - SCHEDULES["1f1b"].simulate(alone, m).total_s[0])
     assert slower >= 2 * 0.5 * (m - p)
 
 
@@ -197,7 +198,7 @@ def test_1f1b_closed_form_is_the_simulator(case):
     """Exact: unequal stages, asymmetric per-hop p2p, the lattice (m < 2p-1, all-warmup stages
     when m < p) and the closed form (m >= 2p-1)."""
     t, m = case
-    closed, sim = pipeline_time("1f1b", t, m), simulate_pipeline("1f1b", t, m)
+    closed, sim = SCHEDULES["1f1b"].time(t, m), SCHEDULES["1f1b"].simulate(t, m)
     np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)
     np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
     assert np.all(closed.busy_s <= closed.total_s[:, None] * (1 + 1e-12))   # bubble never negative
@@ -214,7 +215,7 @@ def test_interleaved_within_2pct_without_p2p_cost(p, v, groups, heavy_last, heav
     t.backward_s[0, -1, -1] *= 1 + heavy_last
     t.forward_s[0, 0, 0] *= 1 + heavy_first
     m = p * groups
-    closed, sim = pipeline_time("interleaved", t, m), simulate_pipeline("interleaved", t, m)
+    closed, sim = SCHEDULES["interleaved"].time(t, m), SCHEDULES["interleaved"].simulate(t, m)
     assert closed.total_s[0] == pytest.approx(sim.total_s[0], rel=0.02)
 
 
@@ -222,7 +223,7 @@ def test_interleaved_within_2pct_without_p2p_cost(p, v, groups, heavy_last, heav
 @given(pipelines(interleaved=True))
 def test_interleaved_closed_form_within_2pct_of_simulator(case):
     t, m = case
-    closed, sim = pipeline_time("interleaved", t, m), simulate_pipeline("interleaved", t, m)
+    closed, sim = SCHEDULES["interleaved"].time(t, m), SCHEDULES["interleaved"].simulate(t, m)
     np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=0.02)
 
 
@@ -231,7 +232,7 @@ def test_interleaved_closed_form_within_2pct_of_simulator(case):
 def test_interleaved_is_the_simulator(case):
     """Exact where it says so: unequal ranks and chunks, asymmetric per-hop p2p, 1 to 4 groups."""
     t, m = case
-    closed, sim = pipeline_time("interleaved", t, m), simulate_pipeline("interleaved", t, m)
+    closed, sim = SCHEDULES["interleaved"].time(t, m), SCHEDULES["interleaved"].simulate(t, m)
     assert closed.exact
     np.testing.assert_allclose(closed.total_s, sim.total_s, rtol=1e-9)
     np.testing.assert_allclose(closed.finish_s, sim.finish_s, rtol=1e-9)
@@ -246,11 +247,11 @@ def test_interleaved_skips_periodic_groups_exactly(p, v, groups, seed):
     phi, beta = rng.uniform(0, 1, (6, p)), rng.uniform(0, 1, (6, p))
     t, m = times(f, b, phi, beta), p * groups
     total, finish, exact = interleaved_time(f, b, phi, beta, m)
-    sim = simulate_pipeline("interleaved", t, m)
+    sim = SCHEDULES["interleaved"].simulate(t, m)
     np.testing.assert_allclose(total[exact], sim.total_s[exact], rtol=1e-9)
     np.testing.assert_allclose(finish[exact], sim.finish_s[exact], rtol=1e-9)
     np.testing.assert_allclose(total, sim.total_s, rtol=1e-3)
-    assert pipeline_time("interleaved", t, m).exact == exact.all()
+    assert SCHEDULES["interleaved"].time(t, m).exact == exact.all()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -263,7 +264,7 @@ def test_interleaved_long_runs_are_the_simulator(p, v, groups, seed):
     phi, beta = rng.uniform(0, 5, (4, p)), rng.uniform(0, 5, (4, p))
     m = p * groups
     total, _, exact = interleaved_time(f, b, phi, beta, m)
-    sim = simulate_pipeline("interleaved", times(f, b, phi, beta), m).total_s
+    sim = SCHEDULES["interleaved"].simulate(times(f, b, phi, beta), m).total_s
     np.testing.assert_allclose(total[exact], sim[exact], rtol=1e-9)
     np.testing.assert_allclose(total, sim, rtol=0.02)
 
@@ -276,7 +277,7 @@ def test_interleaved_regression_two_group_period_lands_in_the_tail():
     f, b = rng.uniform(0.01, 10, (4, p, v)), rng.uniform(0.01, 10, (4, p, v))
     phi, beta = rng.uniform(0, 5, (4, p)), rng.uniform(0, 5, (4, p))
     total, _, exact = interleaved_time(f, b, phi, beta, m)
-    sim = simulate_pipeline("interleaved", times(f, b, phi, beta), m).total_s
+    sim = SCHEDULES["interleaved"].simulate(times(f, b, phi, beta), m).total_s
     assert exact.all()
     np.testing.assert_allclose(total, sim, rtol=1e-9)
 
@@ -289,7 +290,7 @@ def test_interleaved_extrapolation_is_flagged():
     f, b = rng.uniform(0.1, 2, (8, p, v)), rng.uniform(0.2, 4, (8, p, v))
     phi, beta = rng.uniform(0, 1, (8, p)), rng.uniform(0, 1, (8, p))
     total, _, exact = interleaved_time(f, b, phi, beta, m, max_groups=1)
-    sim = simulate_pipeline("interleaved", times(f, b, phi, beta), m).total_s
+    sim = SCHEDULES["interleaved"].simulate(times(f, b, phi, beta), m).total_s
     np.testing.assert_allclose(total[exact], sim[exact], rtol=1e-9)
     assert not np.allclose(total[~exact], sim[~exact], rtol=1e-12, atol=0)
 
@@ -303,8 +304,8 @@ def test_interleaved_never_exchanges():
     phi, beta = rng.uniform(0, 1, (2, p)), rng.uniform(0, 1, (2, p))
     t = StageTimes(forward_s=f, backward_s=b, fwd_comm_s=phi, bwd_comm_s=beta, fwd_xchg_s=3 * phi,
                    bwd_xchg_s=3 * beta)
-    np.testing.assert_allclose(pipeline_time("interleaved", t, m).total_s,
-                               simulate_pipeline("interleaved", t, m).total_s, rtol=1e-9)
+    np.testing.assert_allclose(SCHEDULES["interleaved"].time(t, m).total_s,
+                               SCHEDULES["interleaved"].simulate(t, m).total_s, rtol=1e-9)
 
 
 def test_interleaved_error_stays_where_documented():
@@ -321,8 +322,8 @@ def test_interleaved_error_stays_where_documented():
         b[-1, -1] *= 1 + rng.uniform(0, 0.5)
         phi = rng.uniform(0, 0.3) * rng.choice([0.1, 1.0], p)
         t = times(f, b, phi, phi * rng.uniform(0.9, 1.1, p))
-        sim = simulate_pipeline("interleaved", t, m).total_s[0]
-        closed = pipeline_time("interleaved", t, m)
+        sim = SCHEDULES["interleaved"].simulate(t, m).total_s[0]
+        closed = SCHEDULES["interleaved"].time(t, m)
         exact.append(closed.exact)
         errors.append(abs(closed.total_s[0] - sim) / sim)
     assert max(errors) < 1e-9
@@ -332,7 +333,7 @@ def test_interleaved_error_stays_where_documented():
 def test_interleaved_closed_form_never_below_a_ranks_own_work():
     t = uniform(4, 2)
     t.backward_s[0, 2] *= 5
-    closed = pipeline_time("interleaved", t, 8)
+    closed = SCHEDULES["interleaved"].time(t, 8)
     assert np.all(closed.busy_s <= closed.total_s[:, None])
 
 
@@ -401,3 +402,16 @@ def test_warmup_and_chunk_order_are_megatrons():
     assert simulator.interleaved_warmup(4, 0, 4, 2, 4) == 8                 # capped at m*v: all warmup
     assert simulator.forward_chunks(4, 2, 2) == [0, 0, 1, 1, 0, 0, 1, 1]
     assert simulator.forward_chunks(6, 2, 4) == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_interleaved_grad_sync_starts_rank_steps_after_each_chunks_last_backward():
+    """Megatron launches chunk c's reduction pipeline_parallel_rank backward steps after that chunk's
+    last backward: c*p - r steps before rank r's end (chunk 0's at the end), one after another.
+    p 4, v 2, backward 1 s per chunk step, 10 s of reduction (5 a chunk): rank r's chunk 1 starts
+    4 - r s before its end and chunk 0 follows it, so 6, 7, 8, 9 s remain exposed (the old model:
+    chunk 1 hidden behind p steps on every rank, 6 s each)."""
+    np.testing.assert_allclose(with_interleaving.grad_sync_exposed(np.full(4, 10.0), np.ones((4, 2))), [6, 7, 8, 9])
+    # v 3, 5 s a chunk: chunk 2 starts 8 - r s before the end, chunk 1 (4 - r) waits for it, chunk 0 last.
+    np.testing.assert_allclose(with_interleaving.grad_sync_exposed(np.full(4, 15.0), np.ones((4, 3))),
+                               [7, 8, 9, 10])
+    assert np.all(with_interleaving.grad_sync_exposed(np.full(4, 1.0), np.ones((4, 3))) == pytest.approx(1 / 3))

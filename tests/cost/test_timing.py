@@ -267,19 +267,6 @@ def test_tp_comm_overlap_pipelines_the_exposed_collectives_with_their_gemms():
         resolve_job(w, layout(8, 1, 1, tp_comm_overlap=True))
 
 
-def test_interleaved_grad_sync_starts_rank_steps_after_each_chunks_last_backward():
-    """Megatron launches chunk c's reduction pipeline_parallel_rank backward steps after that chunk's
-    last backward: c*p - r steps before rank r's end (chunk 0's at the end), one after another.
-    p 4, v 2, backward 1 s per chunk step, 10 s of reduction (5 a chunk): rank r's chunk 1 starts
-    4 - r s before its end and chunk 0 follows it, so 6, 7, 8, 9 s remain exposed (the old model:
-    chunk 1 hidden behind p steps on every rank, 6 s each)."""
-    np.testing.assert_allclose(timing.interleaved_grad_sync_exposed(np.full(4, 10.0), np.ones((4, 2))), [6, 7, 8, 9])
-    # v 3, 5 s a chunk: chunk 2 starts 8 - r s before the end, chunk 1 (4 - r) waits for it, chunk 0 last.
-    np.testing.assert_allclose(timing.interleaved_grad_sync_exposed(np.full(4, 15.0), np.ones((4, 3))),
-                               [7, 8, 9, 10])
-    assert np.all(timing.interleaved_grad_sync_exposed(np.full(4, 1.0), np.ones((4, 3))) == pytest.approx(1 / 3))
-
-
 def test_behind_gemms_exposes_what_the_gemm_cannot_hide():
     rate = np.array([2.0])
     assert timing.behind_gemms(np.array([3.0]), np.array([2.0, 10.0]), rate)[0] == pytest.approx(2.0)   # 3-1 + 0

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_pipette.cost import simulator
 from megatron_pipette.cost.model import CostModel
-from megatron_pipette.cost.schedules import PROGRAMS, StageTimes, trace_pipeline
+from megatron_pipette.cost.schedules import SCHEDULES, StageTimes
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -37,7 +37,7 @@ def pipelines(draw):
 def test_a_trace_changes_no_figure(case):
     name, times, m = case
     _, p, v = times.shape
-    program = PROGRAMS[name](p, m, v)
+    program = SCHEDULES[name].program(p, m, v)
     args = (times.forward_s[0], times.backward_s[0], times.fwd_comm_s[0], times.bwd_comm_s[0])
     plain, traced = simulator.simulate(program, *args), simulator.simulate(program, *args, trace=True)
     assert traced.total_s == plain.total_s
@@ -50,7 +50,7 @@ def test_a_trace_changes_no_figure(case):
 def test_every_rank_runs_its_passes_and_waits_back_to_back(case):
     name, times, m = case
     _, p, v = times.shape
-    result = trace_pipeline(name, times, m)
+    result = SCHEDULES[name].trace(times, m)
     for r in range(p):
         mine = [e for e in result.events if e.rank == r]
         assert mine[0].start_s == 0 and mine[-1].end_s == result.end_s[r]
@@ -68,7 +68,7 @@ def test_free_links_expose_no_p2p_and_the_idle_time_is_the_bubble():
     zero = np.zeros((1, p))
     times = StageTimes(forward_s=np.ones((1, p, 1)), backward_s=np.full((1, p, 1), 2.0), fwd_comm_s=zero,
                        bwd_comm_s=zero)
-    result = trace_pipeline("1f1b", times, m)
+    result = SCHEDULES["1f1b"].trace(times, m)
     events = result.events
     assert not [e for e in events if e.what == "p2p"]
     # uniform stages: every rank idles (p - 1) slots of f + b in all, waiting or after its end
@@ -83,7 +83,7 @@ def test_slow_links_show_as_exposed_p2p():
     p, m = 2, 4
     times = StageTimes(forward_s=np.ones((1, p, 1)), backward_s=np.ones((1, p, 1)),
                        fwd_comm_s=np.full((1, p), 0.5), bwd_comm_s=np.full((1, p), 0.5))
-    events = trace_pipeline("1f1b", times, m).events
+    events = SCHEDULES["1f1b"].trace(times, m).events
     # rank 1's first receive: rank 0 posts its send after its forward (t = 1), the message moves 0.5 s
     first = [e for e in events if e.rank == 1][:2]
     assert [(e.what, e.start_s, e.end_s) for e in first] == [("wait", 0.0, 1.0), ("p2p", 1.0, 1.5)]
