@@ -174,6 +174,17 @@ def test_blackwell_entries_and_the_nvl72_domain():
         preset_cluster("gb200-nvl72", num_nodes=16386)
 
 
+def test_gb300_nvl72_is_gb200s_rack_with_the_b300_and_connectx8():
+    """GB300 NVL72 (issue 31): the 1400 W B300 (docs/hardware-sources.md), 4 GPUs a tray, 18 trays a
+    72-GPU NVLink domain, 800 Gb/s per GPU beyond it (95 GB/s at NDR's 95%)."""
+    gpu = lookup_gpu("GB300")
+    assert (gpu.memory_bytes, gpu.peak("bf16"), gpu.peak("fp8"), gpu.peak("fp4")) == (279e9, 2500e12, 5000e12, 15000e12)
+    c = preset_cluster("gb300-nvl72", num_nodes=36)
+    assert (c.gpu.name, c.gpus_per_node, c.gpus_per_domain, c.nvls) == ("GB300", 4, 72, True)
+    lat, bw = c.link(np.array([0, 0]), np.array([71, 72]))
+    assert bw.tolist() == [740e9, 95e9]
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d["inter_node"]["bandwidth_Bps"][1].__setitem__(0, 0.0), "'bandwidth_Bps' has an off-diagonal entry"),
     (lambda d: d["inter_node"]["bandwidth_Bps"][1].__setitem__(0, 1e-300), "below 1000 B/s"),
