@@ -197,7 +197,7 @@ def build(argv: list[str], env: dict[str, str] | None = None) -> Priced:
     check_megatron_flags(megatron)
     workload = workload_from_args(ns, DEFAULT_MODEL)
     return Priced(workload=workload, cluster=cluster_from_args(ns, workload.precision, env or {}),
-                  fields=layout_constraints(ns), overheads=environment_overheads(env or {}))
+                  fields=layout_constraints(ns, workload.num_layers), overheads=environment_overheads(env or {}))
 
 
 def with_execution(cluster: Cluster, step_fraction: float | None) -> Cluster:

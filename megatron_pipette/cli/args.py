@@ -32,7 +32,7 @@ from megatron_pipette.spec.layer_profile import (
     check_profile_device,
     check_profile_matches,
 )
-from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.layout import VIRTUAL_STAGES, Layout, virtual_stages_as_layers
 from megatron_pipette.spec.megatron_flags import check_priced, flag_table
 from megatron_pipette.spec.workload import (
     Workload,
@@ -119,6 +119,10 @@ def add_layout_flags(parser: argparse.ArgumentParser, title: str) -> None:
     hints = field_types(Layout)
     for field in LAYOUT_FLAG_FIELDS:
         _add_field(group, field, hints, Layout)
+    group.add_argument(megatron_flag(VIRTUAL_STAGES), dest=VIRTUAL_STAGES, type=int, default=argparse.SUPPRESS,
+                       metavar="INT", help="model chunks per pipeline rank: Megatron's other spelling of "
+                       "--num-layers-per-virtual-pipeline-stage, converted to it (needs "
+                       "--pipeline-model-parallel-size)")
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -211,11 +215,16 @@ def check_megatron_flags(given: dict[str, list[str]]) -> None:
                   for name, words in given.items()})
 
 
-def layout_constraints(ns: argparse.Namespace) -> dict:
-    """The layout flags the user typed, as Layout field values."""
+def layout_constraints(ns: argparse.Namespace, num_layers: int | None = None) -> dict:
+    """The layout flags the user typed, as Layout field values; given the model's `num_layers`,
+    --num-virtual-stages-per-pipeline-rank converted (spec.layout.virtual_stages_as_layers), else kept
+    under its own name."""
     typed = {f.name: getattr(ns, f.name) for f in LAYOUT_FLAG_FIELDS if hasattr(ns, f.name)}
     check_priced({name: typed[name] for name in PER_LAYER_FLAGS if name in typed})
-    return {name: value[0] if name in PER_LAYER_FLAGS else value for name, value in typed.items()}
+    typed = {name: value[0] if name in PER_LAYER_FLAGS else value for name, value in typed.items()}
+    if hasattr(ns, VIRTUAL_STAGES):
+        typed[VIRTUAL_STAGES] = getattr(ns, VIRTUAL_STAGES)
+    return typed if num_layers is None else virtual_stages_as_layers(num_layers, typed)
 
 
 def read_json(path: str, what: str) -> object:

@@ -78,7 +78,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         raise PipetteError(f"--memory-headroom must be a percentage of 0 or more and under 100, got "
                            f"{ns.memory_headroom:g}")
     check_picture_path(ns.timeline, "--timeline")
-    constraints = _as_megatron_runs(ns, layout_constraints(ns))
+    constraints = _as_megatron_runs(ns, layout_constraints(ns, workload.num_layers))
     check_user_layout(Layout(**constraints))
     try:
         check_implementation(Layout(**constraints), transformer_engine_layers(ns))
@@ -145,7 +145,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     workload = workload_from_args(ns, DEFAULT_MODEL)
     cluster = cluster_from_args(ns, workload.precision)
     profile = profile_from_args(ns, workload, cluster)
-    fields = _as_megatron_runs(ns, layout_constraints(ns))
+    fields = _as_megatron_runs(ns, layout_constraints(ns, workload.num_layers))
     tp = fields.get("tensor_model_parallel_size", 1)
     pp = fields.get("pipeline_model_parallel_size", 1)
     cp = fields.get("context_parallel_size", 1)

@@ -16,13 +16,13 @@ from typing import Any
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.integration.plan_check import JobRequest
 from megatron_pipette.plan.planner import MEMORY_HEADROOM
-from megatron_pipette.spec.layout import Layout
+from megatron_pipette.spec.layout import VIRTUAL_STAGES, Layout, virtual_stages_as_layers
 from megatron_pipette.spec.megatron_flags import check_priced
 from megatron_pipette.spec.resume import ResumeRule, resume_rule
 from megatron_pipette.spec.workload import Workload, attention_backend_built, megatron_flag
 
-LAYOUT_FLAGS = {megatron_flag(f.name): f.name for f in dataclasses.fields(Layout)
-                if f.name != "data_parallel_size"}
+LAYOUT_FLAGS = {megatron_flag(name): name for name in (*(f.name for f in dataclasses.fields(Layout)
+                                                         if f.name != "data_parallel_size"), VIRTUAL_STAGES)}
 # Megatron has one flag per direction of a switch; both pin the field.
 NEGATED_FLAGS = {"--no-overlap-grad-reduce": "overlap_grad_reduce",
                  "--no-overlap-param-gather": "overlap_param_gather"}
@@ -115,7 +115,8 @@ def _fp8_fields(args: Any) -> dict[str, Any]:
         raise PipetteError(f"--fp8-format {fp8} needs Transformer Engine (installed, and "
                            f"--transformer-impl transformer_engine)")
     return {"fp8": fp8, "fp8_recipe": args.fp8_recipe,
-            "fp8_param_gather": bool(getattr(args, "fp8_param_gather", False))}
+            "fp8_param_gather": bool(getattr(args, "fp8_param_gather", False)),
+            "reuse_grad_buf_for_mxfp8_param_ag": bool(getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False))}
 
 
 def _optimizer_fields(args: Any) -> dict[str, Any]:
@@ -156,6 +157,8 @@ def layout_from_args(args: Any, world_size: int) -> Layout:
         if f.name != "data_parallel_size":
             value = getattr(args, f.name, f.default)
             values[f.name] = bool(value) if isinstance(f.default, bool) else value
+    if getattr(args, VIRTUAL_STAGES, None) is not None:
+        values = virtual_stages_as_layers(args.num_layers, {**values, VIRTUAL_STAGES: getattr(args, VIRTUAL_STAGES)})
     if isinstance(values["cp_comm_type"], list):   # Megatron's is one entry per layer, or one for all
         values["cp_comm_type"] = values["cp_comm_type"][0]
     values["recompute_modules"] = _modules(values["recompute_modules"], values["recompute_granularity"])
@@ -175,7 +178,7 @@ def constraints_from_args(args: Any, argv: Sequence[str]) -> dict[str, Any]:
     this installation cannot run: sequence parallelism needs Transformer Engine's or apex's
     norms (megatron-core's torch LayerNorm asserts against it), context parallelism Transformer
     Engine's attention; typed where they cannot run, they stop the job (UnrunnableFlags)."""
-    constraints = {name: getattr(args, name) for name in typed_flags(argv)}
+    constraints = virtual_stages_as_layers(args.num_layers, {name: getattr(args, name) for name in typed_flags(argv)})
     if constraints.get("overlap_param_gather_with_optimizer_step"):
         raise PipetteError("--overlap-param-gather-with-optimizer-step: Megatron does not support it with "
                            "distributed checkpointing, which --auto-parallel saves in so that a restart can "
@@ -261,6 +264,7 @@ def apply_layout(args: Any, layout: Layout) -> None:
     for field in dataclasses.fields(Layout):
         if field.name != "data_parallel_size":
             setattr(args, field.name, getattr(layout, field.name))
+    args.num_virtual_stages_per_pipeline_rank = None   # the layout gives VP in layers a chunk; Megatron takes one
     args.cp_comm_type = [layout.cp_comm_type]   # Megatron's form: a list
     args.recompute_modules = None if layout.recompute_modules is None else list(layout.recompute_modules)
     # recompute_num_layers has a Megatron default of 1 only meaningful with full recompute.

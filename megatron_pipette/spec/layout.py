@@ -14,8 +14,10 @@ place in the split included.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.expressions import MAX_TEXT, shown
@@ -344,6 +346,59 @@ def chunk_sizes(workload: Workload, layout: Layout) -> list[list[int]]:
     sizes[0][0] -= embedding
     sizes[-1][-1] -= loss
     return sizes
+
+
+VIRTUAL_STAGES = "num_virtual_stages_per_pipeline_rank"
+"""Megatron's other spelling of interleaving, --num-virtual-stages-per-pipeline-rank: model chunks per
+pipeline rank, not layers per chunk. Not a Layout field (a layout has one spelling:
+--num-layers-per-virtual-pipeline-stage); typed flags that give it are converted by
+virtual_stages_as_layers."""
+
+
+def virtual_stages_as_layers(num_layers: int, typed: Mapping[str, Any]) -> dict[str, Any]:
+    """Typed layout flags (Layout field names, and VIRTUAL_STAGES) with --num-virtual-stages-per-pipeline-rank
+    N turned into the --num-layers-per-virtual-pipeline-stage that builds the same chunks, and the
+    split pinned to the one the flags give (so a search keeps N chunks a rank).
+
+    megatron-core 0.19.2: validate_args takes N as the virtual pipeline size itself
+    (megatron/training/arguments.py:942-945; N = 1 is no interleaving) and refuses it beside
+    --num-layers-per-virtual-pipeline-stage or --pipeline-model-parallel-layout (894-905), and at
+    --pipeline-model-parallel-size 1 (966-974); get_num_layers_to_build then gives every chunk the
+    stage's layers (the embedding and loss counted where the split counts them) over N, asserting
+    that N divides them (core/transformer/transformer_block.py:169-173, transformer_config.py:2097-2110),
+    which is what the other flag's layers a chunk give (chunk_sizes). With uneven first/last stages
+    Megatron builds chunks of different sizes per stage, which no Layout describes: refused here."""
+    n = typed.get(VIRTUAL_STAGES)
+    if n is None:
+        return dict(typed)
+    check_count(VIRTUAL_STAGES, n)
+    flag = f"{megatron_flag(VIRTUAL_STAGES)} {n}"
+    for other in ("num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout"):
+        if typed.get(other) is not None:
+            raise PipetteError(f"{flag} cannot be combined with {megatron_flag(other)} (Megatron's rule: "
+                               "no more than one of them)")
+    if "pipeline_model_parallel_size" not in typed:
+        raise PipetteError(f"{flag} needs --pipeline-model-parallel-size beside it (the layers a virtual stage "
+                           "holds depend on it; --num-layers-per-virtual-pipeline-stage does not)")
+    pp = typed["pipeline_model_parallel_size"]
+    check_count("pipeline_model_parallel_size", pp)
+    fields = {k: v for k, v in typed.items() if k != VIRTUAL_STAGES}
+    split = {name: typed.get(name, False) for name in ("account_for_embedding_in_pipeline_split",
+                                                       "account_for_loss_in_pipeline_split")}
+    if n > 1 and pp == 1:
+        raise PipetteError(f"{flag} needs --pipeline-model-parallel-size > 1 (Megatron's rule)")
+    if n > 1 and (typed.get("decoder_first_pipeline_num_layers") is not None
+                  or typed.get("decoder_last_pipeline_num_layers") is not None):
+        raise PipetteError(f"{flag} with --decoder-first/last-pipeline-num-layers is not modelled (chunks of "
+                           "different sizes per stage)")
+    if n == 1:
+        return {**fields, **split, "num_layers_per_virtual_pipeline_stage": None}
+    counted = num_layers + sum(split.values())
+    if counted % pp or (counted // pp) % n:
+        raise PipetteError(f"{flag} must divide the layers of every pipeline stage (--num-layers {num_layers}"
+                           f"{' with the embedding and loss counted' if any(split.values()) else ''} over "
+                           f"--pipeline-model-parallel-size {pp}; Megatron's rule)")
+    return {**fields, **split, "num_layers_per_virtual_pipeline_stage": counted // pp // n}
 
 
 def parse_pipeline_layout(text: str) -> list[str]:

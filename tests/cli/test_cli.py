@@ -388,3 +388,16 @@ def test_a_plan_says_which_typed_layout_flags_it_kept_fixed(capsys):
                                                  "--micro-batch-size 1."), out[:400]
     code, out, _ = run(capsys, "plan", *SMALL, "--top", "1")
     assert code == 0 and "Kept fixed" not in out
+
+
+def test_virtual_stages_per_rank_price_as_the_layers_per_chunk_they_build(capsys):
+    """--num-virtual-stages-per-pipeline-rank 2 at 6 layers a stage is --num-layers-per-virtual-pipeline-stage 3:
+    the same estimate, byte for byte; a plan typed with it keeps 2 chunks a rank."""
+    base = ["estimate", "--model", "gpt3-175b", "--num-nodes", "128", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "16", "--sequence-parallel", "--json"]
+    by_layers = run(capsys, *base, "--num-layers-per-virtual-pipeline-stage", "3")
+    assert by_layers[0] == 0 and run(capsys, *base, "--num-virtual-stages-per-pipeline-rank", "2") == by_layers
+    plan = json.loads(run(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h200", "--num-nodes", "2",
+                          "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                          "--top", "1", "--json")[1])
+    assert plan["candidates"][0]["layout"]["num_layers_per_virtual_pipeline_stage"] == 8

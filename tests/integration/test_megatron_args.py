@@ -274,3 +274,21 @@ def test_the_cache_key_identity_names_the_gpus_given(monkeypatch):
     two = _identity()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert two["gpu"] == "2,3" and _identity()["gpu"] == "0,1" and two["host"] == _identity()["host"]
+
+
+def test_virtual_stages_per_rank_are_read_typed_and_cleared_as_megatron_takes_them():
+    """--num-virtual-stages-per-pipeline-rank: priced (not refused), typed as the layers a chunk it builds,
+    read back from a job's (or checkpoint's) arguments, and cleared where the plan writes VP its own way
+    (Megatron refuses the two together)."""
+    args = megatron_namespace(num_layers=8, pipeline_model_parallel_size=4, num_virtual_stages_per_pipeline_rank=2)
+    argv = ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2", "--auto-parallel"]
+    ma.workload_from_args(args)
+    typed = ma.constraints_from_args(args, argv)
+    assert (typed["num_layers_per_virtual_pipeline_stage"], typed["pipeline_model_parallel_size"]) == (1, 4)
+    assert "num_virtual_stages_per_pipeline_rank" not in typed
+    assert ma.layout_from_args(args, 4).num_layers_per_virtual_pipeline_stage == 1
+    ma.apply_layout(args, ma.layout_from_args(args, 4))
+    assert (args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage) == (None, 1)
+    with pytest.raises(PipetteError, match="--num-virtual-stages-per-pipeline-rank 3 must divide"):
+        ma.constraints_from_args(megatron_namespace(num_layers=8, pipeline_model_parallel_size=4,
+                                                    num_virtual_stages_per_pipeline_rank=3), argv)

@@ -1,8 +1,17 @@
+import re
+
 import pytest
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layout import Layout, chunk_sizes, stage_layers, validate_layout
+from megatron_pipette.spec.layout import (
+    VIRTUAL_STAGES,
+    Layout,
+    chunk_sizes,
+    stage_layers,
+    validate_layout,
+    virtual_stages_as_layers,
+)
 from megatron_pipette.spec.workload import workload_from_preset
 
 W = workload_from_preset("gpt3-175b")  # 96 layers, 96 heads, gbs 1536
@@ -109,3 +118,36 @@ def test_embedding_and_loss_counted_in_the_pipeline_split():
 def test_layout_sizes_are_bounded(kw, message):
     with pytest.raises(PipetteError, match=message):
         validate_layout(W, L(**kw))
+
+
+def test_virtual_stages_per_rank_become_the_layers_per_chunk_megatron_builds():
+    """--num-virtual-stages-per-pipeline-rank N is Megatron's VP size itself (arguments.py:942-945):
+    every chunk holds a stage's layers (embedding and loss counted where the split counts them) over N,
+    and the split the flags give is pinned."""
+    plain = {"account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+    assert virtual_stages_as_layers(96, {"pipeline_model_parallel_size": 16, VIRTUAL_STAGES: 2}) == \
+        {"pipeline_model_parallel_size": 16, **plain, "num_layers_per_virtual_pipeline_stage": 3}
+    counted = {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}
+    assert virtual_stages_as_layers(126, {"pipeline_model_parallel_size": 8, **counted, VIRTUAL_STAGES: 4}) == \
+        {"pipeline_model_parallel_size": 8, **counted, "num_layers_per_virtual_pipeline_stage": 4}
+    assert virtual_stages_as_layers(96, {"pipeline_model_parallel_size": 4, VIRTUAL_STAGES: 1}) == \
+        {"pipeline_model_parallel_size": 4, **plain, "num_layers_per_virtual_pipeline_stage": None}
+    assert virtual_stages_as_layers(96, {"tensor_model_parallel_size": 2}) == {"tensor_model_parallel_size": 2}
+
+
+@pytest.mark.parametrize("typed, message", [
+    ({"pipeline_model_parallel_size": 4, "num_layers_per_virtual_pipeline_stage": 2},
+     "--num-virtual-stages-per-pipeline-rank 2 cannot be combined with --num-layers-per-virtual-pipeline-stage"),
+    ({"pipeline_model_parallel_size": 4, "pipeline_model_parallel_layout": "Et|t|t|tL"},
+     "cannot be combined with --pipeline-model-parallel-layout"),
+    ({}, "--num-virtual-stages-per-pipeline-rank 2 needs --pipeline-model-parallel-size beside it"),
+    ({"pipeline_model_parallel_size": 1}, "needs --pipeline-model-parallel-size > 1"),
+    ({"pipeline_model_parallel_size": 5}, "must divide the layers of every pipeline stage"),
+    ({"pipeline_model_parallel_size": 8}, "must divide the layers of every pipeline stage"),    # 3 a stage
+    ({"pipeline_model_parallel_size": 4, "decoder_first_pipeline_num_layers": 4}, "is not modelled"),
+    ({"pipeline_model_parallel_size": 4, VIRTUAL_STAGES: 0}, "--num-virtual-stages-per-pipeline-rank must be a "
+                                                             "positive integer, got 0"),
+])
+def test_virtual_stages_megatron_refuses_are_refused_by_name(typed, message):
+    with pytest.raises(PipetteError, match=re.escape(message)):
+        virtual_stages_as_layers(24, {VIRTUAL_STAGES: 2, **typed})
