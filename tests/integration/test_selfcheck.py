@@ -3,6 +3,7 @@ defaults: NCCL, Transformer Engine's spec, fused kernels) run on CPU under --aut
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,15 +74,18 @@ def test_a_gpu_launch_line_trains_on_cpu_and_checks_itself(checked_job) -> None:
 
 
 @pytest.mark.torchrun
-def test_the_next_start_plans_with_the_calibrated_model(run_torchrun, checked_job) -> None:
+def test_the_next_start_plans_with_the_calibrated_model(run_torchrun, checked_job, tmp_path) -> None:
     """The check's factors are stored; a second start on the allocation plans again with them,
-    predicts the measured layout at what the check measured, and records the calibration it used."""
-    out, directory = checked_job
+    predicts the measured layout at what the check measured, and records the calibration it used.
+    It starts on a copy of the cache: its plan replaces the entry's, which the other tests read."""
+    out, checked = checked_job
+    directory = tmp_path / "cache" / checked.name
+    shutil.copytree(checked.parent, directory.parent)
     calibration = json.loads((directory / "calibration.json").read_text())
     first = json.loads((directory / "plan.json").read_text())
     assert calibration["fitted_on"]["measured_s"] == first["self_check"]["measured_s"]
     assert "> auto-parallel: calibration: compute x" in out
-    assert f"calibration stored in {directory / 'calibration.json'}" in out
+    assert f"calibration stored in {checked / 'calibration.json'}" in out
     again = run_torchrun(EXAMPLE, auto_parallel(directory.parent, "--train-iters", "6", "--auto-parallel-dry-run",
                                                 "--auto-parallel-replan-if-slower", "0"), nproc=2, timeout=180)
     assert "a self-check calibrated the model since" in again and "probed" not in again
