@@ -185,7 +185,7 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
     linear = linear or gemm
     linears = [linear_work(linear, *shape, main_grad_bytes=main_grad_bytes(w)) for shape in shapes.values()]
-    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, list(shapes.values()))
+    cast_f, cast_b = fp8_cast_bytes(w.quantisation_recipe, list(shapes.values()))
     drop = 1 if w.hidden_dropout > 0 else 0
     hidden = (2 * 2 * e + 2 * (3 * e + drop)) * n * h / sp          # two norms, two bias-dropout-adds
     norm = 2 * e * n * h / sp
@@ -503,7 +503,7 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
     layout, w = job.layout, job.workload
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
-    linear = fp8_curve(cluster.gpu, w.precision) if w.fp8 else gemm
+    linear = fp8_curve(cluster.gpu, w.precision, w.fp8_recipe) if w.fp8 else gemm
     attention = attention_curve(cluster.gpu, w.attention_backend)
     profile = profile if profile is not None and profile.covers(job) else None
     layer = profile_layer(profile, job, cluster) if profile else None

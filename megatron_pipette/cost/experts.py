@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import math
 
-from megatron_pipette.cost.gemm import GemmCurve, PartWork, Work, fp8_cast_bytes, linear_work, main_grad_bytes
+from megatron_pipette.cost.gemm import (
+    GemmCurve,
+    PartWork,
+    Work,
+    fp8_cast_bytes,
+    linear_work,
+    main_grad_bytes,
+    quantised_bytes,
+)
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload
 
@@ -83,7 +91,7 @@ def moe_mlp(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve, linear: Gemm
         fp8_gemms += [(n, width * w.fc1_widening, h), (n, h, width)]
         shared_work = [linear_work(linear, rows_, out, inp, grads) for rows_, out, inp in fp8_gemms[2:]]
         shared_act = (w.fc1_widening + 1) * e * n * width
-    cast_f, cast_b = fp8_cast_bytes(w.fp8 is not None, fp8_gemms)
+    cast_f, cast_b = fp8_cast_bytes(w.quantisation_recipe, fp8_gemms)
     moved = t * w.moe_router_topk * capacity_share(job) * h * e
     expert_act = (w.fc1_widening + 1) * e * rows * fc2   # the experts' activation: fc1's output in, its own out
     # The clamp's passes (clamp_half_bytes): forward 8 halves; backward each half's mask applied to its
@@ -199,10 +207,13 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + clamped + shared_bytes)
 
 
-def fp8_input_bytes(workload: Workload) -> int:
+def fp8_input_bytes(workload: Workload) -> float:
     """Bytes per element a linear keeps of its input for the weight gradient: Transformer Engine
-    keeps the FP8 cast under --fp8-format, else the training dtype's."""
-    return 1 if workload.fp8 is not None else workload.bytes_per_element
+    keeps the FP8 cast under --fp8-format (one copy: under MXFP8 the columnwise one with its
+    scales, module/linear.py update_usage(rowwise_usage=False, columnwise_usage=True)), else the
+    training dtype's."""
+    recipe = workload.quantisation_recipe
+    return workload.bytes_per_element if recipe is None else quantised_bytes(recipe)
 
 
 def moe_backward_bytes(job: Job) -> int:

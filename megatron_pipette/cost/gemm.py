@@ -162,37 +162,68 @@ def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
                      ridge=ridge, operand_bytes=width, output_bytes=width)
 
 
-# Module-level memo (cost.model lists them): package data, read once per GPU and precision.
+# Module-level memo (cost.model lists them): package data, read once per GPU, precision and recipe.
 @cache
-def fp8_curve(gpu: GPU | None, precision: str) -> GemmCurve:
+def fp8_curve(gpu: GPU | None, precision: str, recipe: str = "delayed") -> GemmCurve:
     """FP8 GEMMs (Transformer Engine's, under --fp8-format) against the training dtype's large-GEMM
     rate: the fp8 table's efficiency by shape, times the large FP8 GEMM's rate over the training
     dtype's (the catalog's peaks and large-GEMM efficiencies; the probe measures the training
     dtype's). A cluster of GPUs the catalog does not know is taken at twice the rate (Hopper's and
-    Blackwell's dense FP8 over BF16 peak)."""
+    Blackwell's dense FP8 over BF16 peak). MXFP8 GEMMs run at the same dense FP8 peak (Blackwell's
+    datasheets give one FP8 figure) on the same curve, and read each operand's E8M0 block scales
+    besides its bytes; they need Blackwell's block-scaled tensor cores (Transformer Engine:
+    compute capability 10.0, quantization.py _compute_mxfp8_support), which the catalog marks by an
+    fp4 peak (the same tensor-core generation brought both)."""
     speedup = 2.0
     if gpu is not None:
         if "fp8" not in gpu.peak_flops:
             raise PipetteError(f"--fp8-format: {gpu.name} has no FP8 tensor cores")
+        if recipe in BLOCK_SCALED and "fp4" not in gpu.peak_flops:
+            raise PipetteError(f"--fp8-recipe {recipe}: {gpu.name} has no block-scaled (MXFP8) tensor cores "
+                               "(Transformer Engine runs MXFP8 on compute capability 10.0, Blackwell)")
         speedup = gpu.large_gemm_rate("fp8") / gpu.large_gemm_rate(precision)
-    # Transformer Engine's FP8 GEMMs read 1-byte operands and write the 16-bit training dtype.
+    # Transformer Engine's FP8 GEMMs read 1-byte operands (and their block scales) and write the
+    # 16-bit training dtype.
     fp8 = gemm_curve(gpu, "fp8")
     return dataclasses.replace(gemm_curve(gpu, precision), log_table=fp8.log_table, half_dim=fp8.half_dim,
-                               speedup=speedup, operand_bytes=1.0)
+                               speedup=speedup, operand_bytes=quantised_bytes(recipe))
 
 
-FP8_CAST_BYTES = 3
-"""Casting one element to FP8 for a GEMM: the 16-bit value read, the 8-bit one written."""
+BLOCK_SCALED = {"mxfp8": 32}
+"""Elements per scale of each block-scaled --fp8-recipe: MXFP8 scales 32 consecutive elements by
+one E8M0 byte (Transformer Engine 2.20, pytorch/constants.py MXFP8_BLOCK_SCALING_SIZE = 32;
+common/recipe MXFP8BlockScaling). The per-tensor recipes' one FP32 scale a tensor is nothing per
+element."""
 
 
-def fp8_cast_bytes(fp8: bool, gemms: list[tuple[float, float, float]]) -> tuple[float, float]:
+def quantised_bytes(recipe: str) -> float:
+    """Bytes an element of one FP8 copy of a tensor takes, with its share of the block scales: 1,
+    or 1 + 1/32 under MXFP8."""
+    block = BLOCK_SCALED.get(recipe)
+    return 1 if block is None else 1 + 1 / block
+
+
+def fp8_cast_bytes_per_element(recipe: str) -> float:
+    """Bytes moved quantising one 16-bit element for FP8 GEMMs: the 16-bit value read and each copy
+    written. Per-tensor recipes write one copy (3 bytes). MXFP8 writes a rowwise and a columnwise
+    copy, each with its own scales, from one read (TE 2.20, recipe MXFP8BlockScaling: both
+    directions are quantised from the high-precision tensor), because the forward GEMM and the
+    backward's GEMMs scale along different axes (module/linear.py: the input's rowwise copy
+    feeds the forward GEMM, its columnwise one the weight gradient; the output gradient's rowwise
+    one the data gradient, its columnwise one the weight gradient): 2 + 2 x 1.03125 bytes."""
+    copies = 2 if recipe in BLOCK_SCALED else 1
+    return 2 + copies * quantised_bytes(recipe)
+
+
+def fp8_cast_bytes(recipe: str | None, gemms: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(forward, backward) bytes Transformer Engine moves casting FP8 GEMM operands, for linears given
     as (rows, out, in): each input in the forward, each output gradient in the backward (weights are
-    cast once an iteration and kept)."""
-    if not fp8:
+    cast once an iteration and kept). `recipe`: the --fp8-recipe, None without FP8."""
+    if recipe is None:
         return 0.0, 0.0
-    return (FP8_CAST_BYTES * sum(rows * inp for rows, _, inp in gemms),
-            FP8_CAST_BYTES * sum(rows * out for rows, out, _ in gemms))
+    per_element = fp8_cast_bytes_per_element(recipe)
+    return (per_element * sum(rows * inp for rows, _, inp in gemms),
+            per_element * sum(rows * out for rows, out, _ in gemms))
 
 
 def main_grad_bytes(workload: Workload) -> int:

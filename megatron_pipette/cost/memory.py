@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
+from megatron_pipette.cost.gemm import quantised_bytes
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.cost.schedules import InFlight, schedule_for
 from megatron_pipette.errors import PipetteError
@@ -36,8 +37,15 @@ error (docs/validation.md: counted activations 1.00-1.11x the prediction on CPU;
 allocator and NCCL are assumed): the plan says so instead of recommending it silently."""
 UNFUSED_ATTENTION = ("unfused", "local")
 """--attention-backend values that materialise the s*s attention scores."""
-FP8_WEIGHT_COPY_BYTES = 2
-"""Transformer Engine's FP8 copy of a linear's weight and of its transpose, per parameter."""
+
+
+def fp8_weight_copy_bytes(recipe: str) -> float:
+    """Transformer Engine's FP8 copies of a linear's weight, per parameter: the weight and its
+    transpose (Hopper's FP8 GEMMs take one operand layout), or under MXFP8 its rowwise copy (the
+    forward GEMM's) and columnwise copy (the data gradient's), each with its E8M0 scales (linear.py:
+    weightmat rowwise in the forward, weight_fp8.update_usage(columnwise_usage=True) in the
+    backward): 2, or 2 x 1.03125 bytes."""
+    return 2 * quantised_bytes(recipe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +239,7 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
         return e * tokens * h // sp  # the checkpointed layer's input
     redone = layout.selective_modules if granularity == "selective" else frozenset()
     masks = 2 if workload.hidden_dropout > 0 else 0
-    lin = fp8_input_bytes(workload)       # what a linear keeps of its input: 1 byte under FP8
+    lin = fp8_input_bytes(workload)       # what a linear keeps of its input: 1 byte under FP8 (+ scales)
     # What enters the MLP half: fc1's input, or the router's (e); a checkpointed dense MLP keeps its
     # input in the training dtype; the MoE layer's pre-MLP norm (never fused into a linear) is
     # redone under layernorm. A dense layer's norms are taken as kept: Transformer Engine fuses
@@ -252,7 +260,7 @@ def _formula_layer_bytes(job: Job, granularity: str | None, moe: bool = False) -
         mlp = 0 if "mlp" in redone else tokens * (e * _fc1_width(workload) + lin * workload.ffn) // t
     tp_side = tokens * (e * kept + attention_output_bytes(workload) * proj_in) // t + mlp
     scores = 0 if "core_attn" in redone else _score_bytes(job)
-    return norm_side + tp_side + scores
+    return round(norm_side + tp_side + scores)       # MXFP8's block scales make fractional bytes
 
 
 def attention_output_bytes(workload: Workload) -> int:
@@ -514,7 +522,7 @@ def _mtp_activations(job: Job, terms: _JobTerms, profile: LayerProfile | None) -
     else:
         layer = (_layer_bytes(job, layout.recompute_granularity, profile, moe=w.mtp_layer_is_moe)
                  + (2 * e + 2 * fp8_input_bytes(w)) * n * h // sp)
-    return w.mtp_layers * (layer + terms.embedding + terms.output)
+    return round(w.mtp_layers * (layer + terms.embedding + terms.output))
 
 
 def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerms, chunk_bytes,
@@ -553,12 +561,14 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
 
     overhead = (overheads.cuda_context_bytes + nccl_bytes(job, stage, overheads, nvls_domain)
                 + round(overheads.fragmentation * (activations + transient)))
-    # Under FP8, Transformer Engine keeps each layer linear's FP8 weight and its transpose (Hopper's
-    # FP8 GEMMs take one operand layout) from the first micro-batch on: 2 bytes a parameter. With
-    # --fp8-param-gather those are the weights (FP8 primary weights and their cached transpose):
-    # the 16-bit copy is gone, 2 bytes a parameter in all.
+    # Under FP8, Transformer Engine keeps each layer linear's FP8 weight copies (fp8_weight_copy_bytes)
+    # from the first micro-batch on. With --fp8-param-gather those are the weights (FP8 primary
+    # weights and their cached transpose, or MXFP8's two copies): the 16-bit copy is gone. Under
+    # MXFP8 it needs --reuse-grad-buf-for-mxfp8-param-ag, which gathers the 16-bit weights into the
+    # gradient buffer (param_and_grad_buffer.py, shared_buffer): no parameter buffer is added.
     layer_linears = int(params.dense_in_layers[stage]) + expert
-    fp8_copies = FP8_WEIGHT_COPY_BYTES * layer_linears if workload.fp8 else 0
+    recipe = workload.quantisation_recipe
+    fp8_copies = round(fp8_weight_copy_bytes(recipe) * layer_linears) if recipe else 0
     if workload.fp8_param_gather:
         fp8_copies -= weight * layer_linears
     return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert) + fp8_copies,

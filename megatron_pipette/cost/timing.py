@@ -29,6 +29,7 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
+from megatron_pipette.cost.gemm import quantised_bytes
 from megatron_pipette.cost.memory import extra_warmup
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
@@ -240,10 +241,12 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                                                     ring.all_gather_s(attn_in).T[:, :, None])
     # Under FP8 Transformer Engine all-gathers the column-parallel linears' inputs (QKV or MLA's up
     # projections, fc1) already quantised: 1 byte an element (layernorm_linear.py, linear.py:
-    # gather_along_first_dim with the input quantizer), in the forward and in the backward's re-gather.
+    # gather_along_first_dim with the input quantizer), in the forward and in the backward's re-gather;
+    # MXFP8's with their block scales (quantised_bytes).
     if workload.fp8 is not None:
-        ag_fc1 = ring.all_gather_s(tokens * workload.hidden_size).T[:, :, None]
-        ag_qkv = ring.all_gather_s(attn_in / workload.bytes_per_element).T[:, :, None]
+        fp8 = quantised_bytes(workload.fp8_recipe)
+        ag_fc1 = ring.all_gather_s(fp8 * tokens * workload.hidden_size).T[:, :, None]
+        ag_qkv = ring.all_gather_s(fp8 * attn_in / workload.bytes_per_element).T[:, :, None]
     else:
         ag_fc1, ag_qkv = ag, ag_in
     rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
@@ -401,7 +404,7 @@ def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stage
     contention = share * float((reduce - exposed).max())
     gather = 0.0
     if dopt:
-        ag = both("all_gather_s", workload.bytes_per_element, workload.fp8_param_gather)
+        ag = both("all_gather_s", workload.bytes_per_element, workload.gathers_fp8_params)
         # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
         window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
             else np.zeros(layout.pp)

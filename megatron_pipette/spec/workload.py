@@ -35,9 +35,9 @@ CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 (which Megatron 0.19 refuses beside --cross-entropy-loss-fusion; the releases NVIDIA's 2025-26
 recipes ran accepted it)."""
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise")
-"""--fp8-recipe values the cost model prices: per-tensor scaling (mxfp8 and blockwise carry
-per-block scales and kernels of their own)."""
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+"""--fp8-recipe values the cost model prices: per-tensor scaling, and MXFP8's 32-element block
+scaling (docs/fp8.md); blockwise (128-element blocks on Hopper) and custom are not modelled."""
 OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 """Dtypes --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
 (megatron/training/arguments.py) and their bytes per element."""
@@ -192,11 +192,17 @@ class Workload:
     """--fp8-format: e4m3, or hybrid (e5m2 gradients): the transformer layers' linears run FP8 GEMMs
     through Transformer Engine, the rest in the training dtype; None: no FP8."""
     fp8_recipe: str = "delayed"
-    """--fp8-recipe: delayed or tensorwise (per-tensor) scaling."""
+    """--fp8-recipe: delayed or tensorwise (per-tensor) scaling, or mxfp8 (an E8M0 scale per 32
+    elements, Blackwell's block-scaled GEMMs)."""
     fp8_param_gather: bool = False
     """--fp8-param-gather: the layers' linear weights are kept in FP8 (Transformer Engine's FP8
     primary weights: 1 byte, plus the transpose Hopper's FP8 GEMMs need) instead of 16-bit weights
-    and their FP8 copies, and the distributed optimizer all-gathers them in FP8."""
+    and their FP8 copies, and the distributed optimizer all-gathers them in FP8 (MXFP8: in 16 bits,
+    see gathers_fp8_params)."""
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """--reuse-grad-buf-for-mxfp8-param-ag: with --fp8-param-gather under --fp8-recipe mxfp8, the
+    distributed optimizer all-gathers the 16-bit weights into the gradient buffer and quantises them
+    from there, so no 16-bit parameter buffer is kept."""
     use_precision_aware_optimizer: bool = False
     """--use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the optimizer state in
     the dtypes below and reads the gradients in their own dtype (no fp32 copy for the step)."""
@@ -312,6 +318,9 @@ class Workload:
             self._check_fp8()
         elif self.fp8_param_gather:
             raise PipetteError("--fp8-param-gather needs --fp8-format (the weights it gathers are FP8)")
+        if self.reuse_grad_buf_for_mxfp8_param_ag and not (self.fp8_param_gather and self.fp8_recipe == "mxfp8"):
+            raise PipetteError("--reuse-grad-buf-for-mxfp8-param-ag needs --fp8-param-gather and --fp8-recipe mxfp8 "
+                               "(megatron-core asserts the first; the model prices it with MXFP8 weights only)")
         self._check_optimizer()
 
     def _check_fp8(self) -> None:
@@ -319,6 +328,11 @@ class Workload:
             raise PipetteError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {self.fp8!r}")
         if self.precision not in ("bf16", "fp16"):
             raise PipetteError(f"--fp8-format {self.fp8} needs --bf16 or --fp16 (FP8 GEMMs keep 16-bit weights)")
+        if self.fp8_recipe == "mxfp8" and self.fp8_param_gather and not self.reuse_grad_buf_for_mxfp8_param_ag:
+            raise PipetteError("--fp8-param-gather with --fp8-recipe mxfp8 is priced with "
+                               "--reuse-grad-buf-for-mxfp8-param-ag only (as NVIDIA's recipes run it; without it "
+                               "megatron-core maps MXFP8 weights onto a 16-bit parameter buffer the model does not "
+                               "describe)")
 
     def _check_optimizer(self) -> None:
         dtypes = {"main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16"),
@@ -470,6 +484,20 @@ class Workload:
         if self.te_holds_master_weights and self.main_params_dtype == "fp32" and self.precision == "bf16":
             master = 2
         return master + moments
+
+    @property
+    def quantisation_recipe(self) -> str | None:
+        """The recipe Transformer Engine quantises the layers' linears with (--fp8-recipe under
+        --fp8-format), None where they run in the training dtype."""
+        return self.fp8_recipe if self.fp8 is not None else None
+
+    @property
+    def gathers_fp8_params(self) -> bool:
+        """The distributed optimizer all-gathers the layers' linear weights in FP8 (--fp8-param-gather).
+        Under MXFP8 it gathers them in 16 bits into the gradient buffer and quantises them after
+        (megatron-core 0.19.2, param_and_grad_buffer.py: the MXFP8 shared_buffer's param_data is a
+        bf16 view; distrib_optimizer.py _copy_main_params_to_param_buffer)."""
+        return self.fp8_param_gather and self.fp8_recipe != "mxfp8"
 
     @property
     def te_holds_master_weights(self) -> bool:

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from megatron_pipette.cost.compute import roofline_layer
-from megatron_pipette.cost.gemm import fp8_curve, gemm_curve
+from megatron_pipette.cost.gemm import fp8_cast_bytes, fp8_curve, gemm_curve
+from megatron_pipette.cost.memory import activation_bytes_per_layer
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import stage_parameters
 from megatron_pipette.errors import PipetteError
@@ -66,5 +67,93 @@ def test_fp8_is_faster_on_h100_and_refused_where_there_are_no_fp8_tensor_cores()
 def test_fp8_rules():
     with pytest.raises(PipetteError, match="--fp8-format hybrid needs --bf16 or --fp16"):
         dataclasses.replace(LLAMA, fp8="hybrid", precision="fp32")
-    with pytest.raises(PipetteError, match="--fp8-recipe must be one of delayed, tensorwise"):
-        dataclasses.replace(FP8, fp8_recipe="mxfp8")
+    with pytest.raises(PipetteError, match="--fp8-recipe must be one of delayed, tensorwise, mxfp8, got 'blockwise'"):
+        dataclasses.replace(FP8, fp8_recipe="blockwise")
+
+
+B200 = lookup_gpu("B200")
+MXFP8 = dataclasses.replace(LLAMA, fp8="e4m3", fp8_recipe="mxfp8")
+TENSORWISE = dataclasses.replace(LLAMA, fp8="e4m3", fp8_recipe="tensorwise")
+
+
+def test_mxfp8_gemms_run_at_the_fp8_rate_and_read_their_block_scales():
+    """MXFP8 GEMMs: the FP8 peak and curve (one dense FP8 figure on Blackwell), operands of 1 byte
+    plus one E8M0 scale per 32 elements."""
+    mx, tensorwise = fp8_curve(B200, "bf16", "mxfp8"), fp8_curve(B200, "bf16", "tensorwise")
+    assert mx.speedup == tensorwise.speedup == pytest.approx(B200.large_gemm_rate("fp8") / B200.large_gemm_rate("bf16"))
+    assert (mx.operand_bytes, tensorwise.operand_bytes) == (1 + 1 / 32, 1)
+    assert mx(8192, 8192, 8192) == tensorwise(8192, 8192, 8192)
+
+
+def test_mxfp8_is_refused_without_block_scaled_tensor_cores():
+    with pytest.raises(PipetteError, match="--fp8-recipe mxfp8: H100-80GB has no block-scaled"):
+        fp8_curve(H100, "bf16", "mxfp8")
+    h100 = CostModel(preset_cluster("dgx-h100", num_nodes=1))
+    with pytest.raises(PipetteError, match="--fp8-recipe mxfp8: H100-80GB"):
+        h100.time(job(MXFP8, tensor_model_parallel_size=8, sequence_parallel=True))
+
+
+def test_mxfp8_quantises_both_directions_from_one_read():
+    """Per element: per-tensor reads 2 bytes and writes 1; MXFP8 writes a rowwise and a columnwise
+    copy, each with its scales: 2 + 2 x 1.03125."""
+    linears = [(4096, 1024, 512)]
+    assert fp8_cast_bytes("tensorwise", linears) == (3 * 4096 * 512, 3 * 4096 * 1024)
+    assert fp8_cast_bytes("mxfp8", linears) == (4.0625 * 4096 * 512, 4.0625 * 4096 * 1024)
+    assert fp8_cast_bytes(None, linears) == (0.0, 0.0)
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True)
+    mx, tw = (roofline_layer(job(w, **layout), B200.memory_bandwidth_Bps, gemm_curve(B200, "bf16"),
+                             linear=fp8_curve(B200, "bf16", w.fp8_recipe)) for w in (MXFP8, TENSORWISE))
+    x = job(MXFP8, **layout)
+    n, h, f = x.tokens_per_microbatch, LLAMA.hidden_size, LLAMA.ffn_hidden_size
+    qkv = h // 8 * (LLAMA.num_attention_heads + 2 * LLAMA.num_query_groups) // LLAMA.num_attention_heads
+    inputs = n * (h + h // 8 + h + f // 8)             # QKV's, proj's (TP-sharded), fc1's and fc2's inputs
+    outputs = n * (qkv + h + 2 * f // 8 + h)           # their output gradients (fc1: SwiGLU's two halves)
+    assert mx.forward.mem_s - tw.forward.mem_s == pytest.approx(1.0625 * inputs / B200.memory_bandwidth_Bps)
+    assert mx.backward.mem_s - tw.backward.mem_s == pytest.approx(1.0625 * outputs / B200.memory_bandwidth_Bps)
+
+
+def test_mxfp8_memory_block_scales_on_weight_copies_and_kept_inputs():
+    """Weight copies 2 x 1.03125 bytes a layer parameter (rowwise and columnwise), the kept linear
+    inputs 1.03125 bytes an element (the columnwise copy): 1/32 more than per-tensor FP8's."""
+    model = CostModel(preset_cluster("dgx-b200", num_nodes=1))
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True)
+    tw, mx = (model.memory(job(w, **layout)).stages[0] for w in (TENSORWISE, MXFP8))
+    in_layers = int(stage_parameters(job(MXFP8, **layout)).dense_in_layers[0])
+    assert mx.weight_bytes - tw.weight_bytes == round(2 * 1.03125 * in_layers) - 2 * in_layers
+    x = job(MXFP8, **layout)
+    n, h, f = x.tokens_per_microbatch, LLAMA.hidden_size, LLAMA.ffn_hidden_size
+    kept = 2 * n * h // 8 + n * f // 8                 # QKV's and fc1's inputs (SP), fc2's (TP)
+    assert activation_bytes_per_layer(x) - activation_bytes_per_layer(job(TENSORWISE, **layout)) == \
+        pytest.approx(kept / 32, abs=2)
+
+
+def test_mxfp8_param_gather_moves_16_bit_weights_into_the_gradient_buffer():
+    """--fp8-param-gather under MXFP8 (with --reuse-grad-buf-for-mxfp8-param-ag) keeps MXFP8 weights
+    in place of the 16-bit ones but all-gathers in 16 bits: the DP time is MXFP8's without it;
+    per-tensor FP8 gathers 1 byte."""
+    model = CostModel(preset_cluster("dgx-b200", num_nodes=2))
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True, data_parallel_size=2,
+                  use_distributed_optimizer=True)
+    gather = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+    mx_gather = dataclasses.replace(MXFP8, **gather)
+    assert (MXFP8.gathers_fp8_params, mx_gather.gathers_fp8_params) == (False, False)
+    assert dataclasses.replace(TENSORWISE, fp8_param_gather=True).gathers_fp8_params
+
+    def dp(w):
+        return model.time(job(w, **layout)).breakdown.dp_comm_exposed_s
+
+    assert dp(mx_gather) == dp(MXFP8)
+    assert dp(dataclasses.replace(TENSORWISE, fp8_param_gather=True)) < dp(TENSORWISE)
+    in_layers = int(stage_parameters(job(MXFP8, **layout)).dense_in_layers[0])
+    plain, kept = (model.memory(job(w, **layout)).stages[0].weight_bytes for w in (MXFP8, mx_gather))
+    assert plain - kept == 2 * in_layers                # the 16-bit weights are gone
+
+
+def test_mxfp8_param_gather_rules():
+    with pytest.raises(PipetteError, match="--fp8-param-gather with --fp8-recipe mxfp8 is priced with "
+                                           "--reuse-grad-buf-for-mxfp8-param-ag only"):
+        dataclasses.replace(MXFP8, fp8_param_gather=True)
+    with pytest.raises(PipetteError, match="--reuse-grad-buf-for-mxfp8-param-ag needs --fp8-param-gather"):
+        dataclasses.replace(MXFP8, reuse_grad_buf_for_mxfp8_param_ag=True)
+    with pytest.raises(PipetteError, match="--reuse-grad-buf-for-mxfp8-param-ag needs"):
+        dataclasses.replace(TENSORWISE, fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)

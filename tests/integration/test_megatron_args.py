@@ -106,6 +106,9 @@ def test_fp8_needs_transformer_engine(monkeypatch):
     monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: True)
     w = ma.workload_from_args(megatron_namespace(fp8="hybrid", fp8_recipe="tensorwise"))
     assert (w.fp8, w.fp8_recipe) == ("hybrid", "tensorwise")
+    w = ma.workload_from_args(megatron_namespace(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True,
+                                                 reuse_grad_buf_for_mxfp8_param_ag=True))
+    assert (w.fp8_recipe, w.fp8_param_gather, w.reuse_grad_buf_for_mxfp8_param_ag) == ("mxfp8", True, True)
 
 
 def test_moe_arguments_become_the_workload():

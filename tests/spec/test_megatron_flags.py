@@ -32,7 +32,7 @@ def test_megatron_defaults_are_never_refused():
     ({"hierarchical_context_parallel_sizes": [2, 2]}, "--hierarchical-context-parallel-sizes 2 2: hierarchical"),
     ({"overlap_dispatch_backward_with_experts_wgrad": True}, "--overlap-dispatch-backward-with-experts-wgrad: this"),
     ({"first_last_layers_bf16": True}, "--first-last-layers-bf16: FP8 options other than --fp8-format with"),
-    ({"fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8: only delayed, tensorwise are modelled"),
+    ({"fp8_recipe": "blockwise"}, "--fp8-recipe blockwise: only delayed, tensorwise, mxfp8 are modelled"),
     ({"tp_comm_overlap_rs_dgrad": True}, "--tp-comm-overlap-rs-dgrad: the model prices --tp-comm-overlap with"),
     ({"overlap_p2p_comm": False}, "--no-overlap-p2p-communication: the model prices Megatron's default"),
     ({"cp_comm_type": ["a2a+p2p"]}, "--cp-comm-type a2a+p2p: only p2p, a2a, allgather are modelled"),
