@@ -90,7 +90,24 @@ def as_h100_row(row: dict, settings: dict[str, list[str]] | None = None) -> dict
                                  "num_layers_per_virtual_pipeline_stage": None,
                                  "pipeline_model_parallel_layout": None,
                                  "account_for_embedding_and_loss_in_pipeline_split": False},
-            "recipe": row.get("recipe") or {"function": None, "megatron_flags": [], "not_expressible": []}}
+            "recipe": joined(row.get("recipe") or {"function": None, "megatron_flags": [], "not_expressible": []})}
+
+
+TOGETHER = ("--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag")
+"""Recipe settings taken only together: _perf_precision("fp8_mx") sets both (MIXED_PRECISION), megatron-core
+asserts the second only with the first (distributed_data_parallel_config.py), and the planner prices
+MXFP8's parameter gather with both (docs/fp8.md)."""
+
+
+def joined(recipe: dict) -> dict:
+    """The recipe with its TOGETHER settings as one not-expressible entry, so that they are priced (or
+    left) together: published_runs_h100.recipe_flags tries one entry at a time."""
+    entries = recipe["not_expressible"]
+    parts = [next((e for e in entries if e.split(":")[0].split() == [flag]), None) for flag in TOGETHER]
+    if None in parts:
+        return recipe
+    whole = f"{' '.join(TOGETHER)}: " + "; ".join(e.split(":", 1)[1].strip() for e in parts)
+    return {**recipe, "not_expressible": [whole if e == parts[0] else e for e in entries if e != parts[1]]}
 
 
 def refusals(row: dict) -> list[str]:

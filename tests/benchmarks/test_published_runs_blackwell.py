@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs_blackwell as blackwell  # noqa: E402
+from published_runs_h100 import recipe_flags  # noqa: E402
 
 ROWS = {row["id"]: row for row in json.loads(blackwell.DATA.read_text())["rows"]}
 
@@ -42,3 +43,12 @@ def test_refusals_are_counted_by_first_and_by_every_reason():
     assert blackwell.refusal_counts(rows) == {"by_first_reason": {"--fp8-recipe mxfp8": 1},
                                               "by_every_reason": {"--fp8-recipe mxfp8": 1,
                                                                   "--cluster gb300-nvl72": 1}}
+
+
+def test_mxfp8_parameter_gather_and_its_buffer_reuse_are_priced_together():
+    """The recipes set --fp8-param-gather and --reuse-grad-buf-for-mxfp8-param-ag together; the planner
+    refuses either alone under MXFP8, so the row takes both as one setting."""
+    row = blackwell.as_h100_row(ROWS["bw26.04.01-gb300-llama3-70b-MXFP8"])
+    flags, left = recipe_flags(row)
+    assert {"--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"} <= set(flags)
+    assert not any("param-gather" in entry or "reuse-grad-buf" in entry for entry in left)
