@@ -503,7 +503,8 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     """Per-chunk work: layers x layer + embedding on (0, 0) + output layer on (p-1, v-1)."""
     layout, w = job.layout, job.workload
     bw, gemm = cluster.memory_bandwidth_Bps, gemm_curve(cluster.gpu, w.precision)
-    linear = fp8_curve(cluster.gpu, w.precision, w.fp8_recipe) if w.fp8 else gemm
+    recipe = w.quantisation_recipe
+    linear = fp8_curve(cluster.gpu, w.precision, recipe) if recipe else gemm
     attention = attention_curve(cluster.gpu, w.attention_backend)
     profile = profile if profile is not None and profile.covers(job) else None
     layer = profile_layer(profile, job, cluster) if profile else None

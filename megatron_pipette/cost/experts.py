@@ -30,10 +30,9 @@ from megatron_pipette.cost.gemm import (
     fp8_cast_bytes,
     linear_work,
     main_grad_bytes,
-    quantised_bytes,
 )
 from megatron_pipette.spec.job import Job
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, quantised_bytes
 
 ROUTER_BYTES_PER_SCORE = 12
 """Router softmax/top-k per token and expert: fp32 logits written, read and the scores written."""

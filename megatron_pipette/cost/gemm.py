@@ -19,7 +19,7 @@ import numpy as np
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import GPU
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import BLOCK_SCALES, Workload, quantised_bytes
 
 TABLE_DTYPES = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "fp8": "fp8"}
 """The measured dtype whose curve serves each training precision (fp16 runs bf16's tensor-core
@@ -165,60 +165,68 @@ def gemm_curve(gpu: GPU | None, precision: str) -> GemmCurve:
 # Module-level memo (cost.model lists them): package data, read once per GPU, precision and recipe.
 @cache
 def fp8_curve(gpu: GPU | None, precision: str, recipe: str = "delayed") -> GemmCurve:
-    """FP8 GEMMs (Transformer Engine's, under --fp8-format) against the training dtype's large-GEMM
-    rate: the fp8 table's efficiency by shape, times the large FP8 GEMM's rate over the training
-    dtype's (the catalog's peaks and large-GEMM efficiencies; the probe measures the training
-    dtype's). A cluster of GPUs the catalog does not know is taken at twice the rate (Hopper's and
-    Blackwell's dense FP8 over BF16 peak). MXFP8 GEMMs run at the same dense FP8 peak (Blackwell's
-    datasheets give one FP8 figure) on the same curve, and read each operand's E8M0 block scales
-    besides its bytes; they need Blackwell's block-scaled tensor cores (Transformer Engine:
-    compute capability 10.0, quantization.py _compute_mxfp8_support), which the catalog marks by an
-    fp4 peak (the same tensor-core generation brought both)."""
+    """FP8 and FP4 GEMMs (Transformer Engine's, under --fp8-format or --fp4-format) against the
+    training dtype's large-GEMM rate: the fp8 table's efficiency by shape, times the large quantised
+    GEMM's rate over the training dtype's (the catalog's peaks and large-GEMM efficiencies; the probe
+    measures the training dtype's). A cluster of GPUs the catalog does not know is taken at twice
+    the rate (Hopper's and Blackwell's dense FP8 over BF16 peak); NVFP4 needs a catalog GPU.
+    MXFP8 GEMMs run at the dense FP8 peak (Blackwell's datasheets give one FP8 figure), NVFP4 ones
+    at the dense FP4 peak, on the same curve (no FP4 table was measured), reading each operand's
+    block scales besides its bytes. Both need Blackwell's block-scaled tensor cores (Transformer
+    Engine: compute capability 10.0, quantization.py _compute_mxfp8_support and
+    _compute_nvfp4_support), which the catalog marks by an fp4 peak."""
+    dtype = QUANTISED_PEAKS.get(recipe, "fp8")
     speedup = 2.0
-    if gpu is not None:
+    if dtype == "fp4":
+        if gpu is None or "fp4" not in gpu.peak_flops:
+            name = gpu.name if gpu is not None else "a GPU outside the catalog"
+            raise PipetteError(f"--fp4-format: {name} has no FP4 tensor cores in the catalog (no fp4 peak; Transformer "
+                               "Engine runs NVFP4 on compute capability 10.0, Blackwell)")
+    elif gpu is not None:
         if "fp8" not in gpu.peak_flops:
             raise PipetteError(f"--fp8-format: {gpu.name} has no FP8 tensor cores")
-        if recipe in BLOCK_SCALED and "fp4" not in gpu.peak_flops:
+        if recipe in BLOCK_SCALES and "fp4" not in gpu.peak_flops:
             raise PipetteError(f"--fp8-recipe {recipe}: {gpu.name} has no block-scaled (MXFP8) tensor cores "
                                "(Transformer Engine runs MXFP8 on compute capability 10.0, Blackwell)")
-        speedup = gpu.large_gemm_rate("fp8") / gpu.large_gemm_rate(precision)
-    # Transformer Engine's FP8 GEMMs read 1-byte operands (and their block scales) and write the
-    # 16-bit training dtype.
+    if gpu is not None:
+        speedup = gpu.large_gemm_rate(dtype) / gpu.large_gemm_rate(precision)
+    # Transformer Engine's quantised GEMMs read 1-byte (FP4: half-byte) operands and their block
+    # scales, and write the 16-bit training dtype.
     fp8 = gemm_curve(gpu, "fp8")
     return dataclasses.replace(gemm_curve(gpu, precision), log_table=fp8.log_table, half_dim=fp8.half_dim,
                                speedup=speedup, operand_bytes=quantised_bytes(recipe))
 
 
-BLOCK_SCALED = {"mxfp8": 32}
-"""Elements per scale of each block-scaled --fp8-recipe: MXFP8 scales 32 consecutive elements by
-one E8M0 byte (Transformer Engine 2.20, pytorch/constants.py MXFP8_BLOCK_SCALING_SIZE = 32;
-common/recipe MXFP8BlockScaling). The per-tensor recipes' one FP32 scale a tensor is nothing per
-element."""
+QUANTISED_PEAKS = {"nvfp4": "fp4"}
+"""The catalog peak (GPU.peak_flops key) each recipe's GEMMs run at where not fp8's."""
 
-
-def quantised_bytes(recipe: str) -> float:
-    """Bytes an element of one FP8 copy of a tensor takes, with its share of the block scales: 1,
-    or 1 + 1/32 under MXFP8."""
-    block = BLOCK_SCALED.get(recipe)
-    return 1 if block is None else 1 + 1 / block
+AMAX_PASSES = {"nvfp4": 1}
+"""Reads of a tensor before it is quantised, where the recipe takes its scale from the tensor itself:
+NVFP4's per-tensor amax of the Hadamard-transformed tensor (TE 2.20 csrc/quantizer.cpp,
+NVFP4Quantizer::quantize_impl: nvte_hadamard_transform_amax, then the quantising kernel). Left at 0
+for tensorwise, as the per-tensor FP8 prices have always been, and for MXFP8, whose scales come from
+each block inside the quantising kernel."""
 
 
 def fp8_cast_bytes_per_element(recipe: str) -> float:
-    """Bytes moved quantising one 16-bit element for FP8 GEMMs: the 16-bit value read and each copy
-    written. Per-tensor recipes write one copy (3 bytes). MXFP8 writes a rowwise and a columnwise
-    copy, each with its own scales, from one read (TE 2.20, recipe MXFP8BlockScaling: both
-    directions are quantised from the high-precision tensor), because the forward GEMM and the
-    backward's GEMMs scale along different axes (module/linear.py: the input's rowwise copy
-    feeds the forward GEMM, its columnwise one the weight gradient; the output gradient's rowwise
-    one the data gradient, its columnwise one the weight gradient): 2 + 2 x 1.03125 bytes."""
-    copies = 2 if recipe in BLOCK_SCALED else 1
-    return 2 + copies * quantised_bytes(recipe)
+    """Bytes moved quantising one 16-bit element of a linear's input or output gradient: the 16-bit
+    value read (and read again for an amax first, AMAX_PASSES) and each copy written. Per-tensor
+    recipes write one copy (3 bytes). The block-scaled ones write a rowwise and a columnwise copy,
+    each with its own scales, from one read (TE 2.20, recipes MXFP8BlockScaling and
+    NVFP4BlockScaling: both directions are quantised from the high-precision tensor; NVFP4's
+    columnwise copy through the 16x16 Hadamard transform in the same kernel,
+    nvte_quantize_with_hadamard_transform), because the forward GEMM and the backward's GEMMs scale
+    along different axes (module/linear.py: the input's rowwise copy feeds the forward GEMM, its
+    columnwise one the weight gradient; the output gradient's rowwise one the data gradient, its
+    columnwise one the weight gradient): MXFP8 2 + 2 x 1.03125 bytes, NVFP4 2 + 2 + 2 x 0.5625."""
+    copies = 2 if recipe in BLOCK_SCALES else 1
+    return 2 * (1 + AMAX_PASSES.get(recipe, 0)) + copies * quantised_bytes(recipe)
 
 
 def fp8_cast_bytes(recipe: str | None, gemms: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(forward, backward) bytes Transformer Engine moves casting FP8 GEMM operands, for linears given
     as (rows, out, in): each input in the forward, each output gradient in the backward (weights are
-    cast once an iteration and kept). `recipe`: the --fp8-recipe, None without FP8."""
+    cast once an iteration and kept). `recipe`: Workload.quantisation_recipe, None without FP8 or FP4."""
     if recipe is None:
         return 0.0, 0.0
     per_element = fp8_cast_bytes_per_element(recipe)

@@ -20,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
-from megatron_pipette.cost.gemm import quantised_bytes
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.cost.schedules import InFlight, schedule_for
 from megatron_pipette.errors import PipetteError
@@ -28,7 +27,7 @@ from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
 from megatron_pipette.spec.ranks import dense_grid, expert_grid
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, quantised_bytes
 from megatron_pipette.units import GiB, MiB
 
 TIGHT_HEADROOM = 0.02
@@ -44,7 +43,9 @@ def fp8_weight_copy_bytes(recipe: str) -> float:
     transpose (Hopper's FP8 GEMMs take one operand layout), or under MXFP8 its rowwise copy (the
     forward GEMM's) and columnwise copy (the data gradient's), each with its E8M0 scales (linear.py:
     weightmat rowwise in the forward, weight_fp8.update_usage(columnwise_usage=True) in the
-    backward): 2, or 2 x 1.03125 bytes."""
+    backward): 2, or 2 x 1.03125 bytes; NVFP4 likewise, its E2M1 halves and E4M3 scales (the weight
+    quantised in 16x16 blocks, fp4_quant_fwd_weight, its scales kept per 16 in each direction):
+    2 x 0.5625 bytes."""
     return 2 * quantised_bytes(recipe)
 
 
@@ -268,11 +269,11 @@ def attention_output_bytes(workload: Workload) -> int:
     copy (FP8: 1 byte). Under FP8 a fused or flash kernel keeps its 16-bit output for its own
     backward as well, and megatron-core lets the projection reuse it (save_original_input) except
     under delayed scaling, which keeps both (attention.py; Transformer Engine rejects the reuse with
-    its delayed-scaling quantizer)."""
-    lin = fp8_input_bytes(workload)
-    if workload.fp8 is None or workload.attention_backend in UNFUSED_ATTENTION:
+    its delayed-scaling quantizer); so under MXFP8 and NVFP4 (--fp4-format) as under tensorwise."""
+    lin, recipe = fp8_input_bytes(workload), workload.quantisation_recipe
+    if recipe is None or workload.attention_backend in UNFUSED_ATTENTION:
         return lin
-    return workload.bytes_per_element + (lin if workload.fp8_recipe == "delayed" else 0)
+    return workload.bytes_per_element + (lin if recipe == "delayed" else 0)
 
 
 def activation_bytes_per_layer(job: Job) -> int:
@@ -563,13 +564,14 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
                 + round(overheads.fragmentation * (activations + transient)))
     # Under FP8, Transformer Engine keeps each layer linear's FP8 weight copies (fp8_weight_copy_bytes)
     # from the first micro-batch on. With --fp8-param-gather those are the weights (FP8 primary
-    # weights and their cached transpose, or MXFP8's two copies): the 16-bit copy is gone. Under
+    # weights and their cached transpose, or MXFP8's two copies; --fp4-param-gather NVFP4's two):
+    # the 16-bit copy is gone. Under
     # MXFP8 it needs --reuse-grad-buf-for-mxfp8-param-ag, which gathers the 16-bit weights into the
     # gradient buffer (param_and_grad_buffer.py, shared_buffer): no parameter buffer is added.
     layer_linears = int(params.dense_in_layers[stage]) + expert
     recipe = workload.quantisation_recipe
     fp8_copies = round(fp8_weight_copy_bytes(recipe) * layer_linears) if recipe else 0
-    if workload.fp8_param_gather:
+    if workload.keeps_quantised_weights:
         fp8_copies -= weight * layer_linears
     return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert) + fp8_copies,
                        gradient_bytes=gradient * (dense + expert), optimizer_bytes=sharded(optimizer),

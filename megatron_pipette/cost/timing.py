@@ -29,12 +29,11 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
-from megatron_pipette.cost.gemm import quantised_bytes
 from megatron_pipette.cost.memory import extra_warmup
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
-from megatron_pipette.spec.workload import Workload
+from megatron_pipette.spec.workload import Workload, quantised_bytes
 
 
 def optimizer_bytes_per_param(workload: Workload) -> int:
@@ -242,11 +241,11 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     # Under FP8 Transformer Engine all-gathers the column-parallel linears' inputs (QKV or MLA's up
     # projections, fc1) already quantised: 1 byte an element (layernorm_linear.py, linear.py:
     # gather_along_first_dim with the input quantizer), in the forward and in the backward's re-gather;
-    # MXFP8's with their block scales (quantised_bytes).
-    if workload.fp8 is not None:
-        fp8 = quantised_bytes(workload.fp8_recipe)
-        ag_fc1 = ring.all_gather_s(fp8 * tokens * workload.hidden_size).T[:, :, None]
-        ag_qkv = ring.all_gather_s(fp8 * attn_in / workload.bytes_per_element).T[:, :, None]
+    # the block-scaled recipes' with their scales (quantised_bytes; NVFP4 half a byte and a scale per 16).
+    if workload.quantisation_recipe is not None:
+        quantised = quantised_bytes(workload.quantisation_recipe)
+        ag_fc1 = ring.all_gather_s(quantised * tokens * workload.hidden_size).T[:, :, None]
+        ag_qkv = ring.all_gather_s(quantised * attn_in / workload.bytes_per_element).T[:, :, None]
     else:
         ag_fc1, ag_qkv = ag, ag_in
     rate = links.gemm_flops.T[:, :, None]                                                  # (dp, pp, 1)
@@ -388,12 +387,13 @@ def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stage
         return np.zeros(layout.pp), 0.0
     ring, dopt = links.dp_cp_groups, layout.use_distributed_optimizer
 
-    def both(collective: str, per_param: int, fp8_layers: bool = False) -> np.ndarray:
+    def both(collective: str, per_param: int, layer_bytes: float | None = None) -> np.ndarray:
         """(pp,) the dense and the expert collective of each stage (worst TP rank's group);
-        `fp8_layers`: the layers' linear weights move in one byte (--fp8-param-gather)."""
-        dense = params.dense * per_param - (params.dense_in_layers * (per_param - 1) if fp8_layers else 0)
+        `layer_bytes`: what a parameter of the layers' linears moves where they are gathered
+        quantised (Workload.param_gather_bytes)."""
+        dense = params.dense * per_param - (params.dense_in_layers * (per_param - layer_bytes) if layer_bytes else 0)
         out = getattr(ring, collective)(dense[:, None]).max(axis=1)
-        expert = params.expert * (1 if fp8_layers else per_param)
+        expert = params.expert * (layer_bytes or per_param)
         return out + (getattr(experts.edp_groups, collective)(expert) if experts else 0.0)
 
     reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", workload.grad_bytes)
@@ -404,7 +404,7 @@ def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stage
     contention = share * float((reduce - exposed).max())
     gather = 0.0
     if dopt:
-        ag = both("all_gather_s", workload.bytes_per_element, workload.gathers_fp8_params)
+        ag = both("all_gather_s", workload.bytes_per_element, workload.param_gather_bytes)
         # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
         window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
             else np.zeros(layout.pp)

@@ -106,17 +106,23 @@ def _attention_fields(args: Any) -> dict[str, Any]:
 
 
 def _fp8_fields(args: Any) -> dict[str, Any]:
-    """--fp8-format and its recipe; FP8 GEMMs are Transformer Engine's, so without it Megatron would
-    fail (or train without FP8) and the plan would be priced for the wrong kernels."""
-    fp8 = getattr(args, "fp8", None)
-    if fp8 is None:
+    """--fp8-format or --fp4-format and their recipes; FP8 and FP4 GEMMs are Transformer Engine's, so
+    without it Megatron would fail (or train without them) and the plan would be priced for the wrong
+    kernels."""
+    fp8, fp4 = getattr(args, "fp8", None), getattr(args, "fp4", None)
+    if fp8 is None and fp4 is None:
         return {}
     if not transformer_engine_in_use(args):
-        raise PipetteError(f"--fp8-format {fp8} needs Transformer Engine (installed, and "
+        flag = f"--fp8-format {fp8}" if fp8 is not None else f"--fp4-format {fp4}"
+        raise PipetteError(f"{flag} needs Transformer Engine (installed, and "
                            f"--transformer-impl transformer_engine)")
-    return {"fp8": fp8, "fp8_recipe": args.fp8_recipe,
-            "fp8_param_gather": bool(getattr(args, "fp8_param_gather", False)),
-            "reuse_grad_buf_for_mxfp8_param_ag": bool(getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False))}
+    fields = {} if fp8 is None else {
+        "fp8": fp8, "fp8_recipe": args.fp8_recipe, "fp8_param_gather": bool(getattr(args, "fp8_param_gather", False)),
+        "reuse_grad_buf_for_mxfp8_param_ag": bool(getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False))}
+    if fp4 is not None:
+        fields.update(fp4=fp4, fp4_recipe=args.fp4_recipe,
+                      fp4_param_gather=bool(getattr(args, "fp4_param_gather", False)))
+    return fields
 
 
 def _optimizer_fields(args: Any) -> dict[str, Any]:

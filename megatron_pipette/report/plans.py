@@ -142,8 +142,10 @@ def headroom(result: Plan) -> str:
 
 
 def precision_priced(workload: Workload) -> str:
-    """The precision a plan or estimate is priced in: the training dtype, and FP8 GEMMs where
-    --fp8-format runs the layers' linears in FP8 (docs/fp8.md)."""
+    """The precision a plan or estimate is priced in: the training dtype, and FP8 or FP4 GEMMs where
+    --fp8-format or --fp4-format runs the layers' linears quantised (docs/fp8.md)."""
+    if workload.fp4 is not None:
+        return f"{workload.precision} with FP4 GEMMs (--fp4-format {workload.fp4}, --fp4-recipe {workload.fp4_recipe})"
     if workload.fp8 is None:
         return workload.precision
     return f"{workload.precision} with FP8 GEMMs (--fp8-format {workload.fp8}, --fp8-recipe {workload.fp8_recipe})"

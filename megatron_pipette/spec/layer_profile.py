@@ -79,11 +79,11 @@ class LayerProfile:
     def covers(self, job: Job) -> bool:
         """Whether its dense-layer figures stand for this job's: the profiler times the training
         dtype through standard attention, and selective recomputation of the attention core only,
-        so not under FP8, multi-latent attention, --qk-layernorm or other --recompute-modules; under
+        so not under FP8 or FP4, multi-latent attention, --qk-layernorm or other --recompute-modules; under
         context parallelism only if it timed that CP size's shard."""
         w, cp = job.workload, job.layout.cp
         return ((cp == 1 or any(e.context_parallel_size == cp for e in self.layers))
-                and w.fp8 is None and not w.multi_latent_attention and not w.qk_layernorm
+                and w.quantisation_recipe is None and not w.multi_latent_attention and not w.qk_layernorm
                 and job.layout.selective_modules in (frozenset(), DEFAULT_RECOMPUTE_MODULES))
 
     def layer(self, tp: int, mbs: int, sequence_parallel: bool, recompute: str | None,

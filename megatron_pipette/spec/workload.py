@@ -38,10 +38,30 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
 """--fp8-recipe values the cost model prices: per-tensor scaling, and MXFP8's 32-element block
 scaling (docs/fp8.md); blockwise (128-element blocks on Hopper) and custom are not modelled."""
+FP4_FORMATS = ("e2m1",)
+FP4_RECIPES = ("nvfp4",)
+"""--fp4-recipe values the cost model prices: NVFP4's two-level block scaling (docs/fp8.md); custom
+quantizers are not modelled."""
+BLOCK_SCALES = {"mxfp8": 32, "nvfp4": 16}
+"""Elements per one-byte block scale of each block-scaled recipe (Transformer Engine 2.20,
+pytorch/constants.py): MXFP8 an E8M0 scale per 32 (MXFP8_BLOCK_SCALING_SIZE), NVFP4 an E4M3 scale
+per 16 (NVFP4_BLOCK_SCALING_SIZE) beside a per-tensor FP32 scale (common/recipe NVFP4BlockScaling).
+Per-tensor recipes keep one FP32 scale a tensor: nothing per element."""
+ELEMENT_BYTES = {"nvfp4": 0.5}
+"""Bytes of a quantised element where not one: NVFP4's E2M1, two to a byte."""
+
+
+def quantised_bytes(recipe: str) -> float:
+    """Bytes an element of one quantised copy of a tensor takes, with its share of the block scales:
+    1 (per-tensor FP8), 1 + 1/32 (MXFP8), 0.5 + 1/16 (NVFP4)."""
+    block = BLOCK_SCALES.get(recipe)
+    return 1 if block is None else ELEMENT_BYTES.get(recipe, 1) + 1 / block
+
+
 OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 """Dtypes --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
 (megatron/training/arguments.py) and their bytes per element."""
-FLAGS = {"fp8": "--fp8-format"}
+FLAGS = {"fp8": "--fp8-format", "fp4": "--fp4-format"}
 """Argument names whose Megatron flag is not the name with dashes."""
 
 
@@ -199,6 +219,14 @@ class Workload:
     primary weights: 1 byte, plus the transpose Hopper's FP8 GEMMs need) instead of 16-bit weights
     and their FP8 copies, and the distributed optimizer all-gathers them in FP8 (MXFP8: in 16 bits,
     see gathers_fp8_params)."""
+    fp4: str | None = None
+    """--fp4-format: e2m1, the transformer layers' linears run NVFP4 GEMMs through Transformer Engine
+    (forward, data and weight gradients), the rest in bf16; None: no FP4. Excludes --fp8-format."""
+    fp4_recipe: str = "nvfp4"
+    """--fp4-recipe: nvfp4 (an E4M3 scale per 16 elements and a per-tensor FP32 scale)."""
+    fp4_param_gather: bool = False
+    """--fp4-param-gather: the layers' linear weights are kept in NVFP4 instead of bf16 weights and
+    their NVFP4 copies, and the distributed optimizer all-gathers them packed, two to a byte."""
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     """--reuse-grad-buf-for-mxfp8-param-ag: with --fp8-param-gather under --fp8-recipe mxfp8, the
     distributed optimizer all-gathers the 16-bit weights into the gradient buffer and quantises them
@@ -265,7 +293,7 @@ class Workload:
                                ("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDINGS),
                                ("fp8_recipe", FP8_RECIPES), ("moe_token_dispatcher_type", MOE_DISPATCHERS),
                                ("moe_flex_dispatcher_backend", FLEX_BACKENDS), ("softmax_type", SOFTMAX_TYPES),
-                               ("cross_entropy_fusion_impl", CROSS_ENTROPY_FUSION_IMPLS)):
+                               ("cross_entropy_fusion_impl", CROSS_ENTROPY_FUSION_IMPLS), ("fp4_recipe", FP4_RECIPES)):
             if getattr(self, field) not in allowed:
                 raise PipetteError(f"{megatron_flag(field)} must be one of {', '.join(allowed)}, "
                                    f"got {getattr(self, field)!r}")
@@ -318,6 +346,10 @@ class Workload:
             self._check_fp8()
         elif self.fp8_param_gather:
             raise PipetteError("--fp8-param-gather needs --fp8-format (the weights it gathers are FP8)")
+        if self.fp4 is not None:
+            self._check_fp4()
+        elif self.fp4_param_gather:
+            raise PipetteError("--fp4-param-gather needs --fp4-format (the weights it gathers are FP4)")
         if self.reuse_grad_buf_for_mxfp8_param_ag and not (self.fp8_param_gather and self.fp8_recipe == "mxfp8"):
             raise PipetteError("--reuse-grad-buf-for-mxfp8-param-ag needs --fp8-param-gather and --fp8-recipe mxfp8 "
                                "(megatron-core asserts the first; the model prices it with MXFP8 weights only)")
@@ -333,6 +365,16 @@ class Workload:
                                "--reuse-grad-buf-for-mxfp8-param-ag only (as NVIDIA's recipes run it; without it "
                                "megatron-core maps MXFP8 weights onto a 16-bit parameter buffer the model does not "
                                "describe)")
+
+    def _check_fp4(self) -> None:
+        if self.fp4 not in FP4_FORMATS:
+            raise PipetteError(f"--fp4-format must be one of {', '.join(FP4_FORMATS)}, got {self.fp4!r}")
+        if self.fp8 is not None:
+            raise PipetteError(f"--fp4-format {self.fp4} and --fp8-format {self.fp8} exclude each other "
+                               "(as in Megatron)")
+        if self.precision != "bf16":
+            raise PipetteError(f"--fp4-format {self.fp4} needs --bf16 (Transformer Engine's NVFP4 Hadamard "
+                               "transform takes bf16 inputs)")
 
     def _check_optimizer(self) -> None:
         dtypes = {"main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16"),
@@ -488,16 +530,28 @@ class Workload:
     @property
     def quantisation_recipe(self) -> str | None:
         """The recipe Transformer Engine quantises the layers' linears with (--fp8-recipe under
-        --fp8-format), None where they run in the training dtype."""
+        --fp8-format, --fp4-recipe under --fp4-format), None where they run in the training dtype."""
+        if self.fp4 is not None:
+            return self.fp4_recipe
         return self.fp8_recipe if self.fp8 is not None else None
 
     @property
-    def gathers_fp8_params(self) -> bool:
-        """The distributed optimizer all-gathers the layers' linear weights in FP8 (--fp8-param-gather).
-        Under MXFP8 it gathers them in 16 bits into the gradient buffer and quantises them after
-        (megatron-core 0.19.2, param_and_grad_buffer.py: the MXFP8 shared_buffer's param_data is a
-        bf16 view; distrib_optimizer.py _copy_main_params_to_param_buffer)."""
-        return self.fp8_param_gather and self.fp8_recipe != "mxfp8"
+    def param_gather_bytes(self) -> float | None:
+        """Bytes a parameter of the layers' linears moves in the distributed optimizer's all-gather
+        where they are kept quantised: 1 under --fp8-param-gather, 0.5 + 1/16 under
+        --fp4-param-gather (packed E2M1 and its E4M3 scales; param_and_grad_buffer.py gathers the
+        packed rowwise bytes, nvfp4_packed_numel); None: the training dtype's. Under MXFP8 the
+        optimizer gathers 16-bit weights into the gradient buffer and quantises them after
+        (param_and_grad_buffer.py: the MXFP8 shared_buffer's param_data is a bf16 view;
+        distrib_optimizer.py _copy_main_params_to_param_buffer)."""
+        if self.fp4_param_gather:
+            return quantised_bytes(self.fp4_recipe)
+        return 1 if self.fp8_param_gather and self.fp8_recipe != "mxfp8" else None
+
+    @property
+    def keeps_quantised_weights(self) -> bool:
+        """The layers' linear weights are kept only quantised (--fp8-param-gather, --fp4-param-gather)."""
+        return self.fp8_param_gather or self.fp4_param_gather
 
     @property
     def te_holds_master_weights(self) -> bool:

@@ -1,5 +1,6 @@
-"""FP8 (--fp8-format) in the cost model: the layers' linears at the FP8 rate, the attention and the
-output layer in 16 bits, TE's FP8 weight copies and FP8-kept linear inputs in memory."""
+"""FP8 (--fp8-format) and FP4 (--fp4-format) in the cost model: the layers' linears at the FP8 or FP4
+rate, the attention and the output layer in 16 bits, TE's quantised weight copies and kept linear
+inputs in memory, the block-scaled recipes' scales and quantisation passes."""
 
 import dataclasses
 
@@ -11,6 +12,7 @@ from megatron_pipette.cost.memory import activation_bytes_per_layer
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import stage_parameters
 from megatron_pipette.errors import PipetteError
+from megatron_pipette.report.plans import precision_priced
 from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout
@@ -136,8 +138,8 @@ def test_mxfp8_param_gather_moves_16_bit_weights_into_the_gradient_buffer():
                   use_distributed_optimizer=True)
     gather = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
     mx_gather = dataclasses.replace(MXFP8, **gather)
-    assert (MXFP8.gathers_fp8_params, mx_gather.gathers_fp8_params) == (False, False)
-    assert dataclasses.replace(TENSORWISE, fp8_param_gather=True).gathers_fp8_params
+    assert (MXFP8.param_gather_bytes, mx_gather.param_gather_bytes) == (None, None)
+    assert dataclasses.replace(TENSORWISE, fp8_param_gather=True).param_gather_bytes == 1
 
     def dp(w):
         return model.time(job(w, **layout)).breakdown.dp_comm_exposed_s
@@ -157,3 +159,71 @@ def test_mxfp8_param_gather_rules():
         dataclasses.replace(MXFP8, reuse_grad_buf_for_mxfp8_param_ag=True)
     with pytest.raises(PipetteError, match="--reuse-grad-buf-for-mxfp8-param-ag needs"):
         dataclasses.replace(TENSORWISE, fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+
+
+NVFP4 = dataclasses.replace(LLAMA, fp4="e2m1")
+
+
+def test_nvfp4_gemms_run_at_the_fp4_peak_on_the_fp8_curve():
+    """NVFP4 GEMMs: the FP4 peak's large-GEMM rate over bf16's, the FP8 table's shape, operands of
+    half a byte plus an E4M3 scale per 16 elements."""
+    fp4, fp8 = fp8_curve(B200, "bf16", "nvfp4"), fp8_curve(B200, "bf16", "tensorwise")
+    assert fp4.speedup == pytest.approx(B200.large_gemm_rate("fp4") / B200.large_gemm_rate("bf16"))
+    assert fp4.operand_bytes == 0.5 + 1 / 16
+    assert fp4(8192, 8192, 8192) == pytest.approx(fp8(8192, 8192, 8192) * fp4.speedup / fp8.speedup)
+
+
+def test_nvfp4_is_refused_where_the_catalog_has_no_fp4_peak():
+    for gpu in (H100, None):
+        with pytest.raises(PipetteError, match="--fp4-format: .* has no FP4 tensor cores in the catalog"):
+            fp8_curve(gpu, "bf16", "nvfp4")
+
+
+def test_nvfp4_quantises_with_an_amax_pass_and_both_directions():
+    """Per element: the amax of the Hadamard-transformed tensor reads it (2 bytes), the fused kernel
+    reads it again and writes rowwise and columnwise E2M1 with their scales (2 x 0.5625)."""
+    assert fp8_cast_bytes("nvfp4", [(4096, 1024, 512)]) == (5.125 * 4096 * 512, 5.125 * 4096 * 1024)
+
+
+def test_nvfp4_memory_and_parameter_gather():
+    """Weight copies 2 x 0.5625 bytes a layer parameter; kept linear inputs 0.5625 bytes an element;
+    --fp4-param-gather drops the 16-bit weights and gathers 0.5625 bytes a layer parameter."""
+    model = CostModel(preset_cluster("dgx-b200", num_nodes=2))
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True, data_parallel_size=2,
+                  use_distributed_optimizer=True)
+    base, fp4 = (model.memory(job(w, **layout)).stages[0] for w in (LLAMA, NVFP4))
+    in_layers = int(stage_parameters(job(NVFP4, **layout)).dense_in_layers[0])
+    assert fp4.weight_bytes - base.weight_bytes == round(1.125 * in_layers)
+    x = job(NVFP4, **layout)
+    n, h, f = x.tokens_per_microbatch, LLAMA.hidden_size, LLAMA.ffn_hidden_size
+    kept = 2 * n * h // 8 + n * f // 8                 # QKV's and fc1's inputs (SP), fc2's (TP)
+    assert activation_bytes_per_layer(job(LLAMA, **layout)) - activation_bytes_per_layer(x) == \
+        pytest.approx(kept * (2 - 0.5625), abs=2)
+    gathered = dataclasses.replace(NVFP4, fp4_param_gather=True)
+    assert (NVFP4.param_gather_bytes, gathered.param_gather_bytes) == (None, 0.5625)
+    assert fp4.weight_bytes - model.memory(job(gathered, **layout)).stages[0].weight_bytes == 2 * in_layers
+
+    def dp(w):
+        return model.time(job(w, **layout)).breakdown.dp_comm_exposed_s
+
+    assert dp(gathered) < dp(dataclasses.replace(TENSORWISE, fp8_param_gather=True)) < dp(NVFP4)
+
+
+def test_nvfp4_is_faster_than_fp8_on_b200_and_headed_so():
+    b200 = CostModel(preset_cluster("dgx-b200", num_nodes=1))
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True)
+    assert b200.time(job(NVFP4, **layout)).iteration_time_s < b200.time(job(TENSORWISE, **layout)).iteration_time_s
+    assert precision_priced(NVFP4) == "bf16 with FP4 GEMMs (--fp4-format e2m1, --fp4-recipe nvfp4)"
+
+
+def test_fp4_rules():
+    with pytest.raises(PipetteError, match="--fp4-format e2m1 and --fp8-format hybrid exclude each other"):
+        dataclasses.replace(NVFP4, fp8="hybrid")
+    with pytest.raises(PipetteError, match="--fp4-format e2m1 needs --bf16"):
+        dataclasses.replace(NVFP4, precision="fp16")
+    with pytest.raises(PipetteError, match="--fp4-format must be one of e2m1, got 'e3m0'"):
+        dataclasses.replace(NVFP4, fp4="e3m0")
+    with pytest.raises(PipetteError, match="--fp4-recipe must be one of nvfp4, got 'custom'"):
+        dataclasses.replace(NVFP4, fp4_recipe="custom")
+    with pytest.raises(PipetteError, match="--fp4-param-gather needs --fp4-format"):
+        dataclasses.replace(LLAMA, fp4_param_gather=True)

@@ -109,6 +109,11 @@ def test_fp8_needs_transformer_engine(monkeypatch):
     w = ma.workload_from_args(megatron_namespace(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True,
                                                  reuse_grad_buf_for_mxfp8_param_ag=True))
     assert (w.fp8_recipe, w.fp8_param_gather, w.reuse_grad_buf_for_mxfp8_param_ag) == ("mxfp8", True, True)
+    w = ma.workload_from_args(megatron_namespace(bf16=True, fp4="e2m1", fp4_recipe="nvfp4", fp4_param_gather=True))
+    assert (w.fp4, w.fp4_recipe, w.fp4_param_gather, w.fp8) == ("e2m1", "nvfp4", True, None)
+    monkeypatch.setattr(ma, "transformer_engine_in_use", lambda args: False)
+    with pytest.raises(PipetteError, match=r"^--fp4-format e2m1 needs Transformer Engine"):
+        ma.workload_from_args(megatron_namespace(bf16=True, fp4="e2m1", fp4_recipe="nvfp4"))
 
 
 def test_moe_arguments_become_the_workload():

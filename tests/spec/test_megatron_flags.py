@@ -65,8 +65,9 @@ def test_enum_values_count_by_name():
 
 
 def test_every_refusal_is_reported_and_absent_arguments_are_defaults():
-    assert len(refused(moe_shared_expert_gate=True, tp_comm_split_ag=False, fp4="nvfp4")) == 3
-    assert refusals({"fp4": "nvfp4"}) and not refusals({"save": "/ckpt", "auto_parallel": True, "fp8": "e4m3"})
+    assert len(refused(moe_shared_expert_gate=True, tp_comm_split_ag=False, fp4_quantizer_factory="q.f")) == 3
+    assert refusals({"fp4_quantizer_factory": "q.f"})
+    assert not refusals({"save": "/ckpt", "auto_parallel": True, "fp8": "e4m3"})
     with pytest.raises(PipetteError, match="^--moe-shared-expert-gate: this mixture-of-experts option is not modelled; "
                                            "--use-torch-fsdp2: fully sharded data parallelism"):
         check_priced({"moe_shared_expert_gate": True, "use_torch_fsdp2": True, "lr": 0.1})
