@@ -218,7 +218,7 @@ class Workload:
     """--fp8-param-gather: the layers' linear weights are kept in FP8 (Transformer Engine's FP8
     primary weights: 1 byte, plus the transpose Hopper's FP8 GEMMs need) instead of 16-bit weights
     and their FP8 copies, and the distributed optimizer all-gathers them in FP8 (MXFP8: in 16 bits,
-    see gathers_fp8_params)."""
+    see param_gather_bytes)."""
     fp4: str | None = None
     """--fp4-format: e2m1, the transformer layers' linears run NVFP4 GEMMs through Transformer Engine
     (forward, data and weight gradients), the rest in bf16; None: no FP4. Excludes --fp8-format."""
