@@ -12,9 +12,9 @@ no torch, no clocks.
 from __future__ import annotations
 
 import statistics
-from itertools import zip_longest
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 
 PARTS = ("layer", "embedding", "output_layer")
 

@@ -220,7 +220,8 @@ def test_the_resume_line_says_what_megatron_does() -> None:
     found = checkpoint.Resume(where="--load ckpt (iter_0000004)", saved=saved, rule=resume_rule(
         saved, moe=True, loads_optimizer=True, optimizer_sharding="fully_reshardable"))
     now = replace(saved, expert_model_parallel_size=4)
-    assert checkpoint.resume_line(found, saved, "ckpt").endswith("(saved as tp1 ep2 pp1 dp4 mbs1 dopt) in the same layout")
+    assert checkpoint.resume_line(found, saved, "ckpt").endswith(
+        "(saved as tp1 ep2 pp1 dp4 mbs1 dopt) in the same layout")
     assert checkpoint.resume_line(found, now, "ckpt") == (
         "resuming the checkpoint in ckpt (saved as tp1 ep2 pp1 dp4 mbs1 dopt) in tp1 ep4 pp1 dp4 mbs1 dopt "
         "(Megatron reshards it; kept as saved: --use-distributed-optimizer True, EP > 1 or ETP != TP)")
