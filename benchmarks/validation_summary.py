@@ -46,6 +46,7 @@ def _in_job(folder: str) -> dict[str, dict]:
 
 H100_FOLDER = "published_runs_h100-2026-11-28-headroom"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
+BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-28-nvfp4"
 """The development sets' current kept results (tests/benchmarks/test_kept_results.py prices the sets
 again and holds these to the code)."""
 
@@ -55,6 +56,10 @@ def rows() -> list[list[str]]:
     s = h100["summary"]["recipe"]
     a100_run = _load(A100_FOLDER)
     a100 = a100_run["summary"]
+    bw_run = _load(BLACKWELL_FOLDER)
+    bw = bw_run["summary"]["recipe"]
+    refused = ", ".join(f"{reason} {n}" for reason, n in sorted(bw_run["refusals"]["by_first_reason"].items(),
+                                                                 key=lambda kv: -kv[1]))
     emulated_folder = "emulated_cluster-2026-11-28-held-out-22"
     emulated = _load(emulated_folder)
     held, placed = emulated["predictions_held_out"], emulated["placement_4nodes"]
@@ -82,6 +87,14 @@ def rows() -> list[list[str]]:
          f"{a100['dev']['mean_abs_error']:.1%}, all {a100['all']['mean_abs_error']:.1%}",
          "`python benchmarks/published_runs.py`",
          f"{a100_run['date']}, `{A100_FOLDER}`"],
+        ["NVIDIA's published Blackwell runs (126: Megatron-Bridge 25.09-26.08 on DGX-B200, DGX-B300, GB200 and "
+         "GB300 NVL72), published layouts with what the perf recipes set. **Development set, nothing fitted on it "
+         "yet**: Blackwell efficiencies are assumed",
+         f"{bw['priced']} of {bw['runs']} priced: mean \\|error\\| {bw['mean_abs_error']:.1%}, signed "
+         f"{bw['mean_error']:+.1%}, worst {bw['worst_error']:+.1%}, {bw['beyond_25pct']} beyond 25%, "
+         f"{bw['predicted_not_to_fit']} predicted not to fit; refused by name: {refused}",
+         "`python benchmarks/published_runs_blackwell.py`",
+         f"{bw_run['date']}, `{BLACKWELL_FOLDER}`"],
         ["Emulated 4-node cluster (network namespaces, shaped links, CPU training), 22 layouts, each checked to "
          "train as pinned. **Held out**",
          f"MAPE {held['mape']:.1%}, Kendall tau {held['kendall_tau']:.2f}; the predicted-best layout measures "

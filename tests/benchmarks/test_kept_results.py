@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_runs as a100  # noqa: E402
+import published_runs_blackwell as blackwell  # noqa: E402
 import published_runs_h100 as h100  # noqa: E402
 import validation_summary  # noqa: E402
 
@@ -107,3 +108,22 @@ def test_a100_runs_price_as_kept():
         moved += summary_drift(results["summary"][name], a100.summary(rows, name), f"summary {name}",
                                ("runs", "within_15pct", "mean_abs_error", "worst_error", "mean_error"))
     assert not moved, stale(validation_summary.A100_FOLDER, moved, "python benchmarks/published_runs.py")
+
+
+def test_blackwell_development_set_prices_as_kept():
+    """Every row's predicted time, peak memory, fit and refusals at the published layout, without and
+    with its recipe, the summaries and the refusal counts (about 10 s on one core)."""
+    results = kept(validation_summary.BLACKWELL_FOLDER)
+    rows = [blackwell.priced_row(row, search=False) for row in json.loads(blackwell.DATA.read_text())["rows"]]
+    was = {r["id"]: r for r in results["rows"]}
+    moved = drift("rows", sorted(was), sorted(r["id"] for r in rows))
+    for row in (r for r in rows if r["id"] in was):
+        moved += drift(f"{row['id']} refused", was[row["id"]]["refused"], row["refused"])
+        for key in ("plain", "recipe"):
+            for figure in ("predicted_s", "peak_gib", "fits", "error_message"):
+                moved += drift(f"{row['id']} {key} {figure}", was[row["id"]][key].get(figure), row[key].get(figure))
+    for key in ("plain", "recipe"):
+        moved += summary_drift(results["summary"][key], h100.summary(rows, key), f"summary {key}",
+                               H100_ERRORS + H100_COUNTS)
+    moved += drift("refusals", results["refusals"], blackwell.refusal_counts(rows))
+    assert not moved, stale(validation_summary.BLACKWELL_FOLDER, moved, "python benchmarks/published_runs_blackwell.py")
