@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from published_runs_h100 import WORST_BAR, base_argv, build, layout_argv, result_row, summary
 
@@ -67,9 +68,18 @@ def launch(row: dict) -> dict[str, list[str]]:
     layout = row["published_layout"]
     vp = layout["virtual_stages_per_pipeline_rank"]
     return {"cluster": ["--cluster", row["cluster"]], "precision": PRECISION[row["precision"]],
-            "vp": ["--num-virtual-stages-per-pipeline-rank", str(vp)] if vp and vp > 1 else [],
+            "split": split_argv(row, vp),
             "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
             if fsdp(layout) else []}
+
+
+def split_argv(row: dict, vp: int | None) -> list[str]:
+    """The pipeline split as the row's recipe sets it (--resolve's `pipeline_split`: the embedding and
+    loss counted, or a --pipeline-model-parallel-layout, which spells VP itself), with the published VP."""
+    split = (row.get("recipe") or {}).get("pipeline_split", {}).get("flags", [])
+    if "--pipeline-model-parallel-layout" in split:
+        return split
+    return [*(["--num-virtual-stages-per-pipeline-rank", str(vp)] if vp and vp > 1 else []), *split]
 
 
 def fsdp(layout: dict) -> bool:
@@ -84,7 +94,7 @@ def as_h100_row(row: dict, settings: dict[str, list[str]] | None = None) -> dict
     settings = settings or launch(row)
     layout = row["published_layout"]
     return {**row, "cluster": settings["cluster"][1], "precision": "bf16",
-            "model_flags": [*row["model_flags"], *settings["precision"], *settings["vp"], *settings["fsdp"]],
+            "model_flags": [*row["model_flags"], *settings["precision"], *settings["split"], *settings["fsdp"]],
             "published_layout": {"tp": layout["tp"], "pp": layout["pp"], "cp": layout["cp"], "ep": layout["ep"] or 1,
                                  "etp": layout["etp"], "micro_batch_size": layout["micro_batch_size"],
                                  "num_layers_per_virtual_pipeline_stage": None,
@@ -183,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             row["recipe"] = resolve_recipe(row, Path(ns.resolve) / "megatron" / "bridge" / "perf_recipes")
         doc["recipe_about"] = ("each row's `recipe` was added to the team's set by published_runs_blackwell.py "
                                "--resolve from the megatron-bridge 0.6.2 wheel's perf_recipes/ (the rest is the set as "
-                               "given): its function, candidate Megatron flags, what was not read (not_known) and "
-                               "settings with no Megatron 0.19.2 flag")
+                               "given): its function, candidate Megatron flags, its pipeline split (pipeline_split, "
+                               "from the perf recipe and the base recipe it starts from), what was not read "
+                               "(not_known) and settings with no Megatron 0.19.2 flag")
         DATA.write_text(json.dumps(doc, indent=1) + "\n")
         return 0
     rows = []
@@ -256,6 +267,27 @@ MIXED_PRECISION = {"bf16": {}, "fp8cs": {"mixed_precision.fp8_param_gather": Tru
 
 PRECISION_SUFFIX = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_mx": "fp8mx", "nvfp4": "nvfp4"}
 
+SPLIT = {"model.account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+         "model.account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+         "model.num_layers_in_first_pipeline_stage": "--decoder-first-pipeline-num-layers",
+         "model.num_layers_in_last_pipeline_stage": "--decoder-last-pipeline-num-layers",
+         "model.pipeline_model_parallel_layout": "--pipeline-model-parallel-layout"}
+"""The recipe settings that split the layers over the pipeline, and Megatron 0.19.2's flag for each
+(Bridge's TransformerConfig names the first/last stage's layers num_layers_in_first/last_pipeline_stage).
+They are read from the base recipe a perf recipe starts from as well (only these: the base is an H100
+recipe whose other settings the perf recipe overrides or the row does not say)."""
+
+MTP = "model.mtp_num_layers"
+"""Read with the split: a layout places the MTP layers (m), and Megatron requires as many as
+--mtp-num-layers says (the DeepSeek-V3 base recipe sets 1)."""
+
+LAYOUT_FUNCTION = "set_deepseek_v3_pipeline_model_parallel_layout"
+"""The helper that sets DeepSeek-V3's --pipeline-model-parallel-layout from PP, VP and the MTP depth (or a
+given layout); run from the wheel's source at the row's published PP and VP (layout_from_function)."""
+
+LAYER_LETTERS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+"""A layout's list-of-lists layer names as megatron-core's string letters (PipelineParallelLayerLayout)."""
+
 
 def resolve_recipe(row: dict, root: Path) -> dict:
     """The row's recipe in the H100 set's shape: the 0.6.2 perf recipe function for its model, GPU,
@@ -267,7 +299,7 @@ def resolve_recipe(row: dict, root: Path) -> dict:
     suffix = RECIPE_PRECISION[row["precision"]]
     functions = recipe_functions(root, folder, gpu)
     pattern = re.compile(rf"{prefix}_pretrain_(\d+)gpu_{gpu}_{suffix}_config$")
-    counts = sorted(int(m.group(1)) for name in functions if (m := pattern.match(name)))
+    counts = sorted(int(m.group(1)) for name in functions if isinstance(name, str) and (m := pattern.match(name)))
     if not counts:
         return {"function": None, "megatron_flags": [], "not_expressible": [],
                 "note": f"no megatron-bridge 0.6.2 perf recipe {prefix}_pretrain_*gpu_{gpu}_{suffix}_config"}
@@ -275,12 +307,14 @@ def resolve_recipe(row: dict, root: Path) -> dict:
     name = f"{prefix}_pretrain_{count}gpu_{gpu}_{suffix}_config"
     settings, unknown = {}, []
     interpret(functions, name, {}, settings, unknown)
+    split = pipeline_split(row, settings, root)
     if row["published_layout"]["tp"] < 2:      # Bridge's CommOverlapConfig turns it off below TP 2
         settings.pop("comm_overlap.tp_comm_overlap", None)    # (training/comm_overlap.py lines 442-445)
         settings.pop("comm_overlap.tp_comm_overlap_cfg", None)
     entries, flagless = [], []
     for path, value in settings.items():
-        if path in LAYOUT_SETTINGS or path.startswith(NOT_MEGATRON) and not path.endswith("_param_gather"):
+        if path in LAYOUT_SETTINGS or path in SPLIT or path == MTP or (path.startswith(NOT_MEGATRON)
+                                                        and not path.endswith("_param_gather")):
             continue
         words = megatron_words(path, value)
         if words is None:
@@ -296,14 +330,86 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             f"MBS{published['micro_batch_size']} GBS{row['global_batch_size']}; the {row['release']} run used that "
             f"release's recipe, which 0.6.2 (the 25.11-26.02 era) may not match")
     return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
-            "not_known": unknown, "no_megatron_flag": flagless}
+            "pipeline_split": split, "not_known": unknown, "no_megatron_flag": flagless}
 
 
-def recipe_functions(root: Path, folder: str, gpu: str) -> dict[str, ast.FunctionDef]:
-    """Every function of the shared helpers and of perf_recipes/<folder>/<gpu>/, by name."""
+def pipeline_split(row: dict, settings: dict, root: Path) -> dict:
+    """The recipe's pipeline split as Megatron flags (SPLIT), and where each came from. A layout set by
+    LAYOUT_FUNCTION is evaluated at the row's published PP and VP and the recipe's MTP depth (none where
+    the table says "without MTP"); a layout placing MTP layers brings --mtp-num-layers, which Megatron
+    requires beside it; a layout whose stages are not PP x VP of the published layout is not taken (the
+    run's release must have split otherwise), said in `note`."""
+    layout = row["published_layout"]
+    pp, vp = layout["pp"], layout["virtual_stages_per_pipeline_rank"] or 1
+    mtp = 0 if "without MTP" in row["notes"] else settings.get(MTP) or 0
+    flags, sources, notes = [], [], []
+    for path, flag in SPLIT.items():
+        value = settings.get(path)
+        if isinstance(value, dict):
+            value = layout_from_function(root, value["layout"], pp, vp, mtp)
+            if value is None:
+                notes.append(f"{LAYOUT_FUNCTION} has no layout for PP{pp} VP{vp}")
+        if isinstance(value, list):
+            value = "|".join("".join(LAYER_LETTERS[name] for name in stage) for stage in value)
+        if value in (None, False):
+            continue
+        if path == "model.pipeline_model_parallel_layout":
+            stages = len(re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), value).split("|"))
+            if stages != pp * vp:
+                notes.append(f"layout {value} has {stages} stages, the published PP{pp} x VP{vp} {pp * vp}: not taken")
+                continue
+        flags += [flag] if value is True else [flag, str(value)]
+        sources.append(f"{path} = {value!r}")
+        if path == "model.pipeline_model_parallel_layout" and "m" in value:
+            flags += ["--mtp-num-layers", str(mtp)]
+            sources.append(f"{MTP} = {mtp!r}" + (" (the row: without MTP)" if "without MTP" in row["notes"] else ""))
+    return {"flags": flags, "source": "; ".join(sources), "note": "; ".join(notes)}
+
+
+def layout_from_function(root: Path, given: object, pp: int, vp: int, mtp_num_layers: object) -> object:
+    """What LAYOUT_FUNCTION sets for a model config of this PP, VP and MTP depth: the wheel's own
+    function (and its helpers) compiled from source alone, no imports, and run on a stand-in config."""
+    source = root.parent / "recipes" / "deepseek" / "h100" / "deepseek_v3.py"
+    wanted = {LAYOUT_FUNCTION, "_build_standalone_mtp_layout"}
+    module = ast.Module([node for node in ast.parse(source.read_text()).body
+                         if isinstance(node, ast.FunctionDef) and node.name in wanted], type_ignores=[])
+    space = {"GPTModelProvider": object}
+    exec(compile(module, str(source), "exec"), space)    # noqa: S102 (two pure functions of the wheel)
+    model = SimpleNamespace(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                            mtp_num_layers=mtp_num_layers, pipeline_model_parallel_layout=None)
+    space[LAYOUT_FUNCTION](model, given)
+    return model.pipeline_model_parallel_layout
+
+
+def recipe_functions(root: Path, folder: str, gpu: str) -> dict:
+    """Every function of the shared helpers and of perf_recipes/<folder>/<gpu>/, by name; and, under
+    ("base", name), each base recipe (a `*_config` function) they import from the wheel's recipes/."""
     files = [root / "_common.py", root / folder / "common.py", *sorted((root / folder / gpu).glob("*.py"))]
-    return {node.name: node for f in files if f.exists() for node in ast.parse(f.read_text()).body
-            if isinstance(node, ast.FunctionDef)}
+    trees = [ast.parse(f.read_text()) for f in files if f.exists()]
+    functions = {node.name: node for tree in trees for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for tree in trees:
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.bridge.recipes"):
+                for alias in node.names:
+                    found = defined(root.parent.parent.parent, node.module, alias.name)
+                    if found is not None and (alias.asname or alias.name).endswith("_config"):
+                        functions[("base", alias.asname or alias.name)] = found
+    return functions
+
+
+def defined(wheel: Path, module: str, name: str) -> ast.FunctionDef | None:
+    """The function `name` of a wheel module, following `from ... import a as name` re-exports."""
+    source = wheel.joinpath(*module.split(".")).with_suffix(".py")
+    if not source.exists():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.bridge"):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    return defined(wheel, node.module, alias.name)
+    return None
 
 
 CFG = object()
@@ -338,9 +444,25 @@ def interpret(functions: dict, name: str, bound: dict, settings: dict, unknown: 
 def call(functions: dict, node: ast.Call, env: dict, settings: dict, unknown: list) -> object:
     """A call in a recipe: a recipe helper is interpreted; another (a base recipe) is recorded."""
     name = node.func.id if isinstance(node.func, ast.Name) else None
+    if name == LAYOUT_FUNCTION:
+        given = node.args[1] if len(node.args) > 1 else None
+        settings.pop("model.pipeline_model_parallel_layout", None)
+        settings["model.pipeline_model_parallel_layout"] = {"layout": given and ast.literal_eval(given)}
+        return None
+    if ("base", name) in functions:
+        base = {}
+        interpret({**functions, name: functions[("base", name)]}, name, {}, base, [])
+        for path in (*SPLIT, MTP):
+            if path in base:
+                settings.pop(path, None)
+                settings[path] = base[path]
+        unknown.append(f"{name}(): base recipe {functions[('base', name)].name}, only its pipeline split read "
+                       f"({', '.join(f'{p} = {base[p]!r}' for p in (*SPLIT, MTP) if p in base) or 'none set'})")
+        return CFG
     if name not in functions:
         passed_cfg = any(cfg_path(a, env) is not None for a in node.args)
-        if name not in ("getattr", "hasattr", "isinstance") and (passed_cfg or str(name).endswith("_config")):
+        if name not in ("getattr", "hasattr", "isinstance") and (passed_cfg or str(name).endswith("_config")
+                                                                 or name == "_pretrain_common"):
             unknown.append(f"{ast.unparse(node)}: outside perf_recipes, its settings not read")
             return CFG
         return ast.unparse(node)        # a local computation (getattr, ...), read by no assignment here

@@ -25,11 +25,11 @@ def test_a_bf16_fp8_row_on_b200_is_priced_against_its_published_throughput():
 
 
 def test_refused_rows_name_every_setting_the_planner_cannot_price():
-    out = blackwell.priced_row(ROWS["bw26.08-gb300-deepseekv3-MXFP8"], search=False)
+    out = blackwell.priced_row(ROWS["bw25.11-gb300-deepseekv3-w-o-mtp-FP8-MX"], search=False)
     assert "error" not in out["recipe"]
     assert "--cluster gb300-nvl72" not in {blackwell.reason(m) for m in out["refused"]}
-    # 61 layers over PP 2 in 8 chunks a rank: Megatron's own rule, no longer VP's spelling
-    assert "--num-virtual-stages-per-pipeline-rank 8 must divide the layers of every pipeline stage" in \
+    # 61 layers over PP 2 in 4 chunks a rank: the 0.6.2 recipe's layout has 16 stages, not 8, so not taken
+    assert "--num-virtual-stages-per-pipeline-rank 4 must divide the layers of every pipeline stage" in \
         " ".join(out["refused"])
     nvfp4 = next(r for r in ROWS.values() if r["precision"] == "nvfp4" and r["cluster"] == "gb200-nvl72")
     assert "--fp4-format" not in {blackwell.reason(m) for m in blackwell.priced_row(nvfp4, search=False)["refused"]}
@@ -52,3 +52,57 @@ def test_mxfp8_parameter_gather_and_its_buffer_reuse_are_priced_together():
     flags, left = recipe_flags(row)
     assert {"--fp8-param-gather", "--reuse-grad-buf-for-mxfp8-param-ag"} <= set(flags)
     assert not any("param-gather" in entry or "reuse-grad-buf" in entry for entry in left)
+
+
+def test_the_recipes_pipeline_split_prices_the_vp_rows_it_once_refused():
+    """Llama 3.1 405B's 126 layers split over PP 8 in 4 chunks only with the embedding and loss counted
+    (its base recipe's account_for_*_in_pipeline_split); DeepSeek-V3's 61 over PP 4 x VP 4 only with the
+    layout set_deepseek_v3_pipeline_model_parallel_layout gives, its MTP layer with it."""
+    llama = ROWS["bw26.06-gb300-llama3.1-405b-MXFP8"]
+    assert blackwell.launch(llama)["split"] == ["--num-virtual-stages-per-pipeline-rank", "4",
+                                                "--account-for-embedding-in-pipeline-split",
+                                                "--account-for-loss-in-pipeline-split"]
+    deepseek = ROWS["bw26.06-gb200-deepseekv3-MXFP8"]
+    split = blackwell.launch(deepseek)["split"]
+    assert split[0] == "--pipeline-model-parallel-layout" and len(split[1].split("|")) == 16
+    assert split[2:] == ["--mtp-num-layers", "1"]
+    for row in (llama, deepseek):
+        out = blackwell.priced_row(row, search=False)
+        assert "error" in out["recipe"] and out["refused"] == []
+    without = blackwell.launch(ROWS["bw25.11-gb200-deepseekv3-w-o-mtp-BF16"])["split"]
+    assert "m" not in without[1] and "--mtp-num-layers" not in without
+
+
+def test_the_resolver_reads_only_the_split_from_the_base_recipe(tmp_path):
+    """A perf recipe starting from a base recipe takes the base's split (and MTP depth), not its other
+    settings, and the split follows the base's re-export to where it is defined."""
+    wheel = tmp_path / "megatron" / "bridge"
+    files = {
+        "perf_recipes/_common.py": "",
+        "perf_recipes/llama/common.py": ("from megatron.bridge.recipes.llama.llama3 import "
+                                         "llama31_405b_pretrain_config\n"),
+        "perf_recipes/llama/b200/llama31.py": (
+            "def llama31_405b_pretrain_64gpu_b200_bf16_config():\n"
+            "    cfg = llama31_405b_pretrain_config()\n"
+            "    cfg.model.pipeline_model_parallel_size = 8\n"),
+        "recipes/llama/llama3.py": "from megatron.bridge.recipes.llama.h100.llama3 import (\n"
+                                   "    base_256gpu_config as llama31_405b_pretrain_config,\n)\n",
+        "recipes/llama/h100/llama3.py": (
+            "def base_256gpu_config():\n"
+            "    cfg = _pretrain_common()\n"
+            "    cfg.model.recompute_granularity = 'full'\n"
+            "    cfg.model.account_for_embedding_in_pipeline_split = True\n"
+            "    cfg.model.account_for_loss_in_pipeline_split = True\n"
+            "    return cfg\n")}
+    for name, text in files.items():
+        (wheel / name).parent.mkdir(parents=True, exist_ok=True)
+        (wheel / name).write_text(text)
+    functions = blackwell.recipe_functions(wheel / "perf_recipes", "llama", "b200")
+    settings, unknown = {}, []
+    blackwell.interpret(functions, "llama31_405b_pretrain_64gpu_b200_bf16_config", {}, settings, unknown)
+    assert settings == {"model.account_for_embedding_in_pipeline_split": True,
+                        "model.account_for_loss_in_pipeline_split": True, "model.pipeline_model_parallel_size": 8}
+    assert "base recipe base_256gpu_config, only its pipeline split read" in unknown[0]
+    row = ROWS["bw26.06-gb200-llama3.1-405b-MXFP8"]
+    assert blackwell.pipeline_split(row, settings, wheel / "perf_recipes")["flags"] == [
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
