@@ -118,9 +118,9 @@ def _times(a: np.ndarray, k: float) -> np.ndarray:
 
 
 def _level(level: LinkLevel, k: float) -> LinkLevel:
-    exchange = level.exchange_bandwidth_Bps
-    return replace(level, bandwidth_Bps=_times(level.bandwidth_Bps, k),
-                   exchange_bandwidth_Bps=None if exchange is None else _times(exchange, k))
+    return replace(level, **{key: _times(getattr(level, key), k) for key in
+                             ("bandwidth_Bps", "exchange_bandwidth_Bps", "batched_exchange_bandwidth_Bps")
+                             if getattr(level, key) is not None})
 
 
 def calibrated(cluster: Cluster, profile: LayerProfile | None, factors: Factors,

@@ -252,7 +252,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         hop_inv = 1.0 / hop_bw
         hop_xchg = None
         if not cluster.full_duplex:
-            xchg_alpha, xchg_bw = cluster.link(src, dst, two_way=True)
+            xchg_alpha, xchg_bw = cluster.link(src, dst, two_way=True, batched=True)
             hop_xchg = (xchg_alpha, 1.0 / xchg_bw)
         ends = np.stack([dev[0], dev[-1]], axis=-1)
     else:

@@ -84,6 +84,25 @@ def exchange(group: dist.ProcessGroup | None, device: torch.device, me: int, pee
     return time.perf_counter() - start
 
 
+def batched_exchanges(group: dist.ProcessGroup | None, device: torch.device, peer: int, send: torch.Tensor,
+                      recv: torch.Tensor, count: int, timeout: timedelta) -> float:
+    """`count` exchanges with `peer` (global rank) back to back, as 1F1B's steady state runs them
+    on a pipeline hop; seconds per exchange on this rank.
+
+    Posted as megatron-core posts them without interleaving (p2p_communication._batched_p2p_ops:
+    one batch, the send before the receive on both sides). On gloo a send posted first can hold
+    back the receive behind it where this rank's link is the slower, so such an exchange takes
+    one or two message times by turns; the train's mean is what a pipeline pays per exchange.
+    """
+    start = time.perf_counter()
+    for _ in range(count):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, group),
+                                        dist.P2POp(dist.irecv, recv, peer, group)])
+        _wait(works, device, timeout)
+    synchronize(device)
+    return (time.perf_counter() - start) / count
+
+
 def all_to_all(group: dist.ProcessGroup | None, device: torch.device, peers: list[int], send: torch.Tensor,
                recv: torch.Tensor, timeout: timedelta) -> float:
     """Row k of `send` to peers[k] (global ranks) and row k of `recv` from it, all at once: one

@@ -77,7 +77,9 @@ def _skips(phase: PhaseResult, name: str, max_repeats: int, filled: str) -> list
 def _level(figures: fit.Figures) -> LinkLevel:
     return LinkLevel(bandwidth_Bps=figures.bandwidth_Bps, latency_s=figures.latency_s,
                      exchange_bandwidth_Bps=figures.exchange_bandwidth_Bps,
-                     exchange_latency_s=figures.exchange_latency_s)
+                     exchange_latency_s=figures.exchange_latency_s,
+                     batched_exchange_bandwidth_Bps=figures.batched_exchange_bandwidth_Bps,
+                     batched_exchange_latency_s=figures.batched_exchange_latency_s)
 
 
 def _all_to_all(m: Measurements, links: Cluster) -> tuple[float, dict | None, list[dict]]:

@@ -30,7 +30,7 @@ from megatron_pipette.probe.budget import (
 from megatron_pipette.probe.schedule import ALL_TO_ALL_NODES, Round, all_to_all_peers, probe_rounds
 from megatron_pipette.probe.transport import PairTimes, Transport
 
-METRICS = ("small_s", "large_s", "exchange_medium_s", "exchange_large_s")
+METRICS = ("small_s", "large_s", "exchange_medium_s", "exchange_large_s", "batched_medium_s", "batched_large_s")
 """What a round records per sender, in this order."""
 AGREE = 3
 """Agreement values: the clock, the small part's and the large part's per-repeat wall time."""
@@ -47,7 +47,7 @@ class PhaseResult:
     round_times_s: list[float] = field(default_factory=list)
     """Wall time of each round that ran (slowest rank)."""
     times: list[np.ndarray] = field(default_factory=list)
-    """Per round that ran: (slots, 4) of METRICS, slot = sending rank (intra) or node (inter)."""
+    """Per round that ran: (slots, len(METRICS)) of METRICS, slot = sending rank (intra) or node (inter)."""
 
     @property
     def measured(self) -> int:

@@ -92,20 +92,33 @@ def pair_min(m: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Figures:
-    """The four link figures of one level, (..., n, n); NaN where not known."""
+    """The six link figures of one level (LinkLevel's), (..., n, n); NaN where not known."""
 
     bandwidth_Bps: np.ndarray
     latency_s: np.ndarray
     exchange_bandwidth_Bps: np.ndarray
     exchange_latency_s: np.ndarray
+    batched_exchange_bandwidth_Bps: np.ndarray | None = None
+    batched_exchange_latency_s: np.ndarray | None = None
+    """None where the transport does not time batched exchanges apart (NCCL: see TorchTransport)."""
+
+
+EXCHANGES = (("exchange_medium_s", "exchange_large_s"), ("batched_medium_s", "batched_large_s"))
+"""The METRICS of each two-way figure pair: the link's own exchange, and 1F1B's batched one."""
+
+
+def _timed(times: dict[str, np.ndarray]) -> tuple[tuple[str, str], ...]:
+    """EXCHANGES' pairs that were timed (the batched one is NaN throughout where not)."""
+    return tuple(pair for pair in EXCHANGES if not np.isnan(times[pair[1]]).all())
 
 
 def figures(times: dict[str, np.ndarray], small_bytes: int, large_bytes: int) -> Figures:
     """Fit the figures from sender-side times (METRICS -> (..., n, n), row = sender)."""
     bw, lat = alpha_beta(times["small_s"], times["large_s"], small_bytes, large_bytes)
-    xbw, xlat = two_way_alpha_beta(pair_min(times["exchange_medium_s"]), pair_min(times["exchange_large_s"]),
-                                   medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)
-    return Figures(bw, lat, xbw, xlat)
+    two_way = [f for medium, large in _timed(times)
+               for f in two_way_alpha_beta(pair_min(times[medium]), pair_min(times[large]),
+                                           medium_bytes(small_bytes, large_bytes), large_bytes, bw, lat)]
+    return Figures(bw, lat, *two_way)
 
 
 def _ran(phase: PhaseResult) -> list:
@@ -162,8 +175,10 @@ def intra_levels(m: Measurements, small_bytes: int, large_bytes: int) -> tuple[l
     f = figures(times, small_bytes, large_bytes)
     bw = _fill_per_node(f.bandwidth_Bps)
     lat = _fill_per_node(latency_from_small(times["small_s"], bw, small_bytes))
-    xbw = np.fmin(_fill_per_node(f.exchange_bandwidth_Bps), bw)
-    xlat = np.fmax(_fill_per_node(f.exchange_latency_s), lat)
+    two_way = [fill(_fill_per_node(m), one_way)
+               for m, fill, one_way in ((f.exchange_bandwidth_Bps, np.fmin, bw), (f.exchange_latency_s, np.fmax, lat),
+                                        (f.batched_exchange_bandwidth_Bps, np.fmin, bw),
+                                        (f.batched_exchange_latency_s, np.fmax, lat)) if m is not None]
     # A node joins the first class whose first node (its seed) it measured alike; the first node
     # alike none seeds the next class. One pass per class, not per node.
     links = bw[:, ~np.eye(m.gpus_per_node, dtype=bool)]
@@ -177,7 +192,7 @@ def intra_levels(m: Measurements, small_bytes: int, large_bytes: int) -> tuple[l
     classes = []
     for k in range(len(seeds)):
         members = node_class == k
-        classes.append(Figures(*(np.median(a[members], axis=0) for a in (bw, lat, xbw, xlat))))
+        classes.append(Figures(*(np.median(a[members], axis=0) for a in (bw, lat, *two_way))))
     return classes, node_class
 
 
@@ -288,14 +303,17 @@ def _fabric(values: np.ndarray) -> float:
 
 
 def _exchange_matrices(table: RoundTable, bw_at: np.ndarray, lat_at: np.ndarray, small_bytes: int,
-                       large_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two exchange figures' nodes x nodes matrices: `two_way_alpha_beta` at the table's links
-    (each exchange time paired with the partner's own), then the per-node fit of each."""
-    t = table.times
-    xbw, xlat = two_way_alpha_beta(np.fmin(t["exchange_medium_s"], table.reverse(t["exchange_medium_s"])),
-                                   np.fmin(t["exchange_large_s"], table.reverse(t["exchange_large_s"])),
-                                   medium_bytes(small_bytes, large_bytes), large_bytes, bw_at, lat_at)
-    return table.fit(xbw, np.minimum)[2], table.fit(xlat, np.maximum)[2]
+                       large_bytes: int) -> list[np.ndarray]:
+    """The nodes x nodes matrices of each timed pair of EXCHANGES (bandwidth, latency, in its order):
+    `two_way_alpha_beta` at the table's links (each exchange time paired with the partner's own),
+    then the per-node fit of each."""
+    t, out = table.times, []
+    for medium, large in _timed(t):
+        xbw, xlat = two_way_alpha_beta(np.fmin(t[medium], table.reverse(t[medium])),
+                                       np.fmin(t[large], table.reverse(t[large])),
+                                       medium_bytes(small_bytes, large_bytes), large_bytes, bw_at, lat_at)
+        out += [table.fit(xbw, np.minimum)[2], table.fit(xlat, np.maximum)[2]]
+    return out
 
 
 def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit:
@@ -321,11 +339,14 @@ def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit
         predicted_at = table.combine(out, inn, np.minimum)
         lat = table.fit(latency_from_small(table.times["small_s"], np.where(measured_at, bw_at, predicted_at),
                                            small_bytes), np.maximum)[2]
-        xbw, xlat = exchange.result()
-    np.fmin(xbw, bw, out=xbw)
-    np.fmax(xlat, lat, out=xlat)
-    for matrix, diagonal in ((bw, np.inf), (lat, 0.0), (xbw, np.inf), (xlat, 0.0)):
+        two_way = exchange.result()
+    for matrix, diagonal in ((bw, np.inf), (lat, 0.0)):
         np.fill_diagonal(matrix, diagonal)
+    for xbw, xlat in zip(two_way[::2], two_way[1::2]):     # never faster than one way
+        np.fmin(xbw, bw, out=xbw)
+        np.fmax(xlat, lat, out=xlat)
+        np.fill_diagonal(xbw, np.inf)
+        np.fill_diagonal(xlat, 0.0)
     measured = np.zeros((nodes, nodes), dtype=bool)
     measured.ravel()[table.cells(measured_at)] = True
     slow_at = measured_at & (bw_at < SLOW_LINK_FRACTION * predicted_at)
@@ -339,7 +360,7 @@ def inter_level(m: Measurements, small_bytes: int, large_bytes: int) -> InterFit
                    "reason": f"node {k}: its links run at {rate[k] / 1e9:.3g} GB/s, {rate[k] / fabric:.0%} of "
                              f"the fabric's median"} for k in np.flatnonzero(rate < SLOW_NODE_FRACTION * fabric)]
     factor, extra = _cross_rail(m, bw, lat, small_bytes, large_bytes)
-    return InterFit(Figures(bw, lat, xbw, xlat), measured, out, inn, fabric, slow_links, slow_nodes, factor, extra)
+    return InterFit(Figures(bw, lat, *two_way), measured, out, inn, fabric, slow_links, slow_nodes, factor, extra)
 
 
 def _cross_rail(m: Measurements, bw: np.ndarray, lat: np.ndarray, small_bytes: int,

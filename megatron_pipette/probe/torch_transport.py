@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import fields
 from datetime import timedelta
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pipette.measure import compute
-from megatron_pipette.probe.comm import Clock, all_to_all, exchange, one_way
+from megatron_pipette.probe.comm import Clock, all_to_all, batched_exchanges, exchange, one_way
 from megatron_pipette.probe.fit import medium_bytes
 from megatron_pipette.probe.transport import PairTimes
 
@@ -72,16 +73,19 @@ class TorchTransport:
     def _exchange(self, peer: int, bufs: tuple[torch.Tensor, torch.Tensor]) -> float:
         return exchange(self.group, self.device, self.me, self._global(peer), *bufs, self.timeout)
 
+    def _batched(self, peer: int, bufs: tuple[torch.Tensor, torch.Tensor], count: int) -> float:
+        return batched_exchanges(self.group, self.device, self._global(peer), *bufs, count, self.timeout)
+
     def measure_pairs(self, partner: np.ndarray, *, repeats: int, large: bool, warm_up: bool) -> PairTimes:
-        nan = [float("nan")] * 6
         peer = int(partner[0])
+        nan = float("nan")
         if peer < 0:
-            return PairTimes(*(np.array([v]) for v in nan))
+            return PairTimes(*(np.array([nan]) for _ in fields(PairTimes)))
         if warm_up:
             self._exchange(peer, self.small)   # lazy connection set-up; both partners start together
         smalls = [self._both_ways(peer, self.small) for _ in range(repeats)]
         small, small_wall = (statistics.median(column) for column in zip(*smalls))
-        big = medium = full = large_wall = float("nan")
+        big = medium = full = batched_medium = batched_full = large_wall = nan
         if large:
             samples = []
             for _ in range(repeats):
@@ -90,7 +94,15 @@ class TorchTransport:
                 samples.append((mine, self._exchange(peer, self.medium), self._exchange(peer, self.large),
                                 time.perf_counter() - start))
             big, medium, full, large_wall = (statistics.median(column) for column in zip(*samples))
-        return PairTimes(*(np.array([v]) for v in (small, big, medium, full, small_wall, large_wall)))
+            if self.device.type != "cuda":      # NCCL runs a batch as one group: the order is moot
+                start = time.perf_counter()
+                batched_medium = self._batched(peer, self.medium, repeats)
+                batched_full = self._batched(peer, self.large, repeats)
+                large_wall += (time.perf_counter() - start) / repeats
+        values = dict(small_s=small, large_s=big, exchange_medium_s=medium, exchange_large_s=full,
+                      batched_medium_s=batched_medium, batched_large_s=batched_full, small_wall_s=small_wall,
+                      large_wall_s=large_wall)
+        return PairTimes(**{k: np.array([v]) for k, v in values.items()})
 
     def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
         mine = [self._global(int(p)) for p in peers[0] if p >= 0]

@@ -26,13 +26,21 @@ class PairTimes:
     large_s: np.ndarray
     """One-way large message to the partner, acknowledged."""
     exchange_medium_s: np.ndarray
-    """Medium message both ways at once with the partner."""
+    """Medium message both ways at once with the partner, the lower rank's send posted first and
+    the higher rank's receive (the link's own two-way rate)."""
     exchange_large_s: np.ndarray
     """Large message both ways at once."""
+    batched_medium_s: np.ndarray
+    """Medium message both ways at once, posted as megatron-core's 1F1B posts it (one batch, the
+    send first on both sides): the mean of a train of such exchanges back to back, as a pipeline
+    hop runs them in the steady state."""
+    batched_large_s: np.ndarray
+    """Large message, as batched_medium_s."""
     small_wall_s: np.ndarray
     """Wall time of one repeat of the small part (both directions), this rank's median."""
     large_wall_s: np.ndarray
-    """Wall time of one repeat of the large part (both directions and both exchanges)."""
+    """Wall time of one repeat of the large part (both directions, both exchanges and a repeat's share
+    of the batched trains), on this rank."""
 
 
 class Transport(Protocol):
@@ -58,8 +66,8 @@ class Transport(Protocol):
     def measure_pairs(self, partner: np.ndarray, *, repeats: int, large: bool, warm_up: bool) -> PairTimes:
         """Each played rank with partner[i] (global rank, -1 sits out): `warm_up` first exchanges a
         small message (connection set-up, both partners start together), then `repeats` times the
-        one-way small message each way, and with `large` the one-way large message each way and the
-        medium and large exchanges."""
+        one-way small message each way, and with `large` the one-way large message each way, the
+        medium and large exchanges, and a train of `repeats` batched exchanges of each size."""
 
     def measure_all_to_all(self, peers: np.ndarray, *, nbytes: int) -> np.ndarray:
         """(len(ranks),) seconds each played rank takes to send `nbytes` to every rank of its row of

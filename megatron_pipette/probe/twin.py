@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import numpy as np
@@ -111,8 +111,7 @@ class TwinTransport:
         back = np.searchsorted(src, dst)            # partners are mutual: the reverse pair's position
         small_t = one_way(self.s.small_bytes)
         small, small_wall = sampled(small_t, small_t[back])
-        result = {k: nan.copy() for k in ("small_s", "large_s", "exchange_medium_s", "exchange_large_s",
-                                          "small_wall_s", "large_wall_s")}
+        result = {f.name: nan.copy() for f in fields(PairTimes)}
         result["small_s"][has], result["small_wall_s"][has] = small, small_wall
         pair_s = self._noisy(exchange(self.s.small_bytes))[0] + self.s.connect_s if warm_up else 0.0
         pair_s = pair_s + repeats * small_wall
@@ -123,7 +122,7 @@ class TwinTransport:
             medium = np.median(self._noisy(exchange(medium_bytes(self.s.small_bytes, self.s.large_bytes)),
                                            repeats), axis=0)
             full = np.median(self._noisy(exchange(self.s.large_bytes), repeats), axis=0)
-            wall = large_t + reverse + medium + full
+            wall = large_t + reverse + medium + full     # NCCL's: no batched exchanges timed apart
             result["large_s"][has], result["exchange_medium_s"][has] = big, medium
             result["exchange_large_s"][has], result["large_wall_s"][has] = full, wall
             pair_s = pair_s + repeats * wall

@@ -12,7 +12,8 @@ files (a GPU x GPU matrix per figure) still load, converted (`_from_version_1`).
       "nodes": [{"host": "node0", "class": 0, "domain": 0, "gpus": ["GPU-8f2e...", ...]}, ...],
       "devices": {"memory_bytes": [...], "memory_bandwidth_Bps": [...], "gemm_flops": [...]},
       "intra_node": [{"bandwidth_Bps": G x G, "latency_s": G x G,
-                      "exchange_bandwidth_Bps": G x G, "exchange_latency_s": G x G}],
+                      "exchange_bandwidth_Bps": G x G, "exchange_latency_s": G x G,
+                      "batched_exchange_bandwidth_Bps": G x G, "batched_exchange_latency_s": G x G}],
       "inter_node": {"bandwidth_Bps": N x N, "latency_s": N x N, ...,
                      "cross_rail_bandwidth_factor": 0.9, "cross_rail_latency_s": 2e-6,
                      "all_to_all_bandwidth_factor": 0.8,
@@ -46,7 +47,8 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DENSE_LIST_LIMIT = 256
 """Matrices with more endpoints than this are written base64-encoded, not as nested lists."""
-LEVEL_KEYS = ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps", "exchange_latency_s")
+LEVEL_KEYS = ("bandwidth_Bps", "latency_s", "exchange_bandwidth_Bps", "exchange_latency_s",
+              "batched_exchange_bandwidth_Bps", "batched_exchange_latency_s")
 MIN_BANDWIDTH_BPS = 1e3
 """The slowest link or memory a file may give, bytes/s: a probe that measured less has failed
 (a bandwidth of 0 or 1e-300 made every time infinite and ranked NaN plans first)."""

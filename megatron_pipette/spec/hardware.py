@@ -133,10 +133,18 @@ class LinkLevel:
     collective steps); None: full-duplex links, as fast as one way."""
     exchange_latency_s: np.ndarray | None = None
     """Start-up time of a message inside such an exchange; None: latency_s."""
+    batched_exchange_bandwidth_Bps: np.ndarray | None = None
+    """Bytes/s from i to j inside an exchange posted as megatron-core's 1F1B posts it (one batch,
+    the send before the receive on both sides): on gloo a send posted first can hold back the
+    receive behind it, which the exchange figures above, timed with the two posted in opposite
+    orders, do not show; None: the exchange figures."""
+    batched_exchange_latency_s: np.ndarray | None = None
+    """Start-up time of a message inside such a batched exchange; None: the exchange figures'."""
 
     def __post_init__(self) -> None:
         n = self.bandwidth_Bps.shape[0]
-        for m in (self.bandwidth_Bps, self.latency_s, self.exchange_bandwidth_Bps, self.exchange_latency_s):
+        for m in (self.bandwidth_Bps, self.latency_s, self.exchange_bandwidth_Bps, self.exchange_latency_s,
+                  self.batched_exchange_bandwidth_Bps, self.batched_exchange_latency_s):
             assert m is None or m.shape == (n, n), "every matrix of a level has the same square shape"
 
     @property
@@ -146,14 +154,20 @@ class LinkLevel:
     @property
     def full_duplex(self) -> bool:
         """True when exchanges cost what single messages do (no two-way figures given)."""
-        return self.exchange_bandwidth_Bps is None and self.exchange_latency_s is None
+        return all(m is None for m in (self.exchange_bandwidth_Bps, self.exchange_latency_s,
+                                       self.batched_exchange_bandwidth_Bps, self.batched_exchange_latency_s))
 
-    def figures(self, two_way: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(latency_s, bandwidth_Bps) of single messages, or of messages inside an exchange."""
+    def figures(self, two_way: bool, batched: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(latency_s, bandwidth_Bps) of single messages, or of messages inside an exchange
+        (`batched`: one posted as 1F1B posts it); a figure not given falls back to the simpler kind."""
         if not two_way:
             return self.latency_s, self.bandwidth_Bps
-        return (self.latency_s if self.exchange_latency_s is None else self.exchange_latency_s,
-                self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps)
+        lat = self.latency_s if self.exchange_latency_s is None else self.exchange_latency_s
+        bw = self.bandwidth_Bps if self.exchange_bandwidth_Bps is None else self.exchange_bandwidth_Bps
+        if not batched:
+            return lat, bw
+        return (lat if self.batched_exchange_latency_s is None else self.batched_exchange_latency_s,
+                bw if self.batched_exchange_bandwidth_Bps is None else self.batched_exchange_bandwidth_Bps)
 
 
 def uniform_level(n: int, bandwidth_Bps: float, latency_s: float) -> LinkLevel:
@@ -239,15 +253,17 @@ class Cluster:
         return self.inter_node.full_duplex and all(level.full_duplex for level in self.intra_node)
 
     @cached_property
-    def _intra(self) -> dict[bool, tuple[np.ndarray, np.ndarray]]:
-        """(classes, g, g) latency and bandwidth stacks, one-way and two-way."""
-        return {two_way: tuple(np.stack([level.figures(two_way)[k] for level in self.intra_node])
-                               for k in (0, 1)) for two_way in (False, True)}
+    def _intra(self) -> dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray]]:
+        """(classes, g, g) latency and bandwidth stacks per (two_way, batched)."""
+        return {kind: tuple(np.stack([level.figures(*kind)[k] for level in self.intra_node]) for k in (0, 1))
+                for kind in ((False, False), (True, False), (True, True))}
 
-    def link(self, src: np.ndarray, dst: np.ndarray, *, two_way: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def link(self, src: np.ndarray, dst: np.ndarray, *, two_way: bool = False,
+             batched: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(latency_s, bandwidth_Bps) of the links src -> dst (device ids, arrays of one shape), alone
-        or inside an exchange (`two_way`). Vectorised: memory is that of the index arrays; each
-        level is looked up only for the pairs on it (a group's links mostly lie on one)."""
+        or inside an exchange (`two_way`; `batched`: as 1F1B posts it). Vectorised: memory is that of
+        the index arrays; each level is looked up only for the pairs on it (a group's links mostly
+        lie on one)."""
         shape, g = np.shape(src), self.gpus_per_node
         src, dst = np.ravel(src), np.ravel(dst)
         node_s, node_d = src // g, dst // g                      # not np.divmod: ten times slower
@@ -256,7 +272,7 @@ class Cluster:
         lat, bw = np.empty(same_node.size), np.empty(same_node.size)
         inside, across = np.flatnonzero(same_node), np.flatnonzero(~same_node)
         if inside.size:
-            intra_lat, intra_bw = self._intra[two_way]
+            intra_lat, intra_bw = self._intra[two_way, two_way and batched]
             at = (self.node_class[node_s[inside]], local_s[inside], local_d[inside])
             lat[inside], bw[inside] = intra_lat[at], intra_bw[at]
         if across.size:
@@ -264,7 +280,7 @@ class Cluster:
             rail = local_s[across] == local_d[across]
             if self.domain_of_node is not None:                                 # NVSwitch has no rails
                 rail |= self.domain_of_node[a] == self.domain_of_node[b]
-            inter_lat, inter_bw = self.inter_node.figures(two_way)
+            inter_lat, inter_bw = self.inter_node.figures(two_way, batched)
             lat[across] = inter_lat[a, b] + np.where(rail, 0.0, self.cross_rail_latency_s)
             bw[across] = inter_bw[a, b] * np.where(rail, 1.0, self.cross_rail_bandwidth_factor)
         return lat.reshape(shape), bw.reshape(shape)
