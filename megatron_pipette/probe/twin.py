@@ -43,6 +43,8 @@ class TwinSettings:
     """Sigma of the lognormal factor on every timing (0: exact)."""
     seed: int = 0
     connect_s: float = CONNECT_S
+    batched: bool = False
+    """Also time 1F1B's batched exchanges apart, as the gloo transport does (NCCL's does not)."""
 
 
 class TwinTransport:
@@ -87,8 +89,9 @@ class TwinTransport:
         self.clock += 2 * levels * (self._tree_alpha + out.nbytes / self._tree_bw)
         return out
 
-    def _message(self, src: np.ndarray, dst: np.ndarray, nbytes: float, two_way: bool) -> np.ndarray:
-        lat, bw = self.truth.link(src, dst, two_way=two_way)
+    def _message(self, src: np.ndarray, dst: np.ndarray, nbytes: float, two_way: bool,
+                 batched: bool = False) -> np.ndarray:
+        lat, bw = self.truth.link(src, dst, two_way=two_way, batched=batched)
         return lat + nbytes / bw
 
     def measure_pairs(self, partner: np.ndarray, *, repeats: int, large: bool, warm_up: bool) -> PairTimes:
@@ -100,8 +103,9 @@ class TwinTransport:
         def one_way(nbytes: int) -> np.ndarray:     # the message, then the one-byte acknowledgement back
             return self._message(src, dst, nbytes, False) + self._message(dst, src, ACK_BYTES, False)
 
-        def exchange(nbytes: int) -> np.ndarray:    # both ways at once: ends with the slower direction
-            return np.maximum(self._message(src, dst, nbytes, True), self._message(dst, src, nbytes, True))
+        def exchange(nbytes: int, batched: bool = False) -> np.ndarray:    # ends with the slower direction
+            return np.maximum(self._message(src, dst, nbytes, True, batched),
+                              self._message(dst, src, nbytes, True, batched))
 
         def sampled(t: np.ndarray, reverse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """(this rank's median, median wall time of a repeat of both directions)."""
@@ -119,10 +123,13 @@ class TwinTransport:
             large_t = one_way(self.s.large_bytes)
             reverse = large_t[back]
             big, _ = sampled(large_t, reverse)
-            medium = np.median(self._noisy(exchange(medium_bytes(self.s.small_bytes, self.s.large_bytes)),
-                                           repeats), axis=0)
-            full = np.median(self._noisy(exchange(self.s.large_bytes), repeats), axis=0)
-            wall = large_t + reverse + medium + full     # NCCL's: no batched exchanges timed apart
+            sizes = (medium_bytes(self.s.small_bytes, self.s.large_bytes), self.s.large_bytes)
+            medium, full = (np.median(self._noisy(exchange(n), repeats), axis=0) for n in sizes)
+            wall = large_t + reverse + medium + full
+            if self.s.batched:                       # a train's mean per exchange
+                batched = [np.mean(self._noisy(exchange(n, batched=True), repeats), axis=0) for n in sizes]
+                result["batched_medium_s"][has], result["batched_large_s"][has] = batched
+                wall = wall + sum(batched)
             result["large_s"][has], result["exchange_medium_s"][has] = big, medium
             result["exchange_large_s"][has], result["large_wall_s"][has] = full, wall
             pair_s = pair_s + repeats * wall

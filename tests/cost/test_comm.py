@@ -55,6 +55,27 @@ def test_half_duplex_links_slow_rings_and_exchanges_but_not_single_messages():
     np.testing.assert_allclose(ring_b - 3e-5, 2 * (ring_a - 1e-5))
 
 
+def test_batched_exchange_figures_price_pipeline_exchanges_and_nothing_else():
+    """1F1B posts its exchanges as one batch with the send first on both sides (gloo can then hold
+    the receive behind the send): its hops take the batched figures; rings keep the link's own."""
+    half = cluster(2, 4)
+    half = dataclasses.replace(half, intra_node=(half_duplex(half.intra_node[0]),),
+                               inter_node=half_duplex(half.inter_node))
+
+    def batched(level: LinkLevel) -> LinkLevel:
+        return dataclasses.replace(level, batched_exchange_bandwidth_Bps=level.bandwidth_Bps / 4,
+                                   batched_exchange_latency_s=level.latency_s * 5)
+    slow = dataclasses.replace(half, intra_node=(batched(half.intra_node[0]),), inter_node=batched(half.inter_node))
+    a, b = group_links(1, 2, 4, half), group_links(1, 2, 4, slow)
+    np.testing.assert_array_equal(a.p2p_s(1e8), b.p2p_s(1e8))
+    for exchange, alone in zip(b.exchange_s(1e8), a.p2p_s(1e8), strict=True):
+        np.testing.assert_allclose(exchange - 5e-5, 4 * (alone - 1e-5))
+    np.testing.assert_array_equal(a.dp_cp_groups.all_reduce_s(1e9), b.dp_cp_groups.all_reduce_s(1e9))
+    # without exchange figures of their own, the batched ones alone make the links not full duplex
+    only = dataclasses.replace(cluster(2, 4), inter_node=batched(cluster(2, 4).inter_node))
+    assert not only.full_duplex and group_links(1, 2, 4, only).exchange_s(1e8) is not None
+
+
 def test_single_rank_groups_cost_nothing():
     links = group_links(1, 1, 8, cluster())
     assert links.tp_groups.all_reduce_s(1e9).max() == 0

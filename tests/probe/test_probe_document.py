@@ -74,8 +74,9 @@ def identities(truth):
              "memory_bytes": truth.memory_bytes} for r in range(truth.world_size)]
 
 
-def probe_twin(truth, budget_s=30.0, noise=0.0, seed=0, repeats=3):
-    transport = TwinTransport(truth, TwinSettings(small_bytes=S, large_bytes=L, noise=noise, seed=seed))
+def probe_twin(truth, budget_s=30.0, noise=0.0, seed=0, repeats=3, batched=False):
+    transport = TwinTransport(truth, TwinSettings(small_bytes=S, large_bytes=L, noise=noise, seed=seed,
+                                                  batched=batched))
     m = run_engine(transport, plan_budget(budget_s), repeats=repeats, large_bytes=L)
     doc = build_document(m, identities(truth), name="twin", precision="bf16", small_bytes=S, large_bytes=L,
                          max_repeats=repeats, probe_meta={"backend": "twin"})
@@ -120,6 +121,35 @@ def test_a_noise_free_twin_returns_its_truth():
     assert probed.cross_rail_latency_s == pytest.approx(3e-6, rel=1e-3)
     np.testing.assert_allclose(probed.gemm_flops, truth.gemm_flops)
     assert p["slow_links"] == [] or all(link["bandwidth_Bps"] < 0.5 * link["predicted_Bps"] for link in p["slow_links"])
+
+
+def test_batched_exchanges_timed_apart_come_back_and_only_1f1b_hops_pay_them():
+    """gloo: an exchange posted as 1F1B posts it (both sides' send first) runs slower on some links
+    than one posted in opposite orders; the probe returns both figures, the cost model prices
+    pipeline hops with the batched one and ring steps with the link's own."""
+    truth = uneven_truth()
+    inter, intra = truth.inter_node, truth.intra_node[1]
+    slow = symmetric(inter.exchange_bandwidth_Bps) / 3
+    truth = dataclasses.replace(
+        truth, inter_node=dataclasses.replace(inter, batched_exchange_bandwidth_Bps=slow,
+                                              batched_exchange_latency_s=inter.exchange_latency_s * 2),
+        intra_node=(truth.intra_node[0], dataclasses.replace(intra, batched_exchange_bandwidth_Bps=symmetric(
+            intra.exchange_bandwidth_Bps if intra.exchange_bandwidth_Bps is not None else intra.bandwidth_Bps) / 2)))
+    rng = np.random.default_rng(2)
+    src, dst = rng.integers(0, truth.world_size, (2, 500))
+    src, dst = src[src != dst], dst[src != dst]
+    probed, doc, _ = probe_twin(truth, batched=True)
+    assert "batched_exchange_bandwidth_Bps" in doc["inter_node"]
+    for two_way, batched in ((True, False), (True, True)):
+        (lat, bw) = probed.link(src, dst, two_way=two_way, batched=batched)
+        (true_lat, true_bw) = truth.link(src, dst, two_way=two_way, batched=batched)
+        np.testing.assert_allclose(bw, true_bw, rtol=1e-6)
+        np.testing.assert_allclose(lat, true_lat, rtol=1e-3)
+    # NCCL's transport does not time them apart: the batched figure is the exchange figure
+    probed, doc, _ = probe_twin(truth)
+    assert "batched_exchange_bandwidth_Bps" not in doc["inter_node"]
+    np.testing.assert_array_equal(probed.link(src, dst, two_way=True, batched=True)[1],
+                                  probed.link(src, dst, two_way=True)[1])
 
 
 def test_the_budget_leaves_pairs_to_the_per_node_fit_which_still_finds_a_slow_node():
