@@ -253,7 +253,8 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
             splits,
             choices("micro_batch_size", micro_batch_options(per_replica)),
             recomputes,
-            choices("sequence_parallel", (True, False) if tp > 1 else (False,)),
+            # Megatron turns a typed --sequence-parallel off at TP 1 (validate_args) rather than refusing it
+            choices("sequence_parallel", (True, False)) if tp > 1 else (False,),
             choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):
         # --overlap-param-gather is not always faster: without interleaving every later stage
         # waits for its own all-gather along the pipeline fill (cost.timing).

@@ -46,6 +46,14 @@ def test_constraints_fix_fields():
                and lay.recompute_method == "uniform" for lay in layouts)
 
 
+def test_a_typed_sequence_parallel_leaves_tp_1_open_without_it():
+    """Megatron turns --sequence-parallel off at TP 1 (validate_args) rather than refusing it: typed without
+    a TP size, it kept every TP 1 layout out of the search."""
+    layouts = layouts_of(workload_from_preset("llama3-8b"), 16, 8, {"sequence_parallel": True})
+    assert {lay.tp for lay in layouts} >= {1, 2, 8}
+    assert all(lay.sequence_parallel == (lay.tp > 1) for lay in layouts)
+
+
 def test_param_gather_overlap_is_searched_both_ways():
     """--overlap-param-gather can cost time (1F1B: cost.timing), so the search tries it off too."""
     layouts = layouts_of(GPT3, 1024, 8, {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 8})
