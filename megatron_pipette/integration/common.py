@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 
 @dataclass
@@ -48,6 +49,14 @@ class Phases:
         skipped = [(", ".join(names[:-1]) + " and " if len(names) > 1 else "") + f"{names[-1]} {why}"
                    for why, names in by_why.items()]
         return ", ".join([*skipped, *ran] or ["none"]) + f"; total {self.elapsed():.1f} s"
+
+
+def exit_with(message: str) -> NoReturn:
+    """End this rank with `message` as one line on stderr (exit status 1). Python prints a SystemExit's
+    text and its newline in two writes, so two ranks' messages could share a line of a joined log."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
 
 
 def log(message: str, rank: int) -> None:

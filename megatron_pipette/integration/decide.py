@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_pipette.errors import PipetteError, UnresumableCheckpoint, UnrunnableFlags
 from megatron_pipette.integration import checkpoint, megatron_args, options, replan
 from megatron_pipette.integration.cache import CLUSTER, NODES, PROFILE, Entry, cache_key, node_identities, node_index
-from megatron_pipette.integration.common import Phases, log
+from megatron_pipette.integration.common import Phases, exit_with, log
 from megatron_pipette.integration.plan_check import JobRequest, typed_problem, unresumable
 from megatron_pipette.integration.rehearsal import rehearsal_requested
 from megatron_pipette.integration.start import Started, close_quietly, control_group
@@ -95,18 +95,18 @@ def decide(started: Started, args: Any, argv: list[str], opts: Any) -> StartPlan
     reason, stop = failure_verdict(statuses)
     if stop:
         close_quietly()
-        raise SystemExit(f"auto-parallel failed: {reason}" + checkpoint.restarts_note())
+        exit_with(f"auto-parallel failed: {reason}" + checkpoint.restarts_note())
     if resume is not None and (unkept := resume.rule.unkept(fallback)):
         close_quietly()    # training on would only fail in Megatron's load_checkpoint
-        raise SystemExit(f"auto-parallel failed: {reason}; the flags as given cannot resume the checkpoint in "
-                         f"{resume.where}: {'; '.join(unkept)}" + checkpoint.restarts_note())
+        exit_with(f"auto-parallel failed: {reason}; the flags as given cannot resume the checkpoint in "
+                  f"{resume.where}: {'; '.join(unkept)}" + checkpoint.restarts_note())
     if opts.auto_parallel_strict:
         close_quietly()
-        raise SystemExit(f"auto-parallel failed (--auto-parallel-strict): {reason}")
+        exit_with(f"auto-parallel failed (--auto-parallel-strict): {reason}")
     if opts.auto_parallel_dry_run:     # it asked for a plan, and there is none: not a success (exit 1)
         close_quietly()
-        raise SystemExit(f"auto-parallel failed (--auto-parallel-dry-run): planning failed ({reason}); no plan "
-                         "to print, nothing trained")
+        exit_with(f"auto-parallel failed (--auto-parallel-dry-run): planning failed ({reason}); no plan "
+                  "to print, nothing trained")
     left_open = ""
     if fallback.micro_batch_size is None:     # left to the planner; Megatron cannot start without one
         fallback, left_open = replace(fallback, micro_batch_size=1), " (--micro-batch-size, not given: 1)"

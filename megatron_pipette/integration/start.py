@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration import dropin, options
-from megatron_pipette.integration.common import Phases, log
+from megatron_pipette.integration.common import Phases, exit_with, log
 from megatron_pipette.integration.rehearsal import enable_cpu_rehearsal, rehearsal_requested
 from megatron_pipette.integration.reinit import init_from_torchrun_env
 
@@ -53,7 +53,7 @@ def start(args: Any, argv: list[str], opts: Any) -> Started:
     try:
         options.check_options(opts)
     except PipetteError as e:
-        raise SystemExit(f"auto-parallel: {e}") from None
+        exit_with(f"auto-parallel: {e}")
     phases = Phases(budget_s=opts.auto_parallel_budget_s)
     supplied = []
     if rehearsal_requested():
@@ -69,8 +69,8 @@ def start(args: Any, argv: list[str], opts: Any) -> Started:
     try:
         store, rank, world = init_from_torchrun_env(backend, timeout, prefix=f"pipette/{attempt}/probe/")
     except dist.DistError as e:    # a rank did not join in time (hung or dead): nothing can start without it
-        raise SystemExit(f"auto-parallel failed: not every rank joined within {timeout.total_seconds():.0f} s "
-                         f"(hung or dead): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        exit_with(f"auto-parallel failed: not every rank joined within {timeout.total_seconds():.0f} s "
+                  f"(hung or dead): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     if supplied:
         log("CPU rehearsal: " + ", ".join(supplied), rank)
     return Started(store=store, rank=rank, world=world, backend=backend, timeout=timeout, user_timeout=user_timeout,

@@ -36,9 +36,11 @@ def planning_fails(monkeypatch):
 def test_a_dry_run_whose_planning_failed_exits_non_zero_saying_so(planning_fails, capsys) -> None:
     with pytest.raises(SystemExit) as stopped:
         decide.decide(started(), megatron_namespace(), [], options(auto_parallel_dry_run=True))
-    assert stopped.value.code == ("auto-parallel failed (--auto-parallel-dry-run): planning failed (rank 0: injected "
-                                  "probe failure); no plan to print, nothing trained")
-    assert "training with the flags as given" not in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert stopped.value.code == 1 and out.err == ("auto-parallel failed (--auto-parallel-dry-run): planning failed "
+                                                   "(rank 0: injected probe failure); no plan to print, nothing "
+                                                   "trained\n")
+    assert "training with the flags as given" not in out.out
 
 
 def test_a_training_start_whose_planning_failed_falls_back(planning_fails, capsys) -> None:
