@@ -28,26 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def chain_times(workload, mbs: int, calls: int, env, warmup: int, iters: int) -> tuple[float, float]:
     """Median (forward, backward) seconds of `calls` chained calls of one layer at `mbs`."""
+    import dataclasses
+
     import torch
 
-    from megatron_pipette.profile.build import Step, layer_step
+    from megatron_pipette.profile.build import layer_step
     from megatron_pipette.profile.measure import time_step
 
     one = layer_step(workload, 1, mbs, None, env, te=False)
-    first = one.forward
 
     def forward() -> torch.Tensor:
-        out = first()
+        out = one.forward()
         for _ in range(calls - 1):
-            out = one.module(out, attention_mask=mask, rotary_pos_emb=None)
+            out = one.again(out)
         return out
 
-    mask = one.shared[0] if one.shared else None
-    step = Step(module=one.module, forward=forward, output_grad=one.output_grad, shared=one.shared, reset=one.reset)
-    t = time_step(step, env.device, warmup, iters)
-    del one, step
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
+    t = time_step(dataclasses.replace(one, forward=forward, again=None), env.device, warmup, iters)  # as a whole
     return t.forward_s, t.backward_s
 
 
@@ -78,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                    "intercept_s": total[2] - 2 * marginal, "forward_s": {k: v[0] for k, v in t.items()},
                    "backward_s": {k: v[1] for k, v in t.items()}}
             rows.append(row)
-            print(f"mbs {mbs}: T1 {total[1] * 1e3:8.3f} ms  T2/2 {total[2] / 2 * 1e3:8.3f}  T4/4 {total[4] / 4 * 1e3:8.3f}"
-                  f"  marginal {marginal * 1e3:8.3f}  intercept {row['intercept_s'] * 1e3:7.3f}  "
+            print(f"mbs {mbs}: T1 {total[1] * 1e3:8.3f} ms  T2/2 {total[2] / 2 * 1e3:8.3f}  "
+                  f"T4/4 {total[4] / 4 * 1e3:8.3f}  marginal {marginal * 1e3:8.3f}  "
+                  f"intercept {row['intercept_s'] * 1e3:7.3f}  "
                   f"T1/marginal {total[1] / marginal:6.3f}", flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -76,6 +76,9 @@ class Step:
     """Inputs every layer shares (mask, RoPE table): not this micro-batch's activations."""
     reset: Callable[[], None] = lambda: None
     """Drops the input's gradient between iterations."""
+    again: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The same part applied to its own output, as a stack of layers runs (None: a part that runs once
+    per micro-batch): the profiler times a chain of two calls on a GPU (measure.time_step)."""
 
 
 def _activation(workload: Workload) -> Any:
@@ -153,7 +156,11 @@ def layer_step(workload: Workload, tp: int, mbs: int, recompute: str | None, env
     def reset() -> None:
         x.grad = None
 
-    return Step(module=block, forward=forward, output_grad=lambda out: grad, shared=tuple(shared), reset=reset)
+    def again(out: torch.Tensor) -> torch.Tensor:
+        return block(out, attention_mask=mask, rotary_pos_emb=rope)
+
+    return Step(module=block, forward=forward, output_grad=lambda out: grad, shared=tuple(shared), reset=reset,
+                again=again)
 
 
 def embedding_step(workload: Workload, tp: int, mbs: int, env: Any, te: bool) -> Step:

@@ -21,7 +21,13 @@ CPU rehearsal counts the same way across a whole pipeline schedule (LiveSavedByt
 held at once) and the tensors alive between steps (live_tensor_bytes: the model state).
 
 Times are wall-clock medians over `iters` iterations after `warmup`: perf_counter
-on CPU, CUDA events (synchronised after each iteration) on GPU.
+on CPU, CUDA events (synchronised after each iteration) on GPU. On a GPU a call that starts
+after a synchronisation finds the GPU idle, waiting for the host to launch its first kernels;
+in a stack of layers the host runs ahead and no layer but the first waits. So a layer is timed
+alone and as a chain of two calls, and what the second call adds is its time
+(benchmarks/results/h200-2026-11-28-layer-chain: alone a 1.3B GPT layer took x1.83 of that at
+micro-batch 1, x1.11 at 2, x1.02 at 4 and 8). On the CPU every call runs synchronously, a stack's
+included, so a layer is timed alone.
 """
 
 from __future__ import annotations
@@ -183,6 +189,8 @@ def _storage_bytes(t: torch.Tensor) -> int:
 class Timing:
     forward_s: float
     backward_s: float
+    iteration_s: float
+    """One timed iteration's wall time, every chain length timed included (the profile's budget)."""
 
 
 def activation_pass(step: Step, device: torch.device) -> tuple[SavedBytes, dict[str, int]]:
@@ -206,15 +214,32 @@ def activation_pass(step: Step, device: torch.device) -> tuple[SavedBytes, dict[
 
 
 def time_step(step: Step, device: torch.device, warmup: int, iters: int) -> Timing:
-    """Median forward and backward wall time over `iters` after `warmup` iterations."""
+    """Median forward and backward wall time of one call over `iters` after `warmup` iterations; on a
+    GPU, of a part that chains, what a second call in a chain adds (the module docstring)."""
+    alone = _medians(step, device, warmup, iters, calls=1)
+    if device.type != "cuda" or step.again is None:
+        return Timing(*alone, sum(alone))
+    pair = _medians(step, device, warmup, iters, calls=2)
+    forward, backward = (second_call(one, two) for one, two in zip(alone, pair, strict=True))
+    return Timing(forward, backward, sum(alone) + sum(pair))
+
+
+def second_call(one: float, two: float) -> float:
+    """What a second call adds to a chain of two (`two` seconds against `one` alone): between nothing and
+    a call alone; where noise puts it outside that, the call alone."""
+    added = two - one
+    return added if 0 < added <= one else one
+
+
+def _medians(step: Step, device: torch.device, warmup: int, iters: int, calls: int) -> tuple[float, float]:
     forward, backward = [], []
     for i in range(warmup + iters):
-        f, b = _cuda_iteration(step, device) if device.type == "cuda" else _cpu_iteration(step)
+        f, b = _cuda_iteration(step, device, calls) if device.type == "cuda" else _cpu_iteration(step)
         step.reset()
         if i >= warmup:
             forward.append(f)
             backward.append(b)
-    return Timing(statistics.median(forward), statistics.median(backward))
+    return statistics.median(forward), statistics.median(backward)
 
 
 def _cpu_iteration(step: Step) -> tuple[float, float]:
@@ -226,10 +251,12 @@ def _cpu_iteration(step: Step) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def _cuda_iteration(step: Step, device: torch.device) -> tuple[float, float]:
+def _cuda_iteration(step: Step, device: torch.device, calls: int) -> tuple[float, float]:
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()
     out = step.forward()
+    for _ in range(calls - 1):
+        out = step.again(out)
     mid.record()
     out.backward(step.output_grad(out))
     end.record()

@@ -132,7 +132,7 @@ def _measure(workload: Workload, shape: Shape, env: Environment, te: bool, warmu
     return Measured(shape=shape, forward_s=timing.forward_s, backward_s=timing.backward_s,
                     activation_bytes=saved.total, sequence_sharded_bytes=sharded,
                     wall_s=time.perf_counter() - t0,
-                    run_s=(1 + warmup + iters) * (timing.forward_s + timing.backward_s),
+                    run_s=(1 + warmup + iters) * timing.iteration_s,
                     extra=tuple(sorted(extra.items())))
 
 

@@ -285,3 +285,29 @@ def test_a_yarn_layer_keeps_what_a_rope_layer_keeps():
                              device="cpu", warmup=0, iters=1).to_json()
         kept[kind] = profile_from_json(doc).layer(1, 1, False, None).activation_bytes
     assert kept["yarn"] == kept["rope"]
+
+
+@pytest.mark.parametrize("one, two, added", [(7.0, 10.9, 3.9), (21.6, 42.9, 21.3), (5.0, 5.0, 5.0),
+                                              (5.0, 4.0, 5.0), (5.0, 11.0, 5.0)])
+def test_a_second_call_in_a_chain_adds_at_most_a_call_alone(one, two, added):
+    """On a GPU a layer alone pays for the idle GPU waiting on the host's first launches, which a stack
+    pays once (benchmarks/results/h200-2026-11-28-layer-chain): what a second call adds is the layer's
+    time, where noise leaves it in (0, one call]."""
+    from megatron_pipette.profile.measure import second_call
+
+    assert second_call(one, two) == pytest.approx(added)
+
+
+def test_on_the_cpu_a_layer_is_timed_alone():
+    """Every call runs synchronously on the CPU, a stack's too: no chain (its `again` is never called)."""
+    from megatron_pipette.profile.build import Step
+    from megatron_pipette.profile.measure import time_step
+
+    x = torch.ones(4, requires_grad=True)
+
+    def chained(_):
+        raise AssertionError("chained on the CPU")
+
+    t = time_step(Step(module=torch.nn.Identity(), forward=lambda: x * 2, output_grad=lambda out: torch.ones(4),
+                       again=chained), torch.device("cpu"), warmup=1, iters=3)
+    assert t.iteration_s == pytest.approx(t.forward_s + t.backward_s)
