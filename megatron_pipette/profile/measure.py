@@ -24,10 +24,11 @@ Times are wall-clock medians over `iters` iterations after `warmup`: perf_counte
 on CPU, CUDA events (synchronised after each iteration) on GPU. On a GPU a call that starts
 after a synchronisation finds the GPU idle, waiting for the host to launch its first kernels;
 in a stack of layers the host runs ahead and no layer but the first waits. So a layer is timed
-alone and as a chain of two calls, and what the second call adds is its time
-(benchmarks/results/h200-2026-11-28-layer-chain: alone a 1.3B GPT layer took x1.83 of that at
-micro-batch 1, x1.11 at 2, x1.02 at 4 and 8). On the CPU every call runs synchronously, a stack's
-included, so a layer is timed alone.
+as chains of two and of four calls, and half their difference is its time: both chains start the
+same way, so the difference holds no start (benchmarks/results/h200-2026-11-28-layer-chain: alone
+a 1.3B GPT layer took x1.83 of that at micro-batch 1, x1.11 at 2, x1.02 at 4 and 8; one call
+alone against a chain of two is no better, the start of a call alone varies). On the CPU every
+call runs synchronously, a stack's included, so a layer is timed alone.
 """
 
 from __future__ import annotations
@@ -215,20 +216,21 @@ def activation_pass(step: Step, device: torch.device) -> tuple[SavedBytes, dict[
 
 def time_step(step: Step, device: torch.device, warmup: int, iters: int) -> Timing:
     """Median forward and backward wall time of one call over `iters` after `warmup` iterations; on a
-    GPU, of a part that chains, what a second call in a chain adds (the module docstring)."""
-    alone = _medians(step, device, warmup, iters, calls=1)
+    GPU, of a part that chains, what a call adds inside a chain (the module docstring)."""
     if device.type != "cuda" or step.again is None:
+        alone = _medians(step, device, warmup, iters, calls=1)
         return Timing(*alone, sum(alone))
-    pair = _medians(step, device, warmup, iters, calls=2)
-    forward, backward = (second_call(one, two) for one, two in zip(alone, pair, strict=True))
-    return Timing(forward, backward, sum(alone) + sum(pair))
+    two, four = (_medians(step, device, warmup, iters, calls=n) for n in (2, 4))
+    forward, backward = (call_in_chain(a, b) for a, b in zip(two, four, strict=True))
+    return Timing(forward, backward, sum(two) + sum(four))
 
 
-def second_call(one: float, two: float) -> float:
-    """What a second call adds to a chain of two (`two` seconds against `one` alone): between nothing and
-    a call alone; where noise puts it outside that, the call alone."""
-    added = two - one
-    return added if 0 < added <= one else one
+def call_in_chain(two: float, four: float) -> float:
+    """One call's share of a chain from chains of two and four calls: (four - two) / 2, which holds no
+    start; between nothing and half the chain of two (a start is never negative), and where noise
+    puts it outside that, half the chain of two."""
+    added = (four - two) / 2
+    return added if 0 < added <= two / 2 else two / 2
 
 
 def _medians(step: Step, device: torch.device, warmup: int, iters: int, calls: int) -> tuple[float, float]:
