@@ -68,8 +68,9 @@ def rows() -> list[list[str]]:
     sustained = {r["dtype"]: r["ratio"] for r in _load_part(f"{gpu}-cost-check", "sustained")["rows"]}
     loop = statistics.median(r["ratio"]["loop"] for r in _load_part(f"{gpu}-cost-check", "grouped")["rows"])
     step = {r["what"]: r["ratio"] for r in _load_part(f"{gpu}-profiles", "train")["rows"]}
-    job, pick = _in_job("h200-2026-11-28-in-job"), _in_job("h200-2026-11-28-pick")
+    job, pick = _in_job("h200-2026-11-28-in-job"), _in_job("h200-2026-11-28-chain-pick")
     others = ", ".join(f"{r['step_s']:.3f} s ({n[3:]})" for n, r in pick.items() if n.startswith("mbs"))
+    checks = ", ".join(f"x{r['ratio']:.2f} ({n[3:] if n.startswith('mbs') else '8'})" for n, r in pick.items())
     return [
         ["NVIDIA's published H100 runs, the development set (19: NeMo 24.07, Megatron-Bridge 25.09-26.04, "
          "Megatron-LM README), published layouts with their recipes. **A fit**: the three fitted constants were "
@@ -115,10 +116,10 @@ def rows() -> list[list[str]]:
          f"self-check measured/predicted x{job['first']['ratio']:.2f} at the first start (hook "
          f"{job['first']['hook_s']:.1f} s), x{job['cached']['ratio']:.2f} restarted with the calibration (hook "
          f"{job['cached']['hook_s']:.1f} s), x{job['resume']['ratio']:.2f} resumed at iteration "
-         f"{job['resume']['first_iteration']}; the pick (micro-batch 8) {pick['first']['step_s']:.3f} s a step "
-         f"against {others}",
+         f"{job['resume']['first_iteration']}; with layers timed in chains, the pick (micro-batch 8) "
+         f"{pick['first']['step_s']:.3f} s a step against {others}, uncalibrated self-checks {checks}",
          "`bash benchmarks/device/in_job.sh` on the GPU (benchmarks/device/README.md)",
-         "2026-11-28, `h200-2026-11-28-in-job`, `h200-2026-11-28-pick`"],
+         "2026-11-28, `h200-2026-11-28-in-job`, `h200-2026-11-28-chain-pick`"],
     ]
 
 
