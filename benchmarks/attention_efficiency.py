@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
 
-from megatron_pipette.cost.compute import core_attention
+from megatron_pipette.cost.compute import RankShape, core_attention
 from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import gpu_catalog
 from megatron_pipette.spec.workload import workload_from_preset
@@ -99,7 +99,9 @@ def model_seconds(heads: int, s: int, d: int, rate: float, curve: GemmCurve) -> 
     """The planner's forward and backward core-attention seconds for b = 1 at `rate` FLOP/s: the
     causal half at the GEMM curve's efficiency, as priced where no attention table was measured
     (the table fitted from this run, where one was, reproduces it by construction)."""
-    forward, backward = core_attention(curve, None, True, 1, heads, s, d, d)
+    shape = RankShape(tokens=s, micro_batch=1, seq_length=s, cp=1, hidden=heads * d, heads=heads, query_groups=heads,
+                      query_head_dim=d, value_head_dim=d, ffn=4 * heads * d, element_bytes=2, sp=1)
+    forward, backward = core_attention(shape=shape, gemm=curve, attention=None, causal_kernel=True)
     return forward / rate, backward / rate
 
 

@@ -137,15 +137,18 @@ class ForwardBackward(NamedTuple):
     backward: float
 
 
-def core_attention(gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool, b: int, a: int,
-                   s: int, dq: int, dv: int, cp: int = 1, window: int | None = None) -> ForwardBackward:
+def core_attention(*, shape: RankShape, gemm: GemmCurve, attention: AttentionCurve | None, causal_kernel: bool,
+                   window: int | None = None) -> ForwardBackward:
     """(forward, backward) effective FLOPs of the attention core (scores over query/key heads of
-    width dq, weighted values of width dv) of b sequences of a heads on one TP rank, which holds s /
-    `cp` of the queries (context parallelism balances the causal work over its ranks). Unfused
-    attention multiplies the full s x s scores and masks them; causal flash/fused kernels skip the
-    masked half: half the FLOPs, at the kernel's measured rate where there is one (`attention`, at
-    the size of one of the cp block calls that context parallelism makes), else at the GEMM curve's;
-    with a sliding `window` (earlier keys; one CP rank only) they compute its blocks only."""
+    width dq, weighted values of width dv) of the `shape`'s b sequences of a heads on one TP rank,
+    which holds s / cp of the queries (context parallelism balances the causal work over its ranks).
+    Unfused attention multiplies the full s x s scores and masks them; causal flash/fused kernels
+    skip the masked half: half the FLOPs, at the kernel's measured rate where there is one
+    (`attention`, at the size of one of the cp block calls that context parallelism makes), else at
+    the GEMM curve's; with a sliding `window` (earlier keys; one CP rank only) they compute its
+    blocks only."""
+    b, a, s, cp = shape.micro_batch, shape.heads, shape.seq_length, shape.cp
+    dq, dv = shape.query_head_dim, shape.value_head_dim
     q = s // cp
     full = gemm_work(gemm, q, s, dq, b * a) + gemm_work(gemm, q, dv, s, b * a)
     if not causal_kernel:
@@ -178,8 +181,8 @@ def roofline_layer(job: Job, memory_bandwidth_Bps: float, gemm: GemmCurve | None
     w, layout, x = job.workload, job.layout, _shape(job)
     n, h, f, e, sp = x.tokens, x.hidden, x.ffn, x.element_bytes, x.sp
     gemm = gemm or gemm_curve(None, w.precision)
-    core, core_backward = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
-                                         x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
+    core, core_backward = core_attention(shape=x, gemm=gemm, attention=attention,
+                                         causal_kernel=w.attention_backend in FLASH_BACKENDS)
     shapes = _layer_linears(job)
     if moe is not None:
         shapes = {name: shape for name, shape in shapes.items() if name not in ("fc1", "fc2")}
@@ -384,10 +387,9 @@ def _keys_beyond_the_shard(job: Job, cluster: Cluster) -> PartWork:
     w, layout, x = job.workload, job.layout, _shape(job)
     gemm, attention = gemm_curve(cluster.gpu, w.precision), attention_curve(cluster.gpu, w.attention_backend)
     causal = w.attention_backend in FLASH_BACKENDS
-    whole = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length, x.query_head_dim,
-                           x.value_head_dim, x.cp)
-    shard = core_attention(gemm, attention, causal, x.micro_batch, x.heads, x.seq_length // x.cp, x.query_head_dim,
-                           x.value_head_dim)
+    whole = core_attention(shape=x, gemm=gemm, attention=attention, causal_kernel=causal)
+    shard = core_attention(shape=x._replace(seq_length=x.seq_length // x.cp, cp=1), gemm=gemm, attention=attention,
+                           causal_kernel=causal)
     forward, backward = whole.forward - shard.forward, whole.backward - shard.backward
     redone = layout.recompute_granularity == "full" or "core_attn" in layout.selective_modules
     return PartWork(forward=Work(flops=forward), backward=Work(flops=backward),
@@ -553,15 +555,16 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     linears = LayerLinears(qkv=_summed([works[name] for name in _column_attention(w)]), proj=works["proj"],
                            fc1=works["fc1"], fc2=works["fc2"],
                            output=linear_work(gemm, x.tokens, vocab, x.hidden, main_grad_bytes(w)))
-    core = core_attention(gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads,
-                          x.seq_length, x.query_head_dim, x.value_head_dim, x.cp)
+    causal = w.attention_backend in FLASH_BACKENDS
+    core = core_attention(shape=x, gemm=gemm, attention=attention, causal_kernel=causal)
     redone = layout.selective_modules
     if job.window_layers:
         timed = _measured_over_roofline(layer, roofline_layer(job, bw, gemm, attention, linear=linear), rate) \
-            if profiled else (1.0, 1.0, 1.0)
-        _windowed(job, (fwd, bwd, rc), core, core_attention(
-            gemm, attention, w.attention_backend in FLASH_BACKENDS, x.micro_batch, x.heads, x.seq_length,
-            x.query_head_dim, x.value_head_dim, x.cp, window=w.window), "core_attn" in redone, timed)
+            if profiled else _MeasuredOverRoofline()
+        _windowed(job, forward=fwd, backward=bwd, recompute=rc, full=core,
+                  windowed=core_attention(shape=x, gemm=gemm, attention=attention, causal_kernel=causal,
+                                          window=w.window),
+                  core_redone="core_attn" in redone, timed=timed)
     blocks = moe if "moe" in redone else np.zeros_like(moe)
     shared = w.moe_shared_expert_intermediate_size is not None and bool(redone & {"moe", "shared_experts"})
     mlp_redone = (layers - moe if "mlp" in redone else np.zeros_like(layers)) + (moe if shared else 0)
@@ -572,17 +575,28 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
                      extrapolations=profile_extrapolations(profile, job) if profile else ())
 
 
-def _measured_over_roofline(measured: PartWork, roofline: PartWork, rate: float) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of a measured layer over the roofline's for it, both at
-    `rate` (0 where the roofline recomputes nothing)."""
-    parts = ((measured.forward, roofline.forward), (measured.backward, roofline.backward),
-             (measured.recompute, roofline.recompute))
-    return tuple(float(m.seconds(rate) / r.seconds(rate)) if r.seconds(rate) > 0 else 0.0 for m, r in parts)
+class _MeasuredOverRoofline(NamedTuple):
+    """Seconds of a measured layer over the roofline's for it, per part (1 each: a roofline layer)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    recompute: float = 1.0
+    """0 where the roofline recomputes nothing."""
 
 
-def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: ForwardBackward,
-              windowed: ForwardBackward, core_redone: bool, timed: tuple[float, float, float]) -> None:
-    """Take from the (forward, backward, recompute) work of each chunk, in place, what its sliding-window
+def _measured_over_roofline(measured: PartWork, roofline: PartWork, rate: float) -> _MeasuredOverRoofline:
+    """The measured layer's seconds over the roofline's, both at `rate`."""
+    def ratio(m: Work, r: Work) -> float:
+        return float(m.seconds(rate) / r.seconds(rate)) if r.seconds(rate) > 0 else 0.0
+
+    return _MeasuredOverRoofline(forward=ratio(measured.forward, roofline.forward),
+                                backward=ratio(measured.backward, roofline.backward),
+                                recompute=ratio(measured.recompute, roofline.recompute))
+
+
+def _windowed(job: Job, *, forward: ChunkWork, backward: ChunkWork, recompute: ChunkWork, full: ForwardBackward,
+              windowed: ForwardBackward, core_redone: bool, timed: _MeasuredOverRoofline) -> None:
+    """Take from the forward, backward and recompute work of each chunk, in place, what its sliding-window
     layers' attention cores do not compute: the layers were priced (or profiled) with full attention;
     the recompute redoes the core under selective core_attn, the whole layer under full.
 
@@ -593,7 +607,6 @@ def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: For
     part of the layer the core is. That share is below one, so a measured layer keeps a positive time
     however far its seconds are from the roofline's (a CPU's profile priced against a GPU's tables).
     MoE layers, never profiled, lose the roofline's blocks."""
-    forward, backward, recompute = works
     w = job.workload
     count, redone = _pattern_counts(job, job.window_layers, w.window_layer_pattern())
     moe, moe_redone = _pattern_counts(job, None, tuple(a and b for a, b in zip(w.window_layer_pattern(),
@@ -603,10 +616,9 @@ def _windowed(job: Job, works: tuple[ChunkWork, ChunkWork, ChunkWork], full: For
     else:
         count_rc, moe_rc = count, moe
     saved = full.forward - windowed.forward
-    k_forward, k_backward, k_recompute = timed
-    forward.flops[:] -= saved * (k_forward * (count - moe) + moe)
-    backward.flops[:] -= (full.backward - windowed.backward) * (k_backward * (count - moe) + moe)
-    recompute.flops[:] -= saved * (k_recompute * (count_rc - moe_rc) + moe_rc)
+    forward.flops[:] -= saved * (timed.forward * (count - moe) + moe)
+    backward.flops[:] -= (full.backward - windowed.backward) * (timed.backward * (count - moe) + moe)
+    recompute.flops[:] -= saved * (timed.recompute * (count_rc - moe_rc) + moe_rc)
 
 
 def _moe_counts(job: Job, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,13 @@ UNIT = GemmCurve(log_table=None, half_dim=0.0)
 H100_GEMMS = sorted(Path(__file__).parents[2].glob("benchmarks/results/h100-*/gemm_efficiency.json"))
 
 
+def attention_shape(b: int, heads: int, s: int, head_dim: int, cp: int = 1) -> compute.RankShape:
+    """A TP rank's shape with b sequences of s tokens and `heads` heads of `head_dim` (MHA, 4h FFN)."""
+    return compute.RankShape(tokens=b * s // cp, micro_batch=b, seq_length=s, cp=cp, hidden=heads * head_dim,
+                             heads=heads, query_groups=heads, query_head_dim=head_dim, value_head_dim=head_dim,
+                             ffn=4 * heads * head_dim, element_bytes=2, sp=1)
+
+
 def measured_h100_gemms(dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(dims (N, 3), rate over the run's 8192^3 rate (N,)) of every GEMM timed on the H100."""
     rows = [r for path in H100_GEMMS for r in json.loads(path.read_text())["rows"]
@@ -106,10 +113,11 @@ def test_causal_kernels_skip_the_masked_half_of_the_scores():
     """Flash/fused (and auto) causal attention does half the s^2 work; unfused attention multiplies
     the whole score matrix and masks it. Without a measured kernel the half runs at the GEMM curve."""
     curve = gemm_curve(lookup_gpu("A100"), "bf16")
-    full_f, full_b = compute.core_attention(curve, None, False, 2, 16, 4096, 128, 128)
-    half_f, half_b = compute.core_attention(curve, None, True, 2, 16, 4096, 128, 128)
+    shape = attention_shape(2, 16, 4096, 128)
+    full_f, full_b = compute.core_attention(shape=shape, gemm=curve, attention=None, causal_kernel=False)
+    half_f, half_b = compute.core_attention(shape=shape, gemm=curve, attention=None, causal_kernel=True)
     assert (half_f, half_b) == (full_f / 2, full_b / 2) and full_b == 2 * full_f
-    unit_f, _ = compute.core_attention(UNIT, None, False, 2, 16, 4096, 128, 128)
+    unit_f, _ = compute.core_attention(shape=shape, gemm=UNIT, attention=None, causal_kernel=False)
     assert unit_f == 4 * 2 * 16 * 4096 ** 2 * 128
     for backend, causal in (("auto", True), ("flash", True), ("fused", True), ("unfused", False), ("local", False)):
         w = workload_from_preset("llama3-8b", attention_backend=backend)
@@ -130,7 +138,8 @@ def test_measured_attention_kernels_price_the_core_on_h100():
     flops = 2.0 * 1 * 32 * 8192 ** 2 * 128                         # llama3-8b, TP 1, s 8192: one call
     assert 0.75 < cudnn.efficiency(0, flops) < 0.85 and 0.35 < flash.efficiency(0, flops) < 0.45
     assert 0.5 < cudnn.efficiency(1, 2 * flops) < 0.6
-    fwd, bwd = compute.core_attention(gemm_curve(h100, "bf16"), cudnn, True, 1, 32, 8192, 128, 128)
+    fwd, bwd = compute.core_attention(shape=attention_shape(1, 32, 8192, 128), gemm=gemm_curve(h100, "bf16"),
+                                      attention=cudnn, causal_kernel=True)
     assert fwd == pytest.approx(flops / cudnn.efficiency(0, flops))
     assert bwd == pytest.approx(2 * flops / cudnn.efficiency(1, 2 * flops))
 
@@ -266,8 +275,10 @@ def test_a_context_parallel_shard_gets_the_attention_to_the_other_ranks_keys_add
     job = resolve_job(w, layout)
     gemm, attention = gemm_curve(A100.gpu, "bf16"), compute.attention_curve(A100.gpu, w.attention_backend)
     d = w.head_dim
-    shard_core = compute.core_attention(gemm, attention, True, 1, w.num_attention_heads, 4096, d, d)
-    rank_core = compute.core_attention(gemm, attention, True, 1, w.num_attention_heads, 8192, d, d, 2)
+    shard_core = compute.core_attention(shape=attention_shape(1, w.num_attention_heads, 4096, d), gemm=gemm,
+                                        attention=attention, causal_kernel=True)
+    rank_core = compute.core_attention(shape=attention_shape(1, w.num_attention_heads, 8192, d, cp=2), gemm=gemm,
+                                       attention=attention, causal_kernel=True)
     assert rank_core[0] == pytest.approx(2 * shard_core[0], rel=0.2)       # twice the FLOPs, at another size's rate
     part = compute.profile_layer(profile, job, A100)
     assert part.forward.flops == pytest.approx(0.004e15 + rank_core[0] - shard_core[0])
