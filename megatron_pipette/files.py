@@ -1,5 +1,6 @@
 """Atomic file writes and bounded reads for the parts that do I/O (probe, reports, the hook, the CLI):
-readers never see half a file, and a document is read only from a regular file of bounded size.
+readers never see half a file, and a document is read only from a regular file of bounded size, a
+JSON one with one set of errors (read_json).
 
 The temporary file is made by tempfile.mkstemp in the target's directory (a fresh name opened with
 O_EXCL: a name planted in a shared directory, or a link, is never written through), filled,
@@ -56,6 +57,31 @@ def read_bounded(path: str | os.PathLike, flag: str, *, limit: int | None = None
         raise PipetteError(f"{where}: cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
+
+
+def read_json(path: str | os.PathLike, flag: str, *, limit: int | None = None, follow: bool = True,
+              missing_ok: bool = False) -> Any:
+    """The JSON document in `path`, read as read_bounded reads it (`limit`, `follow`). Anything that is
+    not one (not UTF-8 text, not valid JSON, a number or a nesting the parser refuses) is a PipetteError
+    naming `flag`, written here once for every reader. An absent file is one too, unless `missing_ok`:
+    then FileNotFoundError reaches the callers to whom absence is an answer."""
+    where = f"{flag} {path}"
+    try:
+        data = read_bounded(path, flag, limit=limit, follow=follow)
+    except FileNotFoundError:
+        if missing_ok:
+            raise
+        raise PipetteError(f"{where}: no such file") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise PipetteError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise PipetteError(f"{where}: not a JSON file (not UTF-8 text)") from None
+    except (ValueError, RecursionError) as e:      # an integer of 4,300 digits, arrays nested thousands deep
+        raise PipetteError(f"{where}: not valid JSON ({type(e).__name__})") from None
+    except MemoryError:
+        raise PipetteError(f"{where}: too large to read") from None
 
 
 def _kind(mode: int) -> str:

@@ -14,7 +14,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import json
 import os
 import re
 import typing
@@ -23,7 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import read_bounded
+from megatron_pipette.files import read_json
 from megatron_pipette.spec.cluster_file import ClusterFile
 from megatron_pipette.spec.hardware import Cluster, cluster_presets, nvls_disabled, preset_cluster
 from megatron_pipette.spec.layer_profile import (
@@ -225,26 +224,6 @@ def layout_constraints(ns: argparse.Namespace, num_layers: int | None = None) ->
     if hasattr(ns, VIRTUAL_STAGES):
         typed[VIRTUAL_STAGES] = getattr(ns, VIRTUAL_STAGES)
     return typed if num_layers is None else virtual_stages_as_layers(num_layers, typed)
-
-
-def read_json(path: str, what: str) -> object:
-    """The JSON document in the regular file `path`; anything else (a directory, a device, a FIFO, a
-    file over files.MAX_DOCUMENT_BYTES, a binary, a file nested too deep for the parser) is a
-    PipetteError naming `what`."""
-    try:
-        data = read_bounded(path, what)
-    except FileNotFoundError:
-        raise PipetteError(f"{what} {path}: no such file") from None
-    try:
-        return json.loads(data.decode("utf-8"))
-    except json.JSONDecodeError as e:
-        raise PipetteError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise PipetteError(f"{what} {path}: not a JSON file (not UTF-8 text)") from None
-    except (ValueError, RecursionError) as e:      # an integer of 4,300 digits, arrays nested thousands deep
-        raise PipetteError(f"{what} {path}: not valid JSON ({type(e).__name__})") from None
-    except MemoryError:
-        raise PipetteError(f"{what} {path}: too large to read") from None
 
 
 def cluster_from_args(ns: argparse.Namespace, precision: str, env: Mapping[str, str] | None = None) -> Cluster:

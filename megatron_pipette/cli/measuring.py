@@ -18,12 +18,11 @@ from megatron_pipette.cli.args import (
     DEFAULT_CLUSTER,
     add_cluster_flags,
     add_workload_flags,
-    read_json,
     workload_from_args,
 )
 from megatron_pipette.cli.planning import show_plan
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import write_cluster_file
+from megatron_pipette.files import read_json, write_cluster_file
 from megatron_pipette.probe.options import check_args, check_seconds, out_problem, parse_size
 from megatron_pipette.profile.request import check_request
 from megatron_pipette.report import plans

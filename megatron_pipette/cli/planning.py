@@ -17,13 +17,13 @@ from megatron_pipette.cli.args import (
     layout_constraints,
     precision_note,
     profile_from_args,
-    read_json,
     transformer_engine_layers,
     workload_from_args,
 )
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
+from megatron_pipette.files import read_json
 from megatron_pipette.plan.placement import Placement
 from megatron_pipette.plan.planner import HEADROOM_TIME, MEMORY_HEADROOM, evaluate, misfit_advice, plan
 from megatron_pipette.probe.options import out_problem

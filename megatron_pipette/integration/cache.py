@@ -41,7 +41,7 @@ from typing import Any
 from megatron_pipette import __version__
 from megatron_pipette.calibration.document import CalibrationRecord
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import read_bounded, write_atomic
+from megatron_pipette.files import read_json, write_atomic
 from megatron_pipette.integration.common import log
 from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity
@@ -198,16 +198,11 @@ class Entry:
         if self._missing:
             return None
         try:
-            data = read_bounded(path, self.flag, follow=False)
+            value = read_json(path, self.flag, follow=False, missing_ok=True)
         except FileNotFoundError:
             return None
-        except PipetteError as e:    # a link, a FIFO, a device, a directory, too large, unreadable
+        except PipetteError as e:    # a link, a FIFO, a device, a directory, too large, unreadable, not JSON
             self._set_aside(doc, str(e))
-            return None
-        try:
-            value = json.loads(data)
-        except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
-            self._set_aside(doc, f"{path}: not a JSON document ({type(e).__name__}: {str(e)[:80]})")
             return None
         try:
             decoded = doc.decode(value, str(path))

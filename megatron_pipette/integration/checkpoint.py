@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_pipette.errors import PipetteError, UnresumableCheckpoint
-from megatron_pipette.files import read_bounded, write_atomic
+from megatron_pipette.files import read_bounded, read_json, write_atomic
 from megatron_pipette.integration import megatron_args
 from megatron_pipette.integration.cache import move_aside
 from megatron_pipette.integration.common import log
@@ -131,13 +131,13 @@ def _described(path: Path, load: Path, own: Layout, where: str) -> Layout:
 def _read_plan(plan_file: Path, where: str) -> Layout | None:
     """The layout of a checkpoint's plan, or None: absent, or damaged (then moved aside, one line)."""
     try:
-        data = read_bounded(plan_file, "--load", limit=MAX_PLAN_BYTES, follow=False)
-        return PlanRecord.from_json(json.loads(data), str(plan_file)).best.layout
+        doc = read_json(plan_file, "--load", limit=MAX_PLAN_BYTES, follow=False, missing_ok=True)
+        return PlanRecord.from_json(doc, str(plan_file)).best.layout
     except FileNotFoundError:
         return None
-    except PipetteError as e:       # not a regular file, too large, or not a plan document
+    except PipetteError as e:       # not a regular file, too large, not JSON, or not a plan document
         why = str(e)
-    except Exception as e:  # noqa: BLE001 (not JSON, or a reader tripping on a malformed field: only this file)
+    except Exception as e:  # noqa: BLE001 (a reader tripping on a malformed field: only this file)
         why = f"{plan_file} is damaged ({type(e).__name__}: {str(e)[:80]})"
     move_aside(plan_file, f"{where}: {why}", "what the checkpoint fixes is read from the checkpoint itself")
     return None

@@ -39,7 +39,7 @@ from megatron_pipette.calibration.fit import Factors, Fit, calibrated, fit
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import PipetteError
-from megatron_pipette.files import read_bounded
+from megatron_pipette.files import read_json
 from megatron_pipette.integration.cache import (
     CALIBRATION,
     CLUSTER,
@@ -155,16 +155,9 @@ def _cached(entry: Entry, request: JobRequest) -> tuple[Cluster | None, LayerPro
 
 
 def _read_pinned(path: Path) -> PlanRecord | str:
-    """The pinned plan, or why it is not one (a file that cannot be read, or is no regular file of a
-    bounded size: files.read_bounded, is an error)."""
-    try:
-        doc = json.loads(read_bounded(path, PINNED_FLAG))
-    except PipetteError:
-        raise
-    except FileNotFoundError as e:
-        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: {e.strerror}") from None
-    except (ValueError, RecursionError) as e:
-        raise PipetteError(f"{PINNED_FLAG} {path}: cannot read: not a JSON document ({type(e).__name__})") from None
+    """The pinned plan, or why it is not one (a file that cannot be read, is no regular file of a
+    bounded size, or is not JSON: files.read_json, is an error)."""
+    doc = read_json(path, PINNED_FLAG)
     try:
         return PlanRecord.from_json(doc, str(path))
     except PipetteError as e:

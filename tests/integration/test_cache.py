@@ -415,8 +415,26 @@ def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: En
            "--global-batch-size 16 is not divisible by" in out
     assert out.count("WARNING") == 1 and "planning again" in out
     pinned.write_bytes(b"\xff")
-    with pytest.raises(PipetteError, match=r"^--auto-parallel-plan-file .*: cannot read: not a JSON document"):
+    with pytest.raises(PipetteError, match=r"^--auto-parallel-plan-file .*: not a JSON file \(not UTF-8"):
         start(entry, plan_file=pinned)
+
+
+@pytest.mark.parametrize("contents, why", [
+    (b"{", "not valid JSON (Expecting property name enclosed in double quotes at line 1)"),
+    (b"\xff", "not a JSON file (not UTF-8 text)"), (None, "no such file")], ids=["not JSON", "not UTF-8", "absent"])
+def test_the_pinned_plan_and_the_cache_say_what_the_cli_says_of_a_file_that_is_not_json(
+        entry: Entry, contents: bytes | None, why: str, tmp_path: Path, capsys) -> None:
+    """(issue 32) Each reader once decoded JSON with its own texts ('cannot read: No such file or
+    directory', 'not a JSON document (JSONDecodeError)'); all now say files.read_json's, as the CLI does."""
+    pinned = tmp_path / "pinned.json"
+    if contents is not None:
+        pinned.write_bytes(contents)
+        entry.file(PLAN).write_bytes(contents)
+        assert entry.read(PLAN) is None
+        assert f"WARNING: {entry.flag} {entry.file(PLAN)}: {why}; moved aside" in capsys.readouterr().out
+    with pytest.raises(PipetteError) as error:
+        start(entry, plan_file=pinned)
+    assert str(error.value) == f"{replan.PINNED_FLAG} {pinned}: {why}"
 
 
 @pytest.mark.parametrize("what", ["a FIFO", "/dev/null", "over the size bound"])
