@@ -414,8 +414,20 @@ def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stage
     return exposed, gather + contention
 
 
-def _pipeline(job: Job, work: StageWork, links: GroupLinks, execution: Execution,
-              simulate: bool) -> tuple[_Stages, schedules.Schedule, schedules.PipelineTime, int]:
+@dataclass(frozen=True, kw_only=True)
+class _Pipeline:
+    """One forward-backward pass of every replica's pipeline (_pipeline)."""
+
+    stages: _Stages
+    schedule: schedules.Schedule
+    """The schedule Megatron runs."""
+    times: schedules.PipelineTime
+    """Its pass, per replica."""
+    critical: int
+    """The replica that finishes last."""
+
+
+def _pipeline(job: Job, work: StageWork, links: GroupLinks, execution: Execution, simulate: bool) -> _Pipeline:
     """The stage times, the schedule Megatron runs, its pass per replica and the critical replica."""
     layout = job.layout
     assert (links.tp, links.pp, links.dp, links.cp) == (layout.tp, layout.pp, layout.dp, layout.cp), \
@@ -423,7 +435,7 @@ def _pipeline(job: Job, work: StageWork, links: GroupLinks, execution: Execution
     stages = _stage_times(job, work, links, execution)
     schedule = schedules.schedule_for(layout.pp, job.virtual_stages)
     pipe = _run_schedule(schedule, stages.times, job.num_microbatches, simulate)
-    return stages, schedule, pipe, int(np.argmax(pipe.total_s))
+    return _Pipeline(stages=stages, schedule=schedule, times=pipe, critical=int(np.argmax(pipe.total_s)))
 
 
 def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
@@ -431,16 +443,16 @@ def iteration_time(job: Job, cluster: Cluster, work: StageWork, links: GroupLink
     """Predicted iteration time of `job` from its per-chunk `work` (cost.compute.stage_work) and
     its groups' `links` (cost.comm.group_links, for the placement wanted); `simulate` times the
     pipeline with the event-driven simulator instead of the closed forms."""
-    return _estimate(job, cluster, links, *_pipeline(job, work, links, execution, simulate), execution, simulate,
-                     work.extrapolations)
+    return _estimate(job, cluster, links, _pipeline(job, work, links, execution, simulate), execution,
+                     simulate=simulate, extrapolations=work.extrapolations)
 
 
-def _estimate(job: Job, cluster: Cluster, links: GroupLinks, stages: _Stages, schedule: schedules.Schedule,
-              pipe: schedules.PipelineTime, crit: int, execution: Execution, simulate: bool,
-              extrapolations: tuple[str, ...] = ()) -> TimeEstimate:
+def _estimate(job: Job, cluster: Cluster, links: GroupLinks, pipeline: _Pipeline, execution: Execution, *,
+              simulate: bool, extrapolations: tuple[str, ...]) -> TimeEstimate:
     """The iteration around the pipeline's pass (_pipeline): data-parallel reduction and gather,
     the tied embedding's all-reduce, the optimizer step, and the breakdown."""
     workload, layout = job.workload, job.layout
+    stages, schedule, pipe, crit = pipeline.stages, pipeline.schedule, pipeline.times, pipeline.critical
     m = job.num_microbatches
     t_pipe = float(pipe.total_s[crit])
     params = stage_parameters(job)
@@ -497,10 +509,10 @@ class Timeline:
 def iteration_timeline(job: Job, cluster: Cluster, work: StageWork, links: GroupLinks, *,
                        execution: Execution = DEFAULT_EXECUTION) -> Timeline:
     """iteration_time's prediction with the event-driven simulator's trace of its critical replica."""
-    stages, schedule, pipe, crit = _pipeline(job, work, links, execution, simulate=False)
-    trace = schedule.trace(stages.times, job.num_microbatches, crit)
-    estimate = _estimate(job, cluster, links, stages, schedule, pipe, crit, execution, simulate=False,
+    pipeline = _pipeline(job, work, links, execution, simulate=False)
+    trace = pipeline.schedule.trace(pipeline.stages.times, job.num_microbatches, pipeline.critical)
+    estimate = _estimate(job, cluster, links, pipeline, execution, simulate=False,
                          extrapolations=work.extrapolations)
     return Timeline(estimate=estimate, events=trace.events,
-                    recompute_s=stages.recompute[crit], pipeline_s=float(trace.total_s),
+                    recompute_s=pipeline.stages.recompute[pipeline.critical], pipeline_s=float(trace.total_s),
                     microbatches=job.num_microbatches)
