@@ -78,8 +78,13 @@ class _TupleAction(argparse.Action):
         setattr(namespace, self.dest, tuple(values))
 
 
+def _as_text(kind: object) -> object:
+    """A Literal of choices is typed as text: the field's own check names the choices in its error."""
+    return str if typing.get_origin(kind) is typing.Literal else kind
+
+
 def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
-    kind = hints[field.name]
+    kind = _as_text(hints[field.name])
     doc = field_docs(cls).get(field.name, "")
     if kind is bool:
         if field.default is True:  # Megatron's switch for a default-on feature says what it turns off
@@ -88,7 +93,7 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
         else:
             group.add_argument(megatron_flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
-    options = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
+    options = [_as_text(t) for t in typing.get_args(kind) if t is not type(None)] or [kind]
     if typing.get_origin(options[0]) is tuple:    # a list of words (--recompute-modules core_attn mlp)
         group.add_argument(megatron_flag(field.name), dest=field.name, type=str, nargs="*", action=_TupleAction,
                            default=argparse.SUPPRESS, metavar="STR", help=doc)

@@ -17,15 +17,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal, get_args
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.expressions import MAX_TEXT, shown
 from megatron_pipette.spec.workload import MAX_SIZE, Workload, check_count, megatron_flag
 
-RECOMPUTE_GRANULARITIES = (None, "selective", "full")
-RECOMPUTE_METHODS = (None, "uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
+RecomputeGranularity = Literal["selective", "full"]
+RECOMPUTE_GRANULARITIES = (None, *get_args(RecomputeGranularity))
+RecomputeMethod = Literal["uniform", "block"]
+RECOMPUTE_METHODS = (None, *get_args(RecomputeMethod))
+RecomputeModule = Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"]
+RECOMPUTE_MODULES = get_args(RecomputeModule)
 """--recompute-modules values the cost model prices (Megatron's other one, gdn_norm_out, needs
 gated-delta-net attention, which it refuses)."""
 LAYOUT_LETTERS = "EtLm"
@@ -49,7 +52,8 @@ MAX_LAYOUT_LENGTH = 1 << 16
 stages, few enough that a repeat count like t*99999999999 ends in an error, not a full memory."""
 DEFAULT_RECOMPUTE_MODULES = frozenset({"core_attn"})
 """What --recompute-granularity selective redoes when --recompute-modules is not given (TransformerConfig)."""
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+CpCommType = Literal["p2p", "a2a", "allgather"]
+CP_COMM_TYPES = get_args(CpCommType)
 """--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
 TRANSFORMER_ENGINE_ONLY = {
     "delay_wgrad_compute": "megatron/training/arguments.py validate_args asserts --transformer-impl transformer_engine",
@@ -78,14 +82,14 @@ class Layout:
     reduce-scatters with the GEMMs beside them (needs --sequence-parallel, and Transformer Engine)."""
     use_distributed_optimizer: bool = False
     """--use-distributed-optimizer: optimizer state sharded over DP (ZeRO-1)."""
-    recompute_granularity: str | None = None
+    recompute_granularity: RecomputeGranularity | None = None
     """--recompute-granularity: None, "selective" (attention core) or "full"."""
-    recompute_method: str | None = None
+    recompute_method: RecomputeMethod | None = None
     """--recompute-method (full only): "uniform" or "block"."""
     recompute_num_layers: int | None = None
     """--recompute-num-layers (full only): layers per recompute group (uniform) or
     recomputed layers per stage (block)."""
-    recompute_modules: tuple[str, ...] | None = None
+    recompute_modules: tuple[RecomputeModule, ...] | None = None
     """--recompute-modules: the parts of each layer that selective recomputation redoes in its
     backward, of core_attn mlp layernorm moe moe_act shared_experts mla_up_proj; not given: Megatron's default,
     core_attn."""
@@ -116,7 +120,7 @@ class Layout:
     """--expert-tensor-parallel-size: each expert's GEMMs split over this many ranks; None: TP (Megatron's default)."""
     context_parallel_size: int = 1
     """--context-parallel-size: the sequence split over this many ranks (two chunks each, for causal balance)."""
-    cp_comm_type: str = "p2p"
+    cp_comm_type: CpCommType = "p2p"
     """--cp-comm-type: how attention exchanges keys and values across context-parallel ranks."""
     overlap_moe_expert_parallel_comm: bool = False
     """--overlap-moe-expert-parallel-comm: the 1F1B steady state runs one micro-batch's forward and

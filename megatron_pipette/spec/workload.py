@@ -15,31 +15,44 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
+from typing import Literal, get_args
 
 from megatron_pipette.errors import PipetteError, UnrunnableFlags
 from megatron_pipette.spec.expressions import MAX_INTEGER, in_range, list_expression, shown
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+Precision = Literal["fp32", "fp16", "bf16"]
+PRECISIONS = get_args(Precision)
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
-MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
+AttentionBackend = Literal["auto", "flash", "fused", "unfused", "local"]
+ATTENTION_BACKENDS = get_args(AttentionBackend)
+Normalization = Literal["LayerNorm", "RMSNorm"]
+NORMALIZATIONS = get_args(Normalization)
+PositionEmbeddingType = Literal["learned_absolute", "rope", "yarn", "none"]
+POSITION_EMBEDDINGS = get_args(PositionEmbeddingType)
+MoeTokenDispatcherType = Literal["allgather", "alltoall", "flex"]
+MOE_DISPATCHERS = get_args(MoeTokenDispatcherType)
 """--moe-token-dispatcher-type values the cost model prices (flex: the backends below)."""
-FLEX_BACKENDS = ("deepep", "hybridep")
+MoeFlexDispatcherBackend = Literal["deepep", "hybridep"]
+FLEX_BACKENDS = get_args(MoeFlexDispatcherBackend)
 """--moe-flex-dispatcher-backend values modelled: both send a token once to each remote node that
 holds one of its experts and fan it out there over NVLink (ncclep is not modelled)."""
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
+SoftmaxType = Literal["vanilla", "off-by-one", "learnable"]
+SOFTMAX_TYPES = get_args(SoftmaxType)
+CrossEntropyFusionImpl = Literal["native", "te"]
+CROSS_ENTROPY_FUSION_IMPLS = get_args(CrossEntropyFusionImpl)
 """--cross-entropy-fusion-impl: megatron-core's compiled kernels, or Transformer Engine's Triton ones
 (which Megatron 0.19 refuses beside --cross-entropy-loss-fusion; the releases NVIDIA's 2025-26
 recipes ran accepted it)."""
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+Fp8Format = Literal["e4m3", "hybrid"]
+FP8_FORMATS = get_args(Fp8Format)
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8"]
+FP8_RECIPES = get_args(Fp8Recipe)
 """--fp8-recipe values the cost model prices: per-tensor scaling, and MXFP8's 32-element block
 scaling (docs/fp8.md); blockwise (128-element blocks on Hopper) and custom are not modelled."""
-FP4_FORMATS = ("e2m1",)
-FP4_RECIPES = ("nvfp4",)
+Fp4Format = Literal["e2m1"]
+FP4_FORMATS = get_args(Fp4Format)
+Fp4Recipe = Literal["nvfp4"]
+FP4_RECIPES = get_args(Fp4Recipe)
 """--fp4-recipe values the cost model prices: NVFP4's two-level block scaling (docs/fp8.md); custom
 quantizers are not modelled."""
 BLOCK_SCALES = {"mxfp8": 32, "nvfp4": 16}
@@ -61,6 +74,11 @@ def quantised_bytes(recipe: str) -> float:
 OPTIMIZER_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 """Dtypes --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype take
 (megatron/training/arguments.py) and their bytes per element."""
+OptimizerStateDtype = Literal["fp32", "bf16", "fp16", "fp8"]
+"""--exp-avg-dtype and --exp-avg-sq-dtype: every one of OPTIMIZER_DTYPES."""
+MainParamsDtype = Literal["fp32", "fp16"]
+MainGradsDtype = Literal["fp32", "bf16"]
+MoeRouterDtype = Literal["fp32", "fp64"]
 FLAGS = {"fp8": "--fp8-format", "fp4": "--fp4-format"}
 """Argument names whose Megatron flag is not the name with dashes."""
 
@@ -160,7 +178,7 @@ class Workload:
     """--make-vocab-size-divisible-by; Megatron pads to a multiple of this times TP."""
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: a separate output matrix."""
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: PositionEmbeddingType = "learned_absolute"
     """--position-embedding-type: learned_absolute adds max_position_embeddings*h parameters; rope
     and yarn (RoPE with YaRN's context extension, GPT-OSS) rotate the query and key heads."""
     rotary_scaling_factor: float = 1.0
@@ -172,7 +190,7 @@ class Workload:
     """--mscale-all-dim (YaRN)."""
     max_position_embeddings: int | None = None
     """--max-position-embeddings; None: seq_length."""
-    normalization: str = "LayerNorm"
+    normalization: Normalization = "LayerNorm"
     """--normalization: LayerNorm (weight+bias) or RMSNorm (weight)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (Megatron default); --disable-bias-linear turns them off."""
@@ -191,16 +209,16 @@ class Workload:
     window_attn_skip_freq: int | str | None = None
     """--window-attn-skip-freq: every N-th layer (counted from 1) keeps full attention, or Megatron's
     list form ("[1,1,1,0]*3", 1: windowed); None: every layer is windowed."""
-    softmax_type: str = "vanilla"
+    softmax_type: SoftmaxType = "vanilla"
     """--softmax-type: vanilla, off-by-one or learnable (attention sinks, GPT-OSS): one extra logit
     in each softmax row, learnable with one parameter per head and layer."""
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     """--attention-backend: auto/flash/fused keep no s*s score matrices."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """--bf16 / --fp16, else fp32 (Megatron's default): the dtype of parameters and activations."""
     cross_entropy_loss_fusion: bool = False
     """--cross-entropy-loss-fusion: a fused vocab-parallel cross entropy, of the implementation below."""
-    cross_entropy_fusion_impl: str = "native"
+    cross_entropy_fusion_impl: CrossEntropyFusionImpl = "native"
     """--cross-entropy-fusion-impl, read with --cross-entropy-loss-fusion: native (megatron-core's
     compiled kernels: the same fp32 softmax kept for the backward, two tensor-parallel all-reduces
     instead of three) or te (Transformer Engine's: one pass over the logits each way, the
@@ -208,10 +226,10 @@ class Workload:
     grad_reduce_in_bf16: bool = False
     """--grad-reduce-in-bf16: with --bf16, gradients are accumulated and reduced in bf16 instead of
     fp32 (half the gradient buffer and the data-parallel traffic); no effect otherwise, as in Megatron."""
-    fp8: str | None = None
+    fp8: Fp8Format | None = None
     """--fp8-format: e4m3, or hybrid (e5m2 gradients): the transformer layers' linears run FP8 GEMMs
     through Transformer Engine, the rest in the training dtype; None: no FP8."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: Fp8Recipe = "delayed"
     """--fp8-recipe: delayed or tensorwise (per-tensor) scaling, or mxfp8 (an E8M0 scale per 32
     elements, Blackwell's block-scaled GEMMs)."""
     fp8_param_gather: bool = False
@@ -219,10 +237,10 @@ class Workload:
     primary weights: 1 byte, plus the transpose Hopper's FP8 GEMMs need) instead of 16-bit weights
     and their FP8 copies, and the distributed optimizer all-gathers them in FP8 (MXFP8: in 16 bits,
     see param_gather_bytes)."""
-    fp4: str | None = None
+    fp4: Fp4Format | None = None
     """--fp4-format: e2m1, the transformer layers' linears run NVFP4 GEMMs through Transformer Engine
     (forward, data and weight gradients), the rest in bf16; None: no FP4. Excludes --fp8-format."""
-    fp4_recipe: str = "nvfp4"
+    fp4_recipe: Fp4Recipe = "nvfp4"
     """--fp4-recipe: nvfp4 (an E4M3 scale per 16 elements and a per-tensor FP32 scale)."""
     fp4_param_gather: bool = False
     """--fp4-param-gather: the layers' linear weights are kept in NVFP4 instead of bf16 weights and
@@ -234,13 +252,13 @@ class Workload:
     use_precision_aware_optimizer: bool = False
     """--use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the optimizer state in
     the dtypes below and reads the gradients in their own dtype (no fp32 copy for the step)."""
-    main_params_dtype: str = "fp32"
+    main_params_dtype: MainParamsDtype = "fp32"
     """--main-params-dtype: the optimizer's master copy of the weights (fp32 or fp16)."""
-    main_grads_dtype: str = "fp32"
+    main_grads_dtype: MainGradsDtype = "fp32"
     """--main-grads-dtype: the gradients the optimizer reads (fp32 or bf16)."""
-    exp_avg_dtype: str = "fp32"
+    exp_avg_dtype: OptimizerStateDtype = "fp32"
     """--exp-avg-dtype: Adam's first moment (fp32, fp16, bf16 or fp8)."""
-    exp_avg_sq_dtype: str = "fp32"
+    exp_avg_sq_dtype: OptimizerStateDtype = "fp32"
     """--exp-avg-sq-dtype: Adam's second moment (fp32, fp16, bf16 or fp8)."""
     num_experts: int | None = None
     """--num-experts: routed experts in each MoE layer; None: a dense model."""
@@ -256,10 +274,10 @@ class Workload:
     """--moe-expert-capacity-factor: tokens an expert takes, x the balanced share; None: dropless."""
     moe_pad_expert_input_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: every expert computes its full capacity."""
-    moe_token_dispatcher_type: str = "allgather"
+    moe_token_dispatcher_type: MoeTokenDispatcherType = "allgather"
     """--moe-token-dispatcher-type: allgather (over TP x EP), alltoall (over EP) or flex (one group
     over expert TP x EP, each token sent once per remote node: --moe-flex-dispatcher-backend)."""
-    moe_flex_dispatcher_backend: str = "deepep"
+    moe_flex_dispatcher_backend: MoeFlexDispatcherBackend = "deepep"
     """--moe-flex-dispatcher-backend: deepep or hybridep (with --moe-token-dispatcher-type flex)."""
     moe_enable_deepep: bool = False
     """--moe-enable-deepep: megatron-core's deprecated spelling of --moe-flex-dispatcher-backend deepep
@@ -269,7 +287,7 @@ class Workload:
     (DeepSeek-V3's node-limited routing sets it to the nodes of the EP group); None: no limit."""
     moe_router_group_topk: int | None = None
     """--moe-router-group-topk: groups each token may route to."""
-    moe_router_dtype: str | None = None
+    moe_router_dtype: MoeRouterDtype | None = None
     """--moe-router-dtype: fp32 or fp64 router logits, and so routing probabilities (kept for the
     experts' weighted activation); None: the training dtype."""
     name: str = "custom"
@@ -284,7 +302,7 @@ class Workload:
                       "moe_router_group_topk", "mtp_num_layers"):
             if getattr(self, field) is not None:
                 check_count(field, getattr(self, field))
-        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+        if self.moe_router_dtype not in (None, *get_args(MoeRouterDtype)):
             raise PipetteError(f"--moe-router-dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise PipetteError(f"--max-position-embeddings {self.max_position_embeddings} is below --seq-length "
@@ -377,8 +395,8 @@ class Workload:
                                "transform takes bf16 inputs)")
 
     def _check_optimizer(self) -> None:
-        dtypes = {"main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16"),
-                  "exp_avg_dtype": tuple(OPTIMIZER_DTYPES), "exp_avg_sq_dtype": tuple(OPTIMIZER_DTYPES)}
+        dtypes = {"main_params_dtype": get_args(MainParamsDtype), "main_grads_dtype": get_args(MainGradsDtype),
+                  "exp_avg_dtype": get_args(OptimizerStateDtype), "exp_avg_sq_dtype": get_args(OptimizerStateDtype)}
         for field, allowed in dtypes.items():
             value = getattr(self, field)
             if value not in allowed:
