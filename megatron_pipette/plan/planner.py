@@ -21,7 +21,7 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_pipette.cost.memory import MemoryEstimate
 from megatron_pipette.cost.model import CostModel
@@ -65,6 +65,19 @@ class Candidate:
     schedule time was not exact (None otherwise: the estimate is the simulator's answer)."""
 
 
+class _Kept(NamedTuple):
+    """A layout a heap of plan() keeps, ordered as heapq keeps it: the slowest first, of equally
+    slow ones the first enumerated."""
+
+    negated_time_s: float
+    """Minus the predicted time (heapq pops the smallest)."""
+    enumerated: int
+    """The layout's place in the enumeration."""
+    job: Job
+    time: TimeEstimate
+    memory: MemoryEstimate
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     workload: Workload
@@ -100,19 +113,19 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     cluster = model.cluster
     considered = oom = 0
     rejected = Rejections()
-    closest: tuple[float, Layout, MemoryEstimate] | None = None
-    heap: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
-    roomy: list[tuple[float, int, Job, TimeEstimate, MemoryEstimate]] = []
+    closest: tuple[Layout, MemoryEstimate] | None = None
+    heap: list[_Kept] = []
+    roomy: list[_Kept] = []
     """The fastest layouts that leave `memory_headroom` free, within HEADROOM_TIME of the fastest."""
     fastest = math.inf
     keep = max(top_k, placement_top)
 
     def limit(has_room: bool) -> float:
         """The time above which a job can enter neither list."""
-        slowest = -heap[0][0] if len(heap) == keep else math.inf
+        slowest = heap[0].time.iteration_time_s if len(heap) == keep else math.inf
         if not has_room:
             return slowest
-        return max(slowest, min(-roomy[0][0] if len(roomy) == ROOMY_KEPT else math.inf,
+        return max(slowest, min(roomy[0].time.iteration_time_s if len(roomy) == ROOMY_KEPT else math.inf,
                                 (1 + HEADROOM_TIME) * fastest))
 
     tune_recompute = not any(k in (constraints or {}) for k in RECOMPUTE_FLAGS)
@@ -131,9 +144,9 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
                 variants += [roomier] if roomier[0].layout != variants[0][0].layout else []
         if not variants[0][1].fits:
             oom += 1
-            ratio = memory.peak_bytes / memory.capacity_bytes
-            if closest is None or ratio < closest[0]:
-                closest = (ratio, job.layout, memory)
+            if closest is None or memory.peak_bytes / memory.capacity_bytes < \
+                    closest[1].peak_bytes / closest[1].capacity_bytes:
+                closest = (job.layout, memory)
             continue
         for job, memory in variants:
             has_room = memory.headroom >= memory_headroom
@@ -141,22 +154,27 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
                 continue                  # slower than the slowest kept, whatever its links
             time = model.time(job)
             fastest = min(fastest, time.iteration_time_s)
-            entry = (-time.iteration_time_s, considered, job, time, memory)
+            entry = _Kept(negated_time_s=-time.iteration_time_s, enumerated=considered, job=job, time=time,
+                          memory=memory)
             for kept, size in ((heap, keep), *(((roomy, ROOMY_KEPT),) if has_room else ())):
                 if len(kept) < size:
                     heapq.heappush(kept, entry)
                 elif entry > kept[0]:
                     heapq.heapreplace(kept, entry)
-    ranked = sorted(heap, key=lambda e: (-e[0], e[1]))
-    ranked += sorted((e for e in roomy if e not in heap), key=lambda e: (-e[0], e[1]))
+    def fastest_first(kept: _Kept) -> tuple[float, int]:
+        return kept.time.iteration_time_s, kept.enumerated
+
+    ranked = sorted(heap, key=fastest_first)
+    ranked += sorted((e for e in roomy if e not in heap), key=fastest_first)
     identity = default_placement(cluster)
     candidates = []
-    for i, (_, _, job, time, memory) in enumerate(ranked):
-        placement, placed_time = identity, time
+    for i, kept in enumerate(ranked):
+        placement, placed_time = identity, kept.time
         if i < placement_top or i >= len(heap):
-            placement, placed_time = optimize_placement(model, job)
-        candidates.append((job, Candidate(layout=job.layout, placement=placement, time=placed_time,
-                                          default_order_time_s=time.iteration_time_s, memory=memory)))
+            placement, placed_time = optimize_placement(model, kept.job)
+        candidates.append((kept.job, Candidate(layout=kept.job.layout, placement=placement, time=placed_time,
+                                               default_order_time_s=kept.time.iteration_time_s,
+                                               memory=kept.memory)))
     candidates.sort(key=lambda jc: jc[1].time.iteration_time_s)
     fastest_candidate = candidates[0][1] if candidates else None
     candidates = _with_headroom_first(candidates, memory_headroom)
@@ -168,7 +186,7 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     return Plan(workload=workload, cluster_name=cluster.name, world_size=cluster.world_size,
                 candidates=tuple(chosen), considered=considered, out_of_memory=oom, rejected=dict(rejected.counts),
                 rejection_examples=dict(rejected.examples),
-                closest_misfit=None if closest is None else (closest[1], closest[2]),
+                closest_misfit=closest,
                 memory_headroom=memory_headroom, passed_over=passed_over)
 
 
