@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,10 +74,22 @@ class _Structure:
     b_chunk: np.ndarray      # (nw, p) chunk of the backward, v where none
     msg_x: np.ndarray        # (nw, p, 1) 0 where an activation arrives at rank r for wave w+1, else -inf
     msg_y: np.ndarray        # (nw, p, 1) the same for gradients
-    ops: tuple               # per wave: (kind, None) or (MIXED, additive (p, 1) masks of (warmup,
-                             # cooldown, not a first cooldown step, a first cooldown step))
+    ops: tuple               # per wave: (kind, None) or (MIXED, _MixedMasks)
     last_bwd: tuple          # per wave: rank whose last backward it is, or -1
     checks: frozenset        # wave indices where a group starts inside the periodic region
+
+
+class _MixedMasks(NamedTuple):
+    """A MIXED wave's additive (p, 1) masks (_additive) of the ranks in each phase."""
+
+    warm: np.ndarray | None
+    """In the warmup."""
+    cool: np.ndarray | None
+    """In the cooldown."""
+    not_first_cool: np.ndarray | None
+    """Not at their first cooldown step."""
+    first_cool: np.ndarray | None
+    """At their first cooldown step."""
 
 
 def _additive(mask: np.ndarray) -> np.ndarray | None:
@@ -121,8 +134,8 @@ def _structure(p: int, m: int, v: int, max_groups: int) -> _Structure:
                      np.where(no_b, WARMUP, np.where(no_f & ~first_cool.any(axis=1), COOLDOWN, MIXED)))
     plain = {k: (k, None) for k in (STEADY, WARMUP, COOLDOWN)}
     ops = tuple(plain[k] if k != MIXED else
-                (MIXED, (_additive(cur["warm"][i]), _additive(cur["cool"][i]), _additive(~first_cool[i]),
-                         _additive(first_cool[i])))
+                (MIXED, _MixedMasks(warm=_additive(cur["warm"][i]), cool=_additive(cur["cool"][i]),
+                                    not_first_cool=_additive(~first_cool[i]), first_cool=_additive(first_cool[i])))
                 for i, k in enumerate(kinds.tolist()))
     r_last = mv - 1 - waves                                       # whose last backward runs in wave w
     last_bwd = tuple(np.where((r_last >= 0) & (r_last < p), r_last, -1).tolist())
@@ -142,10 +155,20 @@ the answers to its last _MEMO_SIZE distinct inputs, least recently used dropped 
 _MEMO_SIZE = 256
 
 
+class InterleavedTime(NamedTuple):
+    """The interleaved schedule's pass, per replica."""
+
+    total_s: np.ndarray
+    """(B,) its end."""
+    finish_s: np.ndarray
+    """(B, p) the end of each rank's last backward."""
+    exact: np.ndarray
+    """(B,) bool: False where a replica was not periodic after max_groups groups and was extrapolated."""
+
+
 def interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
-                     bwd_comm_s: np.ndarray, m: int, max_groups: int = MAX_GROUPS
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(total (B,), finish (B, p), exact (B,) bool) of the interleaved schedule.
+                     bwd_comm_s: np.ndarray, m: int, max_groups: int = MAX_GROUPS) -> InterleavedTime:
+    """The interleaved schedule's pass.
 
     forward_s, backward_s: (B, p, v); fwd_comm_s, bwd_comm_s: (B, p), hop p-1 wrapping.
     A pure function of its inputs, so repeated inputs (a planner evaluates layouts that differ
@@ -160,12 +183,11 @@ def interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: 
             _MEMO.popitem(last=False)
     else:
         _MEMO.move_to_end(key)
-    return tuple(a.copy() for a in hit)
+    return InterleavedTime(total_s=hit.total_s.copy(), finish_s=hit.finish_s.copy(), exact=hit.exact.copy())
 
 
 def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s: np.ndarray,
-                      bwd_comm_s: np.ndarray, m: int, max_groups: int
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      bwd_comm_s: np.ndarray, m: int, max_groups: int) -> InterleavedTime:
     batch, p, v = forward_s.shape
     s = _structure(p, m, v, max_groups)
     pv = p * v
@@ -199,13 +221,12 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
             hist.append(np.concatenate([e, xs[cur][:p], ys[cur][1:]]))
             jump = _periodic_jump(hist, s, int(s.waves[i]), max_groups)
             if jump is not None:
-                groups, shift, periodic = jump
-                exact &= periodic
+                exact &= jump.exact
                 x, y = xs[cur], ys[cur]
-                state = hist[-1] + shift
+                state = hist[-1] + jump.shift
                 e[:], x[:p], y[1:] = state[:p], state[p:2 * p], state[2 * p:]
                 x[p], y[0] = x[0], y[p]
-                target = int(s.waves[i]) + groups * pv
+                target = int(s.waves[i]) + jump.groups * pv
                 if target <= s.waves[s.head_end - 1]:
                     i = target - s.w0
                 else:
@@ -249,7 +270,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
                 mx(e, yn_prev, out=e)
                 mx(e, yo, out=e)
             else:
-                warm, cool, not_first_cool, first_cool = masks
+                warm, cool, not_first_cool, first_cool = masks.warm, masks.cool, masks.not_first_cool, masks.first_cool
                 mx(e, x_own, out=e)
                 if cool is not None:                           # cooldown: wait for the gradient first
                     add(y_own, cool, out=tmp)
@@ -278,7 +299,7 @@ def _interleaved_time(forward_s: np.ndarray, backward_s: np.ndarray, fwd_comm_s:
                     mx(e, tmp, out=e)
         i = stop
     end = np.maximum(e, fin)
-    return end.max(axis=0), finish.T.copy(), exact
+    return InterleavedTime(total_s=end.max(axis=0), finish_s=finish.T.copy(), exact=exact)
 
 
 def _forward(start: np.ndarray, f_i: np.ndarray, pf: np.ndarray, xo: np.ndarray, xn: np.ndarray,
@@ -303,8 +324,18 @@ def _gradient(pb: np.ndarray, yo: np.ndarray, yn: np.ndarray, beta_i: np.ndarray
     yn[0] = yn[p]
 
 
-def _periodic_jump(hist: list[np.ndarray], s: _Structure, w: int, max_groups: int):
-    """(groups to skip, state shift (3p, B), exact (B,)) or None to simulate on.
+class _Jump(NamedTuple):
+    """Whole micro-batch groups a pass skips (_periodic_jump)."""
+
+    groups: int
+    shift: np.ndarray
+    """(3p, B) what the skipped groups add to the state (E, X, Y)."""
+    exact: np.ndarray
+    """(B,) bool: False where a replica is extrapolated, not periodic."""
+
+
+def _periodic_jump(hist: list[np.ndarray], s: _Structure, w: int, max_groups: int) -> _Jump | None:
+    """The groups to skip, or None to simulate on.
 
     hist holds the state (E, X, Y) at the start of the last groups (the newest last). A replica is
     periodic with cyclicity c when its state moved by the same amount in every live component
@@ -338,4 +369,4 @@ def _periodic_jump(hist: list[np.ndarray], s: _Structure, w: int, max_groups: in
     exact = periodic & (groups % np.maximum(cyc, 1) == 0)
     step = np.subtract(state, hist[n - 1], out=np.zeros_like(state), where=live)
     shift = np.where(exact, groups * rate, groups * step)
-    return groups, shift, exact
+    return _Jump(groups=groups, shift=shift, exact=exact)

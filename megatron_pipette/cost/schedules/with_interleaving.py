@@ -49,10 +49,10 @@ def interleaved(times: StageTimes, m: int) -> PipelineTime:
     if some replica had not become periodic after MAX_GROUPS groups and was extrapolated."""
     batch, p, v = times.shape
     assert v >= 2 and p >= 2 and m % p == 0, "interleaving needs PP >= 2, >= 2 chunks and M % PP == 0"
-    total, finish, exact = interleaved_time(times.forward_s, times.backward_s, times.fwd_comm_s,
-                                            times.bwd_comm_s, m)
+    run = interleaved_time(times.forward_s, times.backward_s, times.fwd_comm_s, times.bwd_comm_s, m)
     busy_s, p2p = busy(times, m)
-    return PipelineTime(total_s=total, finish_s=finish, busy_s=busy_s, p2p_s=p2p, exact=bool(exact.all()))
+    return PipelineTime(total_s=run.total_s, finish_s=run.finish_s, busy_s=busy_s, p2p_s=p2p,
+                        exact=bool(run.exact.all()))
 
 
 def warmup(p: int, rank: int, m: int, v: int) -> int:
