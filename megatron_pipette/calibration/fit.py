@@ -194,11 +194,22 @@ def link_kinds(cluster: Cluster, layout: Layout) -> tuple[str, ...]:
     return tuple(kind for kind, used in zip(LINK_KINDS, (cluster.gpus_per_node > 1, cluster.num_nodes > 1)) if used)
 
 
-def _fb_and_passes(model: CostModel, job: Job, placement: Placement) -> tuple[float, np.ndarray, TimeEstimate]:
-    """The schedule's time (the iteration without the optimizer), each stage's forward+backward
-    seconds per iteration, and the estimate they come from."""
+@dataclass(frozen=True, kw_only=True)
+class _Predicted:
+    """What a model predicts of the parts of a check (_predicted)."""
+
+    forward_backward_s: float
+    """The schedule's time: the iteration without the optimizer."""
+    passes_s: np.ndarray
+    """Each stage's forward+backward seconds per iteration."""
+    estimate: TimeEstimate
+    """The estimate they come from."""
+
+
+def _predicted(model: CostModel, job: Job, placement: Placement) -> _Predicted:
     est = model.time(job, placement.logical_to_physical)
-    return est.iteration_time_s - est.breakdown.optimizer_s, _passes(est, job), est
+    return _Predicted(forward_backward_s=est.iteration_time_s - est.breakdown.optimizer_s,
+                      passes_s=_passes(est, job), estimate=est)
 
 
 def _passes(est: TimeEstimate, job: Job) -> np.ndarray:
@@ -232,7 +243,7 @@ def fit(workload: Workload, cluster: Cluster, profile: LayerProfile | None, layo
         return calibrated(cluster, profile, Factors(compute_rate=rate, memory_rate=memory,
                                                     link_bandwidth={k: link for k in kinds}))
 
-    raw = _fb_and_passes(model(), job, placement)[2]
+    raw = _predicted(model(), job, placement).estimate
     optimizer_s = check.measured_s - check.forward_backward_s
     memory = 1.0
     if layout.use_distributed_optimizer and layout.dp > 1 and not layout.overlap_param_gather:
@@ -251,7 +262,7 @@ def fit(workload: Workload, cluster: Cluster, profile: LayerProfile | None, layo
         Gauss-Newton in 1 / rate: the passes are piecewise linear in it, the worst replica of a
         stage changing with the rate)."""
         def passes(inverse: float) -> np.ndarray:
-            return _fb_and_passes(model(1 / inverse, memory, link), job, placement)[1][seen]
+            return _predicted(model(1 / inverse, memory, link), job, placement).passes_s[seen]
 
         inverse = 1.0
         for _ in range(NEWTON_STEPS):
@@ -263,8 +274,8 @@ def fit(workload: Workload, cluster: Cluster, profile: LayerProfile | None, layo
 
     def error(u: float) -> float:
         link = math.exp(u)
-        return _fb_and_passes(model(_clip(rate_for(link), COMPUTE_BOUNDS), memory, link), job,
-                              placement)[0] - check.forward_backward_s
+        return _predicted(model(_clip(rate_for(link), COMPUTE_BOUNDS), memory, link), job,
+                          placement).forward_backward_s - check.forward_backward_s
 
     link = None
     if kinds:
