@@ -20,8 +20,8 @@
    placement run's own probe and layer profile (run first when missing): error per layout,
    MAPE, Kendall tau, chosen vs fastest. `--only held-out` does the same for 22 layouts outside
    the 22 (`held_out_layouts`: ten written by hand, twelve drawn by a fixed seed from
-   `layout_grid`), which no model change has looked at. A layout that fails to train is
-   listed as a failure.
+   `layout_grid`); `--only fresh` on twelve more (`fresh_layouts`), drawn after the held-out
+   ones were looked at for a diagnosis. A layout that fails to train is listed as a failure.
 Writes results.json (paths in it relative to the repository) and every node's log under --out.
 Every namespace is deleted at exit. Processes run this interpreter with this checkout first on
 PYTHONPATH.
@@ -313,16 +313,30 @@ def held_out_layouts(nodes: int) -> list[tuple[dict, list[int]]]:
     return written + random.Random(HELD_OUT_SEED).sample(rest, HELD_OUT_DRAWN)
 
 
-def predictions(out: Path, placed: dict, iters: int, skip: int, held_out: bool = False) -> dict:
-    """The sweep's layouts (or the held-out ones) pinned one by one on the 4-node placement cluster
-    `placed` (section 3 of the module docstring)."""
+FRESH_SEED = 20261128
+"""Draws the fresh layouts: HELD_OUT_DRAWN more from the grid, none of the sweep's or the held-out ones."""
+
+
+def fresh_layouts(nodes: int) -> list[tuple[dict, list[int]]]:
+    """Scored only: drawn 2026-11-28 with FRESH_SEED, before any of them ran, after the held-out
+    layouts had been looked at for a diagnosis (their node-1 exchanges, docs/validation.md), so
+    that a model change made then is scored on layouts it has not seen."""
+    taken = {layout_name(f, o) for f, o in held_out_layouts(nodes) + sweep_layouts(nodes, [1, 3, 2, 0])}
+    rest = [(f, o) for f, o in layout_grid(nodes) if layout_name(f, o) not in taken]
+    return random.Random(FRESH_SEED).sample(rest, HELD_OUT_DRAWN)
+
+
+def predictions(out: Path, placed: dict, iters: int, skip: int, which: str = "sweep") -> dict:
+    """The sweep's layouts (or the held-out or fresh ones) pinned one by one on the 4-node placement
+    cluster `placed` (section 3 of the module docstring)."""
     rates, desc = placed["rates_mbit"], placed["spec"]
     nodes = desc["nodes"]
     assert nodes == 4, "the sweep's layouts and node orders are written for 4 nodes"
     plan_file = REPO / placed["plan_file"]
     cache_dir = plan_file.parent
     base = json.loads(plan_file.read_text())
-    layouts = held_out_layouts(nodes) if held_out else sweep_layouts(nodes, placed["node_order"])
+    layouts = {"held-out": lambda: held_out_layouts(nodes), "fresh": lambda: fresh_layouts(nodes),
+               "sweep": lambda: sweep_layouts(nodes, placed["node_order"])}[which]()
     rows, failed = [], []
     for fields, order in layouts:
         doc = json.loads(json.dumps(base))
@@ -373,8 +387,9 @@ def predictions(out: Path, placed: dict, iters: int, skip: int, held_out: bool =
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "out" / "emulated_cluster")
-    p.add_argument("--only", choices=("probe", "placement", "predictions", "held-out"),
-                   help="one section; held-out: the predictions on the held-out layouts (held_out_layouts)")
+    p.add_argument("--only", choices=("probe", "placement", "predictions", "held-out", "fresh"),
+                   help="one section; held-out: the predictions on the held-out layouts (held_out_layouts); "
+                        "fresh: on 12 more drawn after those were looked at (fresh_layouts)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip", type=int, default=2)
     p.add_argument("--pred-iters", type=int, default=5)
@@ -406,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                             budget_s=args.probe_budget_s))
     if args.only in (None, "placement"):
         placement_on(args.placement_nodes)
-    if args.only in (None, "predictions", "held-out"):
+    if args.only in (None, "predictions", "held-out", "fresh"):
         placed = results.get("placement_4nodes") or placement_on(4)
-        held_out = args.only == "held-out"
-        save("predictions_held_out" if held_out else "predictions",
-             predictions(args.out, placed, iters=args.pred_iters, skip=args.skip, held_out=held_out))
+        which = args.only if args.only in ("held-out", "fresh") else "sweep"
+        save({"held-out": "predictions_held_out", "fresh": "predictions_fresh", "sweep": "predictions"}[which],
+             predictions(args.out, placed, iters=args.pred_iters, skip=args.skip, which=which))
     return 0
 
 
