@@ -7,6 +7,7 @@ the probe twin builds its document with exactly this code. See docs/cluster-sche
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,11 +76,8 @@ def _skips(phase: PhaseResult, name: str, max_repeats: int, filled: str) -> list
 
 
 def _level(figures: fit.Figures) -> LinkLevel:
-    return LinkLevel(bandwidth_Bps=figures.bandwidth_Bps, latency_s=figures.latency_s,
-                     exchange_bandwidth_Bps=figures.exchange_bandwidth_Bps,
-                     exchange_latency_s=figures.exchange_latency_s,
-                     batched_exchange_bandwidth_Bps=figures.batched_exchange_bandwidth_Bps,
-                     batched_exchange_latency_s=figures.batched_exchange_latency_s)
+    """The fitted figures are LinkLevel's, field for field (no copy of the matrices)."""
+    return LinkLevel(**{f.name: getattr(figures, f.name) for f in dataclasses.fields(figures)})
 
 
 def _all_to_all(m: Measurements, links: Cluster) -> tuple[float, dict | None, list[dict]]:

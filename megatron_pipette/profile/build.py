@@ -78,7 +78,7 @@ class Step:
     """Drops the input's gradient between iterations."""
     again: Callable[[torch.Tensor], torch.Tensor] | None = None
     """The same part applied to its own output, as a stack of layers runs (None: a part that runs once
-    per micro-batch): the profiler times a chain of two calls on a GPU (measure.time_step)."""
+    per micro-batch): on a GPU the profiler times chains of two and four calls (measure.time_step)."""
 
 
 def _activation(workload: Workload) -> Any:
