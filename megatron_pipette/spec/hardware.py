@@ -343,6 +343,19 @@ def nvls_disabled(env: Mapping[str, str]) -> bool:
     return env.get("NCCL_NVLS_ENABLE", "").strip() == "0"
 
 
+def preset_domains(num_nodes: int, nodes_per_domain: int) -> np.ndarray:
+    """(num_nodes,) NVLink domain of each node of a preset job: the fewest domains that hold it, each
+    given an equal share of its consecutive nodes (the first ones more by one where they do not
+    divide). Why: a job packed domain by domain (GB200 NVL72: 18, 18, 18 and 10 trays for 64) cuts
+    Megatron's power-of-two groups of consecutive ranks at the racks' edges, and NVIDIA's published
+    NVL72 runs did not run so: every GB200/GB300 perf recipe runs HybridEP with
+    NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN equal to its expert-parallel size (64 on 256 GPUs) and
+    NVLINK_DOMAIN_SIZE 72, i.e. each expert-parallel group of 64 consecutive ranks inside one rack:
+    16 trays in each of 4 racks. An assumed allocation; a cluster file gives the measured one."""
+    racks = -(-num_nodes // nodes_per_domain)
+    return np.arange(num_nodes) * racks // num_nodes
+
+
 def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: int | None = None,
                    gpu: str | None = None, precision: str = "bf16") -> Cluster:
     """A uniform cluster from a preset, with node count, node size or GPU overridden."""
@@ -357,7 +370,7 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
     per_domain = p.get("nodes_per_domain", 1)
     inter, domains = uniform_level(num_nodes, p["inter_node_bandwidth_Bps"], p["inter_node_latency_s"]), None
     if per_domain > 1 and num_nodes > 1:
-        domains = np.arange(num_nodes) // per_domain
+        domains = preset_domains(num_nodes, per_domain)
         same = domains[:, None] == domains[None, :]
         inter = LinkLevel(bandwidth_Bps=np.where(same, p["domain_bandwidth_Bps"], p["inter_node_bandwidth_Bps"]),
                           latency_s=np.where(same, p["domain_latency_s"], p["inter_node_latency_s"]))

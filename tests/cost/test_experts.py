@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_pipette.cost import experts
-from megatron_pipette.cost.comm import all_to_all, group_links
+from megatron_pipette.cost.comm import all_to_all, expert_dispatch, group_links
 from megatron_pipette.cost.execution import Execution
 from megatron_pipette.cost.gemm import GemmCurve
 from megatron_pipette.cost.memory import estimate_memory
@@ -197,6 +197,17 @@ def test_flex_dispatch_across_nodes_costs_about_what_alltoall_does_inside_one():
     plain = model.time(resolve_job(dataclasses.replace(flex_job(2, 16).workload, moe_token_dispatcher_type="alltoall"),
                                    flex_job(2, 16).layout)).breakdown.ep_comm_s
     assert across < 1.5 * inside and plain > 2 * inside and across < plain
+
+
+def test_nvl72_expert_parallel_groups_of_64_stay_inside_a_rack():
+    """Issue 31: DeepSeek-V3's EP 64 on 256 GB200 (Megatron's expert order tp-ep-dp-pp: 64 consecutive
+    ranks a group) dispatches over NVLink only, each group as a job of one rack would; packed 18 trays
+    a rack, three of its four groups crossed the racks' InfiniBand and were priced 10-14x slower."""
+    c = preset_cluster("gb200-nvl72", num_nodes=64)
+    flex = expert_dispatch(np.arange(256), 64, 1, c, flex=True)
+    assert (flex.far_inv_bw_s_per_B == 0).all()
+    one_rack = expert_dispatch(np.arange(64), 64, 1, preset_cluster("gb200-nvl72", num_nodes=16), flex=True)
+    assert flex.inv_bw_s_per_B == pytest.approx(np.repeat(one_rack.inv_bw_s_per_B, 4, axis=0))
 
 
 def test_flex_dispatcher_needs_expert_parallelism():

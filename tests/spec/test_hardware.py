@@ -174,6 +174,18 @@ def test_blackwell_entries_and_the_nvl72_domain():
         preset_cluster("gb200-nvl72", num_nodes=16386)
 
 
+def test_an_nvl72_job_over_several_racks_takes_an_equal_share_of_each():
+    """Issue 31: 256 GPUs (64 trays) take 16 trays in each of 4 racks, as NVIDIA's runs did (HybridEP
+    told 64 expert-parallel ranks a domain), not 18, 18, 18 and 10; one rack or two whole ones as before."""
+    c = preset_cluster("gb200-nvl72", num_nodes=64)
+    assert np.bincount(c.domains).tolist() == [16] * 4 and c.gpus_per_domain == 64
+    lat, bw = c.link(np.array([63, 64]), np.array([0, 0]))             # rack 0's last tray; rack 1's first
+    assert bw.tolist() == [740e9, 47.5e9]
+    assert np.bincount(preset_cluster("gb300-nvl72", num_nodes=50).domains).tolist() == [17, 17, 16]
+    assert np.bincount(preset_cluster("gb200-nvl72", num_nodes=36).domains).tolist() == [18, 18]
+    assert preset_cluster("gb200-nvl72", num_nodes=16).gpus_per_domain == 64
+
+
 def test_gb300_nvl72_is_gb200s_rack_with_the_b300_and_connectx8():
     """GB300 NVL72 (issue 31): the 1400 W B300 (docs/hardware-sources.md), 4 GPUs a tray, 18 trays a
     72-GPU NVLink domain, 800 Gb/s per GPU beyond it (95 GB/s at NDR's 95%)."""
