@@ -293,16 +293,15 @@ def _layer_bytes(job: Job, granularity: str | None, profile: LayerProfile | None
 
 # In-flight micro-batches, as megatron-core 0.19's schedules run them (cost.schedules).
 
-def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1, extra: int = 0) -> int:
+def microbatches_in_flight(pp: int, rank: int, num_microbatches: int, vpp: int = 1) -> int:
     """Model chunks (micro-batch x chunk) whose activations pipeline rank `rank` holds at its peak
-    under the schedule Megatron runs (Schedule.microbatches_in_flight).
+    under the schedule Megatron runs (Schedule.microbatches_in_flight), with or without
+    --overlap-moe-expert-parallel-comm (paired_steps: one layer more in its paired steps).
 
     Example: PP 4, 8 micro-batches: ranks hold 4, 3, 2, 1; interleaved with 2 chunks: 11, 9, 7, 5
-    (warmup (4-r-1)*2 + (2-1)*4, plus one). `extra`: the forwards --overlap-moe-expert-parallel-comm
-    adds to the warmup (without a pipeline too, where the next micro-batch's forward runs beside the
-    backward: two).
+    (warmup (4-r-1)*2 + (2-1)*4, plus one).
     """
-    return schedule_for(pp, vpp).microbatches_in_flight(pp, rank, num_microbatches, vpp, extra)
+    return schedule_for(pp, vpp).microbatches_in_flight(pp, rank, num_microbatches, vpp)
 
 
 def extra_warmup(job: Job) -> int:
@@ -311,30 +310,44 @@ def extra_warmup(job: Job) -> int:
     return 1 if job.layout.overlap_moe_expert_parallel_comm else 0
 
 
+def paired_steps(job: Job, stage: int) -> bool:
+    """Whether the stage runs combined 1F1B steps (--overlap-moe-expert-parallel-comm), each a
+    forward beside an earlier chunk's backward, layer by layer: forward layer i beside backward
+    layer L-1-i, whose state is released after it (megatron-core's
+    TransformerModelChunkSchedulePlan.run, combined_1f1b.py). The backward chunk frees a layer as
+    the forward chunk stores one, so the chunks held are the warmup's (one more forward than
+    without the overlap, standing for the one before each backward) and, during the step, one layer
+    more: the forward's layer i stored while the backward's layer L-1-i is still held. None where
+    the warmup is every forward."""
+    pp, m, v = job.layout.pp, job.num_microbatches, job.virtual_stages
+    return schedule_for(pp, v).warmup_microbatches(pp, stage, m, v, extra_warmup(job)) < m * v \
+        if extra_warmup(job) else False
+
+
 def in_flight_microbatches(job: Job) -> tuple[int, ...]:
     """microbatches_in_flight of every pipeline rank of this job."""
     pp = job.layout.pp
-    return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages, extra_warmup(job))
-                 for r in range(pp))
+    return tuple(microbatches_in_flight(pp, r, job.num_microbatches, job.virtual_stages) for r in range(pp))
 
 
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
-def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> frozenset[InFlight]:
+def _in_flight_states(pp: int, rank: int, num_microbatches: int, vpp: int) -> frozenset[InFlight]:
     """(chunks in flight, of them chunk 0, of them the last chunk) after each forward step, as the
-    schedule Megatron runs holds them (Schedule.in_flight_states)."""
+    schedule Megatron runs holds them (Schedule.in_flight_states); the combined 1F1B's paired steps
+    hold the same chunks (paired_steps)."""
     schedule = schedule_for(pp, vpp)
     return schedule.in_flight_states(pp, rank, num_microbatches, vpp,
-                                     schedule.warmup_microbatches(pp, rank, num_microbatches, vpp, extra))
+                                     schedule.warmup_microbatches(pp, rank, num_microbatches, vpp))
 
 
 # Module-level memo (cost.model lists them): a function of the schedule's integers alone.
 @cache
-def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int, extra: int = 0) -> tuple[InFlight, ...]:
+def _peak_candidates(pp: int, rank: int, num_microbatches: int, vpp: int) -> tuple[InFlight, ...]:
     """The in-flight states (chunks, of them chunk 0, of them the last chunk) no other state
     matches or exceeds in each of chunk 0's count, the last chunk's and the other chunks': a peak of
     bytes that grow with each of those (each chunk kind its own bytes) is always among them."""
-    states = _in_flight_states(pp, rank, num_microbatches, vpp, extra)
+    states = _in_flight_states(pp, rank, num_microbatches, vpp)
     kinds = {s: (s.chunks - s.first_chunk - s.last_chunk, s.first_chunk, s.last_chunk) if vpp > 1 else s
              for s in states}
     return tuple(a for a in states
@@ -435,6 +448,8 @@ class ChunkActivations(NamedTuple):
     """Kept from its forward to its backward."""
     recomputed: int
     """Rematerialised at once in its backward."""
+    layer: int
+    """Its heaviest layer's stored bytes (under full recomputation an upper bound: the layer whole)."""
 
 
 def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
@@ -445,29 +460,31 @@ def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
     granularity = layout.recompute_granularity
     dense = chunk_layers - moe_layers
     if granularity != "full":
-        stored = dense * _layer_bytes(job, granularity, profile) + (moe_layers and moe_layers * _layer_bytes(
-            job, granularity, profile, moe=True))
+        dense_layer = _layer_bytes(job, granularity, profile) if dense else 0
+        moe_layer = _layer_bytes(job, granularity, profile, moe=True) if moe_layers else 0
+        stored, layer = dense * dense_layer + moe_layers * moe_layer, max(dense_layer, moe_layer)
         if granularity is None:
-            return ChunkActivations(stored=stored, recomputed=0)
+            return ChunkActivations(stored=stored, recomputed=0, layer=layer)
         # A layer's backward rematerialises what selective recomputation dropped, one layer at a time:
         # by default (core_attn) its scores; else what the formula drops, for the heavier kind of layer.
         if layout.selective_modules == DEFAULT_RECOMPUTE_MODULES:
-            return ChunkActivations(stored=stored, recomputed=_score_bytes(job))
+            return ChunkActivations(stored=stored, recomputed=_score_bytes(job), layer=layer)
         kinds = [False] * (dense > 0) + [True] * (moe_layers > 0)
         return ChunkActivations(stored=stored, recomputed=max(
             (_formula_layer_bytes(job, None, moe) - _formula_layer_bytes(job, granularity, moe) for moe in kinds),
-            default=0))
+            default=0), layer=layer)
     stored = _layer_bytes(job, "full", profile)
     full_dense = _layer_bytes(job, None, profile)
     full_moe = _layer_bytes(job, None, profile, moe=True) if moe_layers else 0
     full = max(full_dense, full_moe)
     n = layout.recompute_num_layers
     if layout.recompute_method == "uniform":  # inputs of groups of n layers; one group live in backward
-        return ChunkActivations(stored=-(-chunk_layers // n) * stored, recomputed=min(n, chunk_layers) * full)
+        return ChunkActivations(stored=-(-chunk_layers // n) * stored, recomputed=min(n, chunk_layers) * full,
+                                layer=full)
     checkpointed = min(n, chunk_layers)  # block: the first n layers of each chunk, one at a time
     kept_moe = min(moe_layers, chunk_layers - checkpointed)   # the heavier layers taken as the kept ones
     kept = (chunk_layers - checkpointed - kept_moe) * full_dense + kept_moe * full_moe
-    return ChunkActivations(stored=checkpointed * stored + kept, recomputed=full)
+    return ChunkActivations(stored=checkpointed * stored + kept, recomputed=full, layer=full)
 
 
 @dataclass(frozen=True)
@@ -536,7 +553,7 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     recomputed = max(c.recomputed for c in chunks)
     embedding = terms.embedding if first else 0
     output = terms.output + mtp if last else 0
-    states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp, extra_warmup(job))
+    states = _peak_candidates(layout.pp, stage, job.num_microbatches, vpp)
     if vpp > 1 and (first or last):
         # The end ranks' states count chunk 0 and the last chunk apart: each weighs its own layers
         # (the embedding or the loss counted in the split shortens it, sometimes to none), the rest
@@ -549,7 +566,10 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
         chunk = max(c.stored for c in chunks)
         activations = max(n * chunk + n_first * embedding + n_last * output for n, n_first, n_last in states)
     backward = terms.moe_backward if any(moe) else terms.dense_backward
-    transient = terms.buffer + max(terms.logits if last else 0, recomputed + backward)
+    # A combined 1F1B step's forward layer, stored while the backward's layer is still held
+    # (paired_steps): the heavier kind of layer the stage has.
+    paired = max(c.layer for c in chunks) if paired_steps(job, stage) else 0
+    transient = terms.buffer + max(terms.logits if last else 0, recomputed + backward + paired)
 
     dense, expert = int(params.dense[stage]), int(params.expert[stage])
     weight, gradient, optimizer, step = state_bytes_per_parameter(workload)

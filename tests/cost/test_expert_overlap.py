@@ -1,5 +1,6 @@
 """--overlap-moe-expert-parallel-comm and --delay-wgrad-compute: megatron-core 0.19's rules, its
-combined 1F1B schedule's extra warmup forward, and the time the layer-by-layer pairing saves."""
+combined 1F1B schedule's extra warmup forward and the memory of its paired steps, and the time the
+layer-by-layer pairing saves."""
 
 from types import SimpleNamespace
 
@@ -8,6 +9,7 @@ import pytest
 
 from megatron_pipette.cost import memory
 from megatron_pipette.cost.model import CostModel
+from megatron_pipette.cost.schedules import schedule_for
 from megatron_pipette.cost.timing import _dispatch, _expert_overlap_saving
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import preset_cluster
@@ -89,9 +91,11 @@ def test_refusals_name_the_flag():
 @pytest.mark.parametrize("pp, vpp, m", [(2, 4, 8), (4, 2, 8), (4, 3, 12), (8, 3, 16), (1, 1, 4), (4, 2, 4)])
 def test_one_more_warmup_forward_as_megatron_schedules(pp, vpp, m):
     """get_pp_rank_microbatches with overlap_moe_expert_parallel_comm (megatron-core 0.19, called
-    with a stand-in communicator): one more forward before the first backward on every rank, so one
-    more chunk's activations in flight; without a pipeline, the next micro-batch's forward runs
-    beside the backward: two."""
+    with a stand-in communicator): one more forward before the first backward on every rank (the
+    time model's warmup); the chunks held are those warmup forwards, since every later forward runs
+    beside a backward that frees a layer as it stores one: as many as without the overlap. Without
+    a pipeline (combined_1f1b_schedule_for_no_pipelining: the first forward alone, then each
+    forward beside the previous backward) one."""
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
     for rank in range(pp):
@@ -99,16 +103,34 @@ def test_one_more_warmup_forward_as_megatron_schedules(pp, vpp, m):
         comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
         _, _, warmup, _ = get_pp_rank_microbatches(m, vpp, pp, overlap_moe_expert_parallel_comm=True,
                                                    p2p_communicator=comm)
-        expected = 2 if pp == 1 else min(warmup + 1, m * vpp)
-        assert memory.microbatches_in_flight(pp, rank, m, vpp, extra=1) == expected
+        if pp > 1:
+            assert schedule_for(pp, vpp).warmup_microbatches(pp, rank, m, vpp, extra=1) == warmup
+        assert memory.microbatches_in_flight(pp, rank, m, vpp) == (1 if pp == 1 else warmup)
 
 
-def test_the_extra_forward_costs_memory():
-    w = qwen_moe()
+@pytest.mark.parametrize("kw", [{}, {"pipeline_model_parallel_size": 1, "data_parallel_size": 32,
+                                     "num_layers_per_virtual_pipeline_stage": None}])
+def test_the_paired_step_holds_one_layer_more_not_one_chunk(kw):
+    """The combined 1F1B runs forward layer i beside backward layer L-1-i and releases the latter
+    (TransformerModelChunkSchedulePlan.run): the activations in flight are the chunks without the
+    overlap, and the paired step's transient one layer (all MoE here) more."""
     cost = CostModel(CLUSTER)
-    on = cost.memory(resolve_job(w, layout(), 32)).peak_bytes
-    off = cost.memory(resolve_job(w, layout(overlap_moe_expert_parallel_comm=False), 32)).peak_bytes
-    assert on > off
+    on_job = resolve_job(qwen_moe(), layout(**kw), 32)
+    on = cost.memory(on_job).stages
+    off = cost.memory(resolve_job(qwen_moe(), layout(overlap_moe_expert_parallel_comm=False, **kw), 32)).stages
+    layer = memory._formula_layer_bytes(on_job, None, moe=True)
+    assert [s.activation_bytes for s in on] == [s.activation_bytes for s in off]
+    assert on[0].transient_bytes == off[0].transient_bytes + layer
+    assert on[0].total_bytes > off[0].total_bytes
+
+
+def test_no_paired_step_where_every_forward_is_warmup():
+    """Two micro-batches of four chunks on PP 2: rank 0's warmup (2 + 3*2 + 1) is every forward, so
+    no forward runs beside a backward and nothing is added."""
+    job = resolve_job(qwen_moe(global_batch_size=32), layout(), 32)
+    assert job.num_microbatches * job.virtual_stages == 8
+    assert not memory.paired_steps(job, 0)
+    assert memory.paired_steps(resolve_job(qwen_moe(), layout(), 32), 0)
 
 
 def parts(job):

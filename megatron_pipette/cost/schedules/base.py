@@ -104,10 +104,12 @@ class Schedule:
         --overlap-moe-expert-parallel-comm (cost.memory.extra_warmup), at most all of them."""
         return min(self.warmup(p, rank, m, v) + extra, m * v)
 
-    def microbatches_in_flight(self, p: int, rank: int, m: int, v: int, extra: int = 0) -> int:
+    def microbatches_in_flight(self, p: int, rank: int, m: int, v: int) -> int:
         """Model chunks (micro-batch x chunk) whose activations the rank holds at its peak: its
-        warmup forwards and the one before each backward, at most all of them."""
-        return min(self.warmup_microbatches(p, rank, m, v, extra) + 1, m * v)
+        warmup forwards and the one before each backward, at most all of them. The same under
+        --overlap-moe-expert-parallel-comm: its one more warmup forward stands for the one before
+        each backward, which then runs beside it (cost.memory.paired_steps)."""
+        return min(self.warmup_microbatches(p, rank, m, v) + 1, m * v)
 
     def simulate(self, times: StageTimes, m: int) -> PipelineTime:
         """The pass from the event-driven simulator (slow, exact), the busy time counted as `time` does."""
