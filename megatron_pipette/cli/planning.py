@@ -176,7 +176,7 @@ def _plan_on_cluster(ns: argparse.Namespace) -> tuple[Job, Placement, CostModel]
         raise PipetteError(f"--plan gives the model and the layout; drop {', '.join(typed)}")
     pinned = PlanRecord.from_json(read_json(ns.plan, "--plan"), where=f"--plan {ns.plan}")
     layout, placement = pinned.best.layout, pinned.best.placement
-    workload = pinned.workload(f"--plan {ns.plan}")
+    workload = pinned.model
     cluster = cluster_from_args(ns, workload.precision)
     nodes = len(placement.node_order)
     if nodes * placement.gpus_per_node != cluster.world_size or placement.gpus_per_node != cluster.gpus_per_node:

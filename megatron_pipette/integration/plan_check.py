@@ -122,11 +122,11 @@ def plan_problems(plan: PlanRecord, request: JobRequest) -> list[str]:
     """Why the plan cannot run this job, one reason each ([] when it can)."""
     layout, placement = plan.best.layout, plan.best.placement
     problems = []
-    model, wanted = plan.model, _model_fields(request.workload)
-    differ = [k for k in sorted(set(model) | set(wanted)) if k != "name" and model.get(k) != wanted.get(k)]
+    model, wanted = _model_fields(plan.model), _model_fields(request.workload)
+    differ = sorted(k for k in wanted if model[k] != wanted[k])
     for k in differ[:4]:
         name = "precision" if k == "precision" else megatron_flag(k)
-        problems.append(f"{name} {model.get(k, 'unset')} in the plan, {wanted.get(k, 'unset')} here")
+        problems.append(f"{name} {model[k]} in the plan, {wanted[k]} here")
     if len(differ) > 4:
         problems.append(f"{len(differ) - 4} more model field(s) differ")
     nodes, gpn = len(placement.node_order), placement.gpus_per_node

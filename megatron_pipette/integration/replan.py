@@ -433,7 +433,7 @@ def calibrate(entry: Entry, planned: PlanRecord, result: CheckResult) -> Fit | N
         log(f"not calibrated: {entry.path} has no probe and layer profile of this allocation", 0)
         return None
     layout, placement = planned.best.layout, planned.best.placement
-    fitted = fit(planned.workload(str(entry.file(PLAN))), probed.cluster, profiled.profile, layout, placement, result)
+    fitted = fit(planned.model, probed.cluster, profiled.profile, layout, placement, result)
     log(fitted.line(), 0)
     if (why := fitted.refusal()) is not None:
         log(f"calibration not stored: {why}", 0)

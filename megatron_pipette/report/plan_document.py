@@ -97,8 +97,8 @@ class PlanRecord:
     """A plan document (plan.json, the plan beside a checkpoint, `pipette plan --json`), typed. Its one
     reader is `from_json`, its one writer `to_json`."""
 
-    model: Mapping[str, Any]
-    """The model's fields as written (a plan for another model is told apart field by field)."""
+    model: Workload
+    """The model planned for (a plan for another model is told apart field by field)."""
     cluster: str
     world_size: int
     considered: int
@@ -115,23 +115,17 @@ class PlanRecord:
     def best(self) -> CandidateRecord:
         return self.candidates[0]
 
-    def workload(self, where: str) -> Workload:
-        try:
-            return Workload(**self.model)
-        except (TypeError, ValueError, PipetteError) as e:
-            raise PipetteError(f"{where}: malformed model ({e!r})") from None
-
     @classmethod
     def from_plan(cls, result: Plan, phases_s: Mapping[str, float] | None = None,
                   calibration: CalibrationRef | None = None) -> PlanRecord:
         candidates = tuple(CandidateRecord(c.layout, c.placement, c.time.iteration_time_s, c.memory, candidate_json(c),
                                            c.time.extrapolations) for c in result.candidates)
-        return cls(model=dataclasses.asdict(result.workload), cluster=result.cluster_name,
+        return cls(model=result.workload, cluster=result.cluster_name,
                    world_size=result.world_size, considered=result.considered, out_of_memory=result.out_of_memory,
                    candidates=candidates, phases_s=phases_s, calibration=calibration)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"schema": SCHEMA, "version": VERSION, "model": dict(self.model), "cluster": self.cluster,
+        doc = {"schema": SCHEMA, "version": VERSION, "model": dataclasses.asdict(self.model), "cluster": self.cluster,
                "world_size": self.world_size, "considered": self.considered, "out_of_memory": self.out_of_memory,
                "candidates": [dict(c.document) for c in self.candidates]}
         if self.phases_s is not None:
@@ -151,15 +145,23 @@ class PlanRecord:
             raise PipetteError(f"{where}: the plan has no candidate")
         if not isinstance(doc.get("model"), dict):
             raise PipetteError(f"{where}: the plan has no model")
+        model = _model_from_json(doc["model"], where)
         try:
             calibration = None if doc.get("calibration") is None else \
                 CalibrationRef(str(doc["calibration"]["id"]), dict(doc["calibration"]["factors"]))
-            return cls(model=doc["model"], cluster=str(doc["cluster"]), world_size=int(doc["world_size"]),
+            return cls(model=model, cluster=str(doc["cluster"]), world_size=int(doc["world_size"]),
                        considered=int(doc["considered"]), out_of_memory=int(doc["out_of_memory"]),
                        candidates=tuple(_candidate_from_json(c, where) for c in doc["candidates"]),
                        phases_s=doc.get("phases_s"), calibration=calibration, self_check=doc.get("self_check"))
         except (KeyError, TypeError, ValueError) as e:
             raise PipetteError(f"{where}: malformed plan ({e!r})") from None
+
+
+def _model_from_json(doc: dict[str, Any], where: str) -> Workload:
+    try:
+        return Workload(**doc)
+    except (TypeError, ValueError, PipetteError) as e:
+        raise PipetteError(f"{where}: malformed model ({e!r})") from None
 
 
 _STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageMemory))

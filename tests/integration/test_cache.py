@@ -396,7 +396,7 @@ def test_a_cached_plan_for_another_job_warns_and_plans_again(entry: Entry, capsy
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1
     assert "cannot run this job (--global-batch-size 48 in the plan, 16 here): planning again" in out
-    assert found.plan is not None and found.plan.model["global_batch_size"] == 16
+    assert found.plan is not None and found.plan.model.global_batch_size == 16
 
 
 def test_a_pinned_plan_is_checked_and_planned_again_when_it_cannot_run(entry: Entry, tmp_path: Path,

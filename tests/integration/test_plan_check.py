@@ -76,10 +76,18 @@ def test_a_plan_that_cannot_run_this_job_says_why(doc, req, problem: str) -> Non
     ({**plan_doc(TINY, DP4), "candidates": [{"layout": {"tensor_model_parallel_size": "x"}}]},
      "p.json: malformed candidate"),
     ({**plan_doc(TINY, DP4), "world_size": None}, "p.json: malformed plan"),
-], ids=["old version", "no model", "malformed", "malformed header"])
+    ({**plan_doc(TINY, DP4), "model": {**dataclasses.asdict(TINY), "num_layers": 0}},
+     r"^p.json: malformed model \(.*--num-layers"),
+    ({**plan_doc(TINY, DP4), "model": {**dataclasses.asdict(TINY), "layers": 2}},
+     "^p.json: malformed model .*'layers'"),
+], ids=["old version", "no model", "malformed", "malformed header", "model value", "model field"])
 def test_a_document_that_is_not_a_plan_is_refused_by_its_reader(doc, problem: str) -> None:
     with pytest.raises(PipetteError, match=problem):
         record(doc)
+
+
+def test_the_record_reads_the_model_as_a_workload() -> None:
+    assert record(plan_doc(MOE, DP4)).model == MOE
 
 
 def test_the_record_writes_back_the_document_it_read() -> None:
