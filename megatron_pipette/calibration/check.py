@@ -175,10 +175,6 @@ class CheckResult:
                        "compared without them")
         return out
 
-    def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "time_error": self.time_error,
-                "over_memory": [{"stage": s.stage, "term": t} for s, t in self.over_memory()]}
-
 
 def gib(values: Sequence[int | None], unit: int = GiB) -> str:
     """Byte counts in GiB (or `unit`) joined by '/', all with the decimals that give the largest

@@ -329,7 +329,7 @@ def _record(entry: Entry, candidate: CandidateRecord, result: CheckResult) -> No
     if cached is None or cached.best.digest() != candidate.digest():
         log(f"self-check not recorded: {entry.file(PLAN)} holds another plan now, or none", 0)
         return
-    if not entry.write(PLAN, replace(cached, self_check=result.as_json()).to_json()):
+    if not entry.write(PLAN, replace(cached, self_check=result).to_json()):
         return
     log(f"self-check written to {entry.file(PLAN)}", 0)
     _draw(entry, result, calibrate(entry, cached, result))

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_pipette.calibration.check import CheckResult, StageCheck
 from megatron_pipette.cost.memory import MemoryEstimate, StageMemory
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.errors import PipetteError
@@ -108,8 +109,8 @@ class PlanRecord:
     phases_s: Mapping[str, float] | None = None
     """Seconds per phase of the start that made it (the in-job hook's plans)."""
     calibration: CalibrationRef | None = None
-    self_check: Mapping[str, Any] | None = None
-    """What a self-check measured of it (CheckResult.as_json)."""
+    self_check: CheckResult | None = None
+    """What a self-check measured of it."""
 
     @property
     def best(self) -> CandidateRecord:
@@ -133,7 +134,7 @@ class PlanRecord:
         if self.calibration is not None:
             doc["calibration"] = {"id": self.calibration.id, "factors": dict(self.calibration.factors)}
         if self.self_check is not None:
-            doc["self_check"] = dict(self.self_check)
+            doc["self_check"] = _check_json(self.self_check)
         return doc
 
     @classmethod
@@ -146,13 +147,14 @@ class PlanRecord:
         if not isinstance(doc.get("model"), dict):
             raise PipetteError(f"{where}: the plan has no model")
         model = _model_from_json(doc["model"], where)
+        check = None if doc.get("self_check") is None else _check_from_json(doc["self_check"], where)
         try:
             calibration = None if doc.get("calibration") is None else \
                 CalibrationRef(str(doc["calibration"]["id"]), dict(doc["calibration"]["factors"]))
             return cls(model=model, cluster=str(doc["cluster"]), world_size=int(doc["world_size"]),
                        considered=int(doc["considered"]), out_of_memory=int(doc["out_of_memory"]),
                        candidates=tuple(_candidate_from_json(c, where) for c in doc["candidates"]),
-                       phases_s=doc.get("phases_s"), calibration=calibration, self_check=doc.get("self_check"))
+                       phases_s=doc.get("phases_s"), calibration=calibration, self_check=check)
         except (KeyError, TypeError, ValueError) as e:
             raise PipetteError(f"{where}: malformed plan ({e!r})") from None
 
@@ -162,6 +164,41 @@ def _model_from_json(doc: dict[str, Any], where: str) -> Workload:
         return Workload(**doc)
     except (TypeError, ValueError, PipetteError) as e:
         raise PipetteError(f"{where}: malformed model ({e!r})") from None
+
+
+def _check_json(check: CheckResult) -> dict[str, Any]:
+    """A self-check as the plan holds it, with its time error and the stages over memory (read by
+    people and benchmarks; _check_from_json derives them again)."""
+    return {**dataclasses.asdict(check), "time_error": check.time_error,
+            "over_memory": [{"stage": s.stage, "term": t} for s, t in check.over_memory()]}
+
+
+def _check_from_json(doc: Any, where: str) -> CheckResult:
+    try:
+        first, last = doc["iterations"]
+        return CheckResult(iterations=(int(first), int(last)), predicted_s=float(doc["predicted_s"]),
+                           measured_s=float(doc["measured_s"]), forward_backward_s=float(doc["forward_backward_s"]),
+                           stages=tuple(map(_stage_check_from_json, doc["stages"])),
+                           missing_ranks=tuple(map(int, doc["missing_ranks"])), margin=float(doc["margin"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PipetteError(f"{where}: malformed self_check ({e!r})") from None
+
+
+def _terms(doc: Any) -> dict[str, int] | None:
+    return None if doc is None else {str(k): int(v) for k, v in doc.items()}
+
+
+def _stage_check_from_json(doc: Any) -> StageCheck:
+    """A stage of a self-check; one written before tensors were counted has neither tensor field
+    (predicted_tensors then reads empty)."""
+    measured_peak = doc["measured_peak_bytes"]
+    return StageCheck(stage=int(doc["stage"]), ranks=int(doc["ranks"]), compute_s=float(doc["compute_s"]),
+                      predicted_peak_bytes=int(doc["predicted_peak_bytes"]),
+                      predicted_terms=_terms(doc["predicted_terms"]),
+                      measured_peak_bytes=None if measured_peak is None else int(measured_peak),
+                      measured_terms=_terms(doc["measured_terms"]),
+                      predicted_tensors=_terms(doc.get("predicted_tensors")) or {},
+                      measured_tensors=_terms(doc.get("measured_tensors")))
 
 
 _STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageMemory))

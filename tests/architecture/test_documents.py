@@ -61,9 +61,10 @@ def _calibration_keys() -> set[str]:
 
 
 SHARED = {"schema", "version", "model", "cluster", "world_size", "gpus_per_node", "name", "gpu", "num_nodes",
-          "device_name", "probe", "skipped", "device"}
-"""Keys that other documents (the layer profile, a calibration, the catalog's presets), a rank's identity,
-the phase names or Megatron's own arguments use too: a subscript of one does not say which document it reads."""
+          "device_name", "probe", "skipped", "device", "iterations", "predicted_s", "measured_s"}
+"""Keys that other documents (the layer profile, a calibration, the catalog's presets, a plan's self-check: its
+CheckResult's field names), a rank's identity, the phase names or Megatron's own arguments use too: a subscript
+of one does not say which document it reads."""
 CODECS = {"report.plan_document": _plan_keys(), "spec.cluster_file": _cluster_keys(),
           "spec.layer_profile": _profile_keys(), "calibration.document": _calibration_keys()}
 """Codec module -> the keys of its document, which only it subscripts."""

@@ -1,11 +1,13 @@
 """A plan is checked against the job before any rank applies it (integration.plan_check, torch-free)."""
 
 import dataclasses
+import json
 from dataclasses import replace
 
 import pytest
 
 from helpers.plans import plan_doc
+from megatron_pipette.calibration.check import CheckResult, StageCheck
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
 from megatron_pipette.report.plan_document import PlanRecord
@@ -90,8 +92,54 @@ def test_the_record_reads_the_model_as_a_workload() -> None:
     assert record(plan_doc(MOE, DP4)).model == MOE
 
 
+CHECK = CheckResult(iterations=(2, 6), predicted_s=0.069, measured_s=0.11, forward_backward_s=0.084, stages=(
+    StageCheck(stage=0, ranks=2, compute_s=0.05, predicted_peak_bytes=100, measured_peak_bytes=120,
+               predicted_terms={"model state": 50, "activations": 30, "overheads": 20},
+               measured_terms={"model state": 50, "activations": 50, "overheads": 20},
+               predicted_tensors={"model state": 50, "activations": 30}, measured_tensors=None),),
+    missing_ranks=(3,))
+
+
+def as_written(value: dict) -> dict:
+    return json.loads(json.dumps(value))
+
+
+CHECKED = as_written(replace(record(plan_doc(TINY, DP4)), self_check=CHECK).to_json())
+"""A plan document as the self-check writes it back."""
+
+
+WRITTEN_CHECK = {
+    "iterations": [2, 6], "predicted_s": 0.06900179066404145, "measured_s": 0.11080296400086809,
+    "forward_backward_s": 0.08368460949986911, "stages": [{
+        "stage": 0, "ranks": 4, "compute_s": 0.05324791449947952, "predicted_peak_bytes": 2163341771,
+        "predicted_terms": {"model state": 5363712, "activations": 9863168, "overheads": 2148114891},
+        "measured_peak_bytes": None, "measured_terms": None,
+        "predicted_tensors": {"model state": 5363712, "activations": 9076736},
+        "measured_tensors": {"model state": 5684848, "activations": 9151748}}],
+    "missing_ranks": [], "margin": 0.05, "time_error": 0.6057983848614854, "over_memory": []}
+"""A CPU rehearsal's self-check as a cached plan.json holds it (written before the record was typed)."""
+
+
 def test_the_record_writes_back_the_document_it_read() -> None:
     """Old cached plans keep their format: read and written again, a document is unchanged."""
-    doc = {**plan_doc(TINY, DP4), "phases_s": {"plan": 0.5}, "calibration": {"id": "c1", "factors": {"compute": 1.1}},
-           "self_check": {"measured_s": 0.2}}
-    assert record(doc).to_json() == doc
+    doc = {**plan_doc(TINY, DP4), "phases_s": {"plan": 0.5},
+           "calibration": {"id": "c1", "factors": {"compute": 1.1}}, "self_check": WRITTEN_CHECK}
+    assert record(doc).self_check.measured_s == WRITTEN_CHECK["measured_s"]
+    assert as_written(record(doc).to_json()) == doc
+    assert record(CHECKED).self_check == CHECK
+
+
+def test_a_self_check_written_before_tensors_were_counted_still_reads() -> None:
+    old = as_written(CHECKED["self_check"])
+    for stage in old["stages"]:
+        del stage["predicted_tensors"], stage["measured_tensors"]
+    check = record({**CHECKED, "self_check": old}).self_check
+    assert check is not None and check.stages[0].predicted_tensors == {} and check.stages[0].measured_tensors is None
+    assert check.lines() == CHECK.lines()
+
+
+@pytest.mark.parametrize("check", [{"measured_s": 0.2}, {**CHECKED["self_check"], "iterations": [2]},
+                                   {**CHECKED["self_check"], "stages": [{"stage": "first"}]}])
+def test_a_malformed_self_check_is_refused_naming_the_file_and_field(check: dict) -> None:
+    with pytest.raises(PipetteError, match=r"^p.json: malformed self_check \("):
+        record({**plan_doc(TINY, DP4), "self_check": check})
