@@ -80,10 +80,6 @@ class CalibrationRecord:
         """The most self-checks any of its factors combines."""
         return max(self.fits.values(), default=1)
 
-    def factors_json(self) -> dict[str, Any]:
-        """The factors as the document writes them (a plan made with this calibration carries them too)."""
-        return _factors_json(self.factors)
-
     def to_json(self) -> dict[str, Any]:
         return {**_body(self.factors, self.fitted_on, self.fits), "id": self.id}
 
@@ -95,10 +91,7 @@ class CalibrationRecord:
                 raise ValueError(f"not a {SCHEMA} version {VERSION} document")
             if not isinstance(doc["id"], str):
                 raise ValueError("its id is not a string")
-            f, on = doc["factors"], doc["fitted_on"]
-            factors = Factors(compute_rate=float(f["compute_rate"]), memory_rate=float(f["memory_rate"]),
-                              link_bandwidth={str(k): float(v) for k, v in f["link_bandwidth"].items()},
-                              memory_overhead_bytes=int(f["memory_overhead_bytes"]))
+            factors, on = _factors_from_json(doc["factors"]), doc["fitted_on"]
             calibrated, device = on.get("calibrated_s"), on.get("device_memory_bytes")
             fitted_on = FittedOn(layout=dict(on.get("layout") or {}), node_order=tuple(on.get("node_order") or ()),
                                  iterations=tuple(on.get("iterations") or ()), measured_s=float(on["measured_s"]),
@@ -120,6 +113,27 @@ class CalibrationRecord:
         return cls(id=doc["id"], factors=factors, fitted_on=fitted_on, fits=fits)
 
 
+@dataclass(frozen=True)
+class CalibrationRef:
+    """The calibration a plan was made with, as the plan document holds it: its id (tells whether the
+    allocation's calibration is still the one planned with) and its factors (for whoever reads the plan)."""
+
+    id: str
+    factors: Factors
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "factors": _factors_json(self.factors)}
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> CalibrationRef:
+        """A plan's calibration; PipetteError naming `where` if it is malformed (no bounds: the plan
+        records what it was made with)."""
+        try:
+            return cls(str(doc["id"]), _factors_from_json(doc["factors"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PipetteError(f"{where}: malformed calibration ({e!r})") from None
+
+
 def _out_of_bounds(factors: Factors, device_memory_bytes: int | None) -> str | None:
     """Which factor is outside its physical bounds (fit.*_BOUNDS, fit.MAX_OVERHEAD_SHARE), if one is."""
     rates = [("compute", factors.compute_rate, COMPUTE_BOUNDS), ("memory-bound", factors.memory_rate, MEMORY_BOUNDS),
@@ -136,6 +150,12 @@ def _out_of_bounds(factors: Factors, device_memory_bytes: int | None) -> str | N
 
 def _factors_json(factors: Factors) -> dict[str, Any]:
     return {**asdict(factors), "link_bandwidth": dict(factors.link_bandwidth)}
+
+
+def _factors_from_json(doc: Any) -> Factors:
+    return Factors(compute_rate=float(doc["compute_rate"]), memory_rate=float(doc["memory_rate"]),
+                   link_bandwidth={str(k): float(v) for k, v in doc["link_bandwidth"].items()},
+                   memory_overhead_bytes=int(doc["memory_overhead_bytes"]))
 
 
 def _body(factors: Factors, on: FittedOn, fits: Mapping[str, int]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_pipette.calibration.check import CheckResult
-from megatron_pipette.calibration.document import CalibrationRecord
+from megatron_pipette.calibration.document import CalibrationRecord, CalibrationRef
 from megatron_pipette.calibration.fit import Factors, Fit, calibrated, fit
 from megatron_pipette.cost.memory import environment_overheads
 from megatron_pipette.cost.model import CostModel
@@ -56,7 +56,7 @@ from megatron_pipette.integration.common import Phases, log
 from megatron_pipette.integration.plan_check import JobRequest, measured_problem, plan_problems
 from megatron_pipette.plan.losses import place_layouts
 from megatron_pipette.plan.planner import Candidate, Plan, evaluate, plan
-from megatron_pipette.report.plan_document import CalibrationRef, PlanRecord
+from megatron_pipette.report.plan_document import PlanRecord
 from megatron_pipette.report.plans import plan_report, rejected_by_rule
 from megatron_pipette.spec.cluster_file import ClusterFile, NodeIdentity, select_nodes
 from megatron_pipette.spec.hardware import Cluster
@@ -308,7 +308,7 @@ def _take_loss_plan(request: JobRequest, entry: Entry, other: Entry, loss: PlanR
 
 def _reference(calibration: CalibrationRecord | None) -> CalibrationRef | None:
     """What a plan document says of the calibration it was made with."""
-    return None if calibration is None else CalibrationRef(calibration.id, calibration.factors_json())
+    return None if calibration is None else CalibrationRef(calibration.id, calibration.factors)
 
 
 def _write_plan(result: Plan, request: JobRequest, entry: Entry, phases: Phases,

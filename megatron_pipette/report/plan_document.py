@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_pipette.calibration.check import CheckResult, StageCheck
+from megatron_pipette.calibration.document import CalibrationRef
 from megatron_pipette.cost.memory import MemoryEstimate, StageMemory
 from megatron_pipette.cost.timing import TimeEstimate
 from megatron_pipette.errors import PipetteError
@@ -85,14 +86,6 @@ class CandidateRecord:
         return hashlib.sha256(json.dumps(self.document, sort_keys=True).encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class CalibrationRef:
-    """The calibration a plan was made with (calibration.fit's document: its id and factors)."""
-
-    id: str
-    factors: Mapping[str, Any]
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlanRecord:
     """A plan document (plan.json, the plan beside a checkpoint, `pipette plan --json`), typed. Its one
@@ -132,7 +125,7 @@ class PlanRecord:
         if self.phases_s is not None:
             doc["phases_s"] = dict(self.phases_s)
         if self.calibration is not None:
-            doc["calibration"] = {"id": self.calibration.id, "factors": dict(self.calibration.factors)}
+            doc["calibration"] = self.calibration.to_json()
         if self.self_check is not None:
             doc["self_check"] = _check_json(self.self_check)
         return doc
@@ -148,9 +141,8 @@ class PlanRecord:
             raise PipetteError(f"{where}: the plan has no model")
         model = _model_from_json(doc["model"], where)
         check = None if doc.get("self_check") is None else _check_from_json(doc["self_check"], where)
+        calibration = None if doc.get("calibration") is None else CalibrationRef.from_json(doc["calibration"], where)
         try:
-            calibration = None if doc.get("calibration") is None else \
-                CalibrationRef(str(doc["calibration"]["id"]), dict(doc["calibration"]["factors"]))
             return cls(model=model, cluster=str(doc["cluster"]), world_size=int(doc["world_size"]),
                        considered=int(doc["considered"]), out_of_memory=int(doc["out_of_memory"]),
                        candidates=tuple(_candidate_from_json(c, where) for c in doc["candidates"]),

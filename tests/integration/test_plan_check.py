@@ -8,6 +8,8 @@ import pytest
 
 from helpers.plans import plan_doc
 from megatron_pipette.calibration.check import CheckResult, StageCheck
+from megatron_pipette.calibration.document import CalibrationRef
+from megatron_pipette.calibration.fit import Factors
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.integration.plan_check import JobRequest, plan_problems
 from megatron_pipette.report.plan_document import PlanRecord
@@ -118,13 +120,20 @@ WRITTEN_CHECK = {
         "measured_tensors": {"model state": 5684848, "activations": 9151748}}],
     "missing_ranks": [], "margin": 0.05, "time_error": 0.6057983848614854, "over_memory": []}
 """A CPU rehearsal's self-check as a cached plan.json holds it (written before the record was typed)."""
+WRITTEN_CALIBRATION = {"id": "3f2a9c41d0b7e655", "factors": {
+    "compute_rate": 1.0434915753790066, "memory_rate": 0.05037420638752311,
+    "link_bandwidth": {"intra_node": 0.3071553156141707}, "memory_overhead_bytes": 0}}
+"""The calibration a plan was made with, as the hook wrote it before the record was typed."""
 
 
 def test_the_record_writes_back_the_document_it_read() -> None:
     """Old cached plans keep their format: read and written again, a document is unchanged."""
-    doc = {**plan_doc(TINY, DP4), "phases_s": {"plan": 0.5},
-           "calibration": {"id": "c1", "factors": {"compute": 1.1}}, "self_check": WRITTEN_CHECK}
+    doc = {**plan_doc(TINY, DP4), "phases_s": {"plan": 0.5}, "calibration": WRITTEN_CALIBRATION,
+           "self_check": WRITTEN_CHECK}
     assert record(doc).self_check.measured_s == WRITTEN_CHECK["measured_s"]
+    assert record(doc).calibration == CalibrationRef("3f2a9c41d0b7e655", Factors(
+        compute_rate=1.0434915753790066, memory_rate=0.05037420638752311,
+        link_bandwidth={"intra_node": 0.3071553156141707}, memory_overhead_bytes=0))
     assert as_written(record(doc).to_json()) == doc
     assert record(CHECKED).self_check == CHECK
 
@@ -136,6 +145,14 @@ def test_a_self_check_written_before_tensors_were_counted_still_reads() -> None:
     check = record({**CHECKED, "self_check": old}).self_check
     assert check is not None and check.stages[0].predicted_tensors == {} and check.stages[0].measured_tensors is None
     assert check.lines() == CHECK.lines()
+
+
+@pytest.mark.parametrize("calibration", [{"id": "c1", "factors": {"compute": 1.1}},
+                                         {**WRITTEN_CALIBRATION, "factors": {**WRITTEN_CALIBRATION["factors"],
+                                                                             "link_bandwidth": [1.0]}}])
+def test_a_malformed_calibration_is_refused_naming_the_file_and_field(calibration: dict) -> None:
+    with pytest.raises(PipetteError, match=r"^p.json: malformed calibration \("):
+        record({**plan_doc(TINY, DP4), "calibration": calibration})
 
 
 @pytest.mark.parametrize("check", [{"measured_s": 0.2}, {**CHECKED["self_check"], "iterations": [2]},
