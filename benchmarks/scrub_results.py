@@ -1,6 +1,6 @@
 """Make a results folder fit for the repository: no machine's absolute paths, raw logs packed.
 
-    python benchmarks/scrub_results.py benchmarks/results/NAME [...] [--map PREFIX=REPLACEMENT]
+    python -m benchmarks.scrub_results benchmarks/results/NAME [...] [--map PREFIX=REPLACEMENT]
         [--pack [--keep GLOB ...]]
 
 Why: a run's logs and documents name the folders of the machine it ran on (its checkout, its

@@ -1,11 +1,11 @@
 """Causal attention on this GPU: torch's fused kernels against the planner's core-attention price.
 
-    python benchmarks/attention_efficiency.py --out attention.json [--budget-s 45] [--quick]
+    python -m benchmarks.calibration.attention_efficiency --out attention.json [--budget-s 45] [--quick]
 
 Why: the planner prices the core attention (scores and weighted values) of a causal flash or
 fused kernel at half the full s x s work (2 b s^2 a d FLOPs forward, twice that backward) at
 the rate measured here (the attention tables of data/gemm_efficiency.json, fitted from this
-script's output by benchmarks/gemm_table.py), or without a table at its GEMM curve. This times
+script's output by benchmarks/calibration/gemm_table.py), or without a table at its GEMM curve. This times
 torch.nn.functional.scaled_dot_product_attention (causal, bf16) forward and backward with
 the flash backend (FlashAttention-2) and the cuDNN backend (the kernel Transformer
 Engine's fused attention runs) at one TP rank's shapes (b 1, heads/TP, query groups/TP,
@@ -20,7 +20,7 @@ the scores: 2.5 times the forward's matrix work).
 Method: q, k, v random normal in Megatron's [b, s, heads, d] layout, passed transposed
 ([b, heads, s, d] views); GQA through enable_gqa, or with k and v repeated to all heads
 where the backend refuses it ("gqa" says which). Backward is autograd.grad of the
-output against a random gradient. Timing as benchmarks/gemm_efficiency.py (CUDA events,
+output against a random gradient. Timing as benchmarks/calibration/gemm_efficiency.py (CUDA events,
 L2 flushed, median of >= 5 after warm-up). `--quick` runs tiny shapes on the CPU with
 torch's default backend.
 """
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, sig, write_json
 
+from benchmarks.gpu import Gemm, Timer, device_metadata, gemm_step, sig, write_json
 from megatron_pipette.cost.compute import RankShape, core_attention
 from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.spec.hardware import gpu_catalog

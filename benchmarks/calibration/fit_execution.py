@@ -1,13 +1,13 @@
 """Fit the time model's execution constants on the development set of published H100 runs only.
 
-    python benchmarks/fit_execution.py [--out benchmarks/results/fit_execution-DATE]
+    python -m benchmarks.calibration.fit_execution [--out benchmarks/results/fit_execution-DATE]
 
 Why: three costs of a real training step have no kernel table to read them from (cost.execution):
 the share of the GEMM tables' rate a step's GEMMs get (GPU.step_gemm_fraction), the compute an
 overlapped NCCL collective takes (Execution.nccl_compute_share), and an MoE layer's fixed cost
 (Execution.moe_layer_fixed_s). Each is scanned over its physical range only (cost.execution gives
 the bounds: a collective holds at least its channels' SMs, an MoE layer at least its small collectives), by grid
-search on the mean |error| of benchmarks/published_runs_h100.py's rows
+search on the mean |error| of benchmarks/validation/published_runs_h100.py's rows
 priced with their recipes; the runs kept apart are never seen here. The dense rows decide the first
 two, on a joint grid (they trade against each other), the MoE rows then the third.
 """
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from published_runs_h100 import DATA, is_moe, pinned
 
+from benchmarks.validation.published_runs_h100 import DATA, is_moe, pinned
 from megatron_pipette.cost.execution import Execution
 
 STEP_FRACTIONS = [round(0.80 + 0.02 * i, 2) for i in range(11)]        # 0.80-1.00: at most the tables' rate

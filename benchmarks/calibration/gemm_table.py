@@ -1,13 +1,13 @@
 """Fit the planner's GEMM efficiency table from measured GEMMs, and score it on held-out shapes.
 
-    python benchmarks/gemm_table.py [--write] [--out benchmarks/results/gemm_table-DATE]
+    python -m benchmarks.calibration.gemm_table [--write] [--out benchmarks/results/gemm_table-DATE]
 
 Why: the planner prices a GEMM at the device's large-GEMM rate (cluster.gemm_flops, the rate of
 an 8192^3 GEMM, which the probe measures) times the fraction of it that GEMM's shape attains.
 That fraction comes from a table measured per GPU (megatron_pipette/data/gemm_efficiency.json,
 read by cost.gemm.gemm_curve), not from a constant. This script builds the table.
 
-Input: the H100 runs of benchmarks/gemm_efficiency.py (RUNS below): 9,070 timed bf16 and fp8
+Input: the H100 runs of benchmarks/calibration/gemm_efficiency.py (RUNS below): 9,070 timed bf16 and fp8
 GEMMs, 7,136 distinct (m, n, k, operand layout, dtype), the GEMMs of the transformer layers of
 24 models of hidden size 1024-25600 at TP 1-8 and 2048-16384 tokens, in their forward, data-
 and weight-gradient orientations. A GEMM's value is its rate over its own run's 8192^3 rate
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = [ROOT / "benchmarks/results/h100-2026-11-23-run1/gemm_efficiency.json",
         ROOT / "benchmarks/results/h100-2026-11-23-run2/gemm_efficiency.json"]
 ATTENTION = ROOT / "benchmarks/results/h100-2026-11-23-run1/attention.json"

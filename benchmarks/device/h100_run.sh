@@ -92,12 +92,12 @@ EOF
 
     if wants gemm; then
         say "GEMM efficiency table (budget ${GEMM_S} s)"
-        step $((GEMM_S + 60)) "$PYTHON" benchmarks/gemm_efficiency.py $QUICK --budget-s "$GEMM_S" \
+        step $((GEMM_S + 60)) "$PYTHON" -m benchmarks.calibration.gemm_efficiency $QUICK --budget-s "$GEMM_S" \
             ${GEMM_TOKENS:+--tokens $GEMM_TOKENS} --out "$OUT/gemm_efficiency.json"
     fi
     if wants attention; then
         say "causal attention (budget ${ATTENTION_S} s)"
-        step $((ATTENTION_S + 60)) "$PYTHON" benchmarks/attention_efficiency.py $QUICK --budget-s "$ATTENTION_S" \
+        step $((ATTENTION_S + 60)) "$PYTHON" -m benchmarks.calibration.attention_efficiency $QUICK --budget-s "$ATTENTION_S" \
             --out "$OUT/attention.json"
     fi
     if wants profile; then
@@ -136,7 +136,7 @@ pathlib.Path(sys.argv[2]).write_text(json.dumps(rows, indent=1) + "\n")
 EOF
         rm -rf "$cmp"
     fi
-    local check=benchmarks/device/cost_check.py window=5 dry_flag=
+    local check="-m benchmarks.validation.cost_check" window=5 dry_flag=
     [[ $DRY == 1 ]] && { SUSTAIN_S=3 window=1 dry_flag=--dry-run; }
     if wants sustained; then
         say "sustained GEMM (${SUSTAIN_S} s per dtype)"
@@ -175,11 +175,11 @@ EOF
         say "the in-job path: $starts starts under --auto-parallel (limit ${room} s)"
         # Each start gets its share of the room; the script's own limit per start keeps it inside.
         # INJOB_ARGS: more of in_job.py's options (--first-only, --pick-check MBS ...; INJOB_STARTS to match).
-        step "$room" "$PYTHON" benchmarks/device/in_job.py $dry_flag --out "$OUT/in_job" \
+        step "$room" "$PYTHON" -m benchmarks.validation.in_job $dry_flag --out "$OUT/in_job" \
             --limit-s $(((room - 10) / starts)) ${MEGATRON_LM:+--megatron-lm "$MEGATRON_LM"} ${INJOB_ARGS:-}
     fi
     say "recap"
-    "$PYTHON" benchmarks/device/recap.py "$OUT"
+    "$PYTHON" -m benchmarks.device.recap "$OUT"
     say "done"
 }
 

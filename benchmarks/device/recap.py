@@ -1,6 +1,6 @@
 """Short recap of a GPU-machine run's result folder, printed last so it survives a cut log.
 
-    python benchmarks/device/recap.py OUT_DIR
+    python -m benchmarks.device.recap OUT_DIR
 
 Why: only the end of the run's output comes back with the files; this puts the figures
 that matter in a few lines there: the GEMM table's summary and fit, attention's
@@ -15,11 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cost_check import recap as cost_check_lines  # noqa: E402
-from gemm_efficiency import summary  # noqa: E402
-from in_job import summary as in_job_lines  # noqa: E402
+from benchmarks.calibration.gemm_efficiency import summary
+from benchmarks.validation.cost_check import recap as cost_check_lines
+from benchmarks.validation.in_job import summary as in_job_lines
 
 
 def load(path: Path) -> dict | None:

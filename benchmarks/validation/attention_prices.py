@@ -1,6 +1,6 @@
 """The planner's causal-attention price held against an attention.json the GPU machine wrote.
 
-    python benchmarks/device/attention_prices.py benchmarks/results/h200-2026-11-26-profiles/attention.json
+    python -m benchmarks.validation.attention_prices benchmarks/results/h200-2026-11-26-profiles/attention.json
 
 Why: attention_efficiency.py's own `forward_ratio` compares with the planner's price without its
 measured kernel curves; this prices each row as the planner does (cost.gemm.attention_curve of the

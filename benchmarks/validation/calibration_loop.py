@@ -1,6 +1,6 @@
 """The calibration loop closed on a deliberately mis-set cluster file.
 
-    python benchmarks/calibration_loop.py [--emulated] [--factor 0.25] [--rate-mbit 400] [--out DIR]
+    python -m benchmarks.validation.calibration_loop [--emulated] [--factor 0.25] [--rate-mbit 400] [--out DIR]
 
 1. Seed: a small GPT under --auto-parallel --auto-parallel-dry-run probes the links, profiles a
    layer and plans; the allocation's cache directory then holds cluster.json, layer_profile.json
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 EXAMPLE = str(REPO / "examples" / "pretrain_gpt.py")
 # A launch line written for GPUs: the hook supplies the CPU settings.

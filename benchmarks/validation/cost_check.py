@@ -1,6 +1,6 @@
 """The planner's GPU prices held against one GPU, one part at a time.
 
-    python benchmarks/device/cost_check.py PART --out FILE.json [--dry-run] [--gpu NAME]
+    python -m benchmarks.validation.cost_check PART --out FILE.json [--dry-run] [--gpu NAME]
 
 Why: the GEMM table was measured in short bursts (5-30 runs of a few ms each, L2 flushed) and the
 sustained fraction that corrects it was fitted on published runs, not measured; the MoE experts'
@@ -77,10 +77,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gemm_efficiency import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
-
+from benchmarks.gpu import Gemm, Timer, device_metadata, gemm_step, nvidia_smi, sig, write_json  # noqa: E402
 from megatron_pipette.cli.main import main as pipette  # noqa: E402
 from megatron_pipette.cost.compute import CROSS_ENTROPY_BANDWIDTH_SHARE, cross_entropy_bytes  # noqa: E402
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION  # noqa: E402

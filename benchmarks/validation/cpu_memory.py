@@ -1,6 +1,6 @@
 """The memory model's terms against the tensors counted in CPU rehearsal, per pipeline stage.
 
-    python benchmarks/cpu_memory.py [--out benchmarks/results/cpu_memory-DATE]
+    python -m benchmarks.validation.cpu_memory [--out benchmarks/results/cpu_memory-DATE]
 
 Why: on CPU there is no allocator to ask for a peak, but the terms that do not depend on one can
 be counted. Each layout trains the tiny GPT of examples/auto_parallel_cpu.sh (4 gloo processes)
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "auto_parallel_cpu.sh"
 TERMS = ("model state", "activations")
 LAYOUTS = {

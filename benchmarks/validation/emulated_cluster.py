@@ -1,6 +1,6 @@
 """Validation on an emulated multi-node cluster (tools/emucluster; root, iproute2 and tc needed).
 
-    python benchmarks/emulated_cluster.py [--only probe|placement|predictions] [--out out/emulated_cluster]
+    python -m benchmarks.validation.emulated_cluster [--only probe|placement|predictions] [--out out/emulated_cluster]
 
 1. Probe fidelity: 8 nodes x 1 process (--probe-nproc 2 for two), links shaped with htb at
    200 Mbit/s, node 3 at a quarter of that and the path between nodes 1 and 6 at a tenth; the
@@ -39,8 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 from tools.emucluster import EmuCluster, unavailable_reason  # noqa: E402
 

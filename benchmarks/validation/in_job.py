@@ -1,7 +1,7 @@
 """The in-job path on one GPU: `--auto-parallel` under torchrun on NCCL, then a cached restart and a
 restart with `--load`.
 
-    python benchmarks/device/in_job.py --out DIR [--dry-run] [--budget-s S] [--iters N]
+    python -m benchmarks.validation.in_job --out DIR [--dry-run] [--budget-s S] [--iters N]
         [--megatron-lm DIR] [--first-only] [--pick-check MBS ...]
 
 Why: the hook's probe on NCCL, its CUDA layer profile feeding the plan, the re-initialisation with
@@ -36,9 +36,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cost_check import REPO, TRAIN_COMMON, TRAIN_MODEL, TRAIN_TINY, parse_megatron_log, run_megatron  # noqa: E402
+from benchmarks.validation.cost_check import (  # noqa: E402
+    REPO,
+    TRAIN_COMMON,
+    TRAIN_MODEL,
+    TRAIN_TINY,
+    parse_megatron_log,
+    run_megatron,
+)
 
 HOOK = re.compile(r"^.*?> auto-parallel: (.*)$", re.MULTILINE)
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)")

@@ -3,7 +3,7 @@
 profiler times it (one forward, one backward, CUDA events), then as a chain of 2 and 4 calls of
 the same block in one autograd graph, per micro-batch size.
 
-    python benchmarks/device/layer_chain.py --out DIR [--dry-run] [--mbs 1 2 4 8] [--iters N]
+    python -m benchmarks.validation.layer_chain --out DIR [--dry-run] [--mbs 1 2 4 8] [--iters N]
 
 Why: on the H200 (2026-11-28, h200-2026-11-28-pick) the in-job prediction of micro-batch 2 came out
 x1.16 of the measured step while micro-batches 4 and 8 were x0.95 and x0.93. If each isolated call
@@ -22,8 +22,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def chain_times(workload, mbs: int, calls: int, env, warmup: int, iters: int) -> tuple[float, float]:

@@ -7,7 +7,7 @@ bandwidth being the slower of the two (a dense node x node matrix, as a probe wr
 Each case runs in a fresh process so its peak resident memory (ru_maxrss) is its own; the
 cluster build is timed apart from the planning. Run on one core:
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 taskset -c 0 .venv/bin/python benchmarks/plan_scaling.py
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 taskset -c 0 .venv/bin/python -m benchmarks.validation.plan_scaling
 """
 
 from __future__ import annotations

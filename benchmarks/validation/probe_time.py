@@ -1,11 +1,11 @@
 """How long the in-job probe takes for real: N gloo processes on this machine.
 
-    .venv/bin/python benchmarks/probe_time.py [--nproc 8] [--nnodes 1] [--budget-s 30] [--large-bytes 4M]
+    .venv/bin/python -m benchmarks.validation.probe_time [--nproc 8] [--nnodes 1] [--budget-s 30] [--large-bytes 4M]
 
 Runs the probe under torchrun once (`--nnodes` agents on this host, each its own "node" by
 torchrun's node rank) and prints the rounds inside and between nodes, the per-round time, the
 probe's own duration and the launcher's wall time (which adds the torch import and rendezvous
-of every process). For the probe at scale, see benchmarks/probe_twin.py.
+of every process). For the probe at scale, see benchmarks/validation/probe_twin.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The probe twin at scale: simulated probe time, wall time, what it finds, and what the plan loses.
 
-    .venv/bin/python benchmarks/probe_twin.py [--nodes 1024 2048] [--budget-s 30] [--noise 0.05]
+    .venv/bin/python -m benchmarks.validation.probe_twin [--nodes 1024 2048] [--budget-s 30] [--noise 0.05]
 
 For each size: DGX H100 nodes (8 GPUs), one node at a quarter of the NIC rate and one node pair
 at a tenth; the probe's real logic runs on its twin within the budget. Printed: the simulated

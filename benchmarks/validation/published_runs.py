@@ -1,9 +1,9 @@
 """Predict published Megatron-LM runs and print the iteration-time error of each.
 
-    python benchmarks/published_runs.py [--out benchmarks/results/published_runs-DATE]
+    python -m benchmarks.validation.published_runs [--out benchmarks/results/published_runs-DATE]
 
 Why: the planner's offline accuracy is judged against runs someone else measured. The runs
-(benchmarks/published_runs.json, one citation per row, transcribed from memory of the papers:
+(benchmarks/validation/published_runs.json, one citation per row, transcribed from memory of the papers:
 check them) are GPT models of 1.7B-1T parameters on 8-3072 A100s: Narayanan et al. 2021
 (Table 1) and Korthikanti et al. 2022 (Table 5). Each run is modelled with the published
 TP, PP, GPU count, global batch, recomputation and sequence parallelism, on the dgx-a100

@@ -1,10 +1,11 @@
 """Price NVIDIA's published Blackwell runs at their own layouts with the planner as it stands; print every row.
 
-    python benchmarks/published_runs_blackwell.py [--out benchmarks/results/published_runs_blackwell-DATE] [--search]
-    python benchmarks/published_runs_blackwell.py --resolve WHEEL_DIR
+    python -m benchmarks.validation.published_runs_blackwell
+        [--out benchmarks/results/published_runs_blackwell-DATE] [--search]
+    python -m benchmarks.validation.published_runs_blackwell --resolve WHEEL_DIR
 
 Why: the baseline of issue 31 (Blackwell priced from evidence). The rows
-(benchmarks/published_runs_blackwell.json, a copy of the team's Blackwell development set: Megatron-Bridge
+(benchmarks/validation/published_runs_blackwell.json, a copy of the team's Blackwell development set: Megatron-Bridge
 25.09-26.08 on DGX-B200, DGX-B300, GB200 and GB300 NVL72) give each run's model, published layout,
 precision, global batch and measured tokens/s/GPU. Each row is priced as published_runs_h100.py prices
 its rows (its functions: the same parser, overlaps, recipe environment and pricing), with the launch
@@ -32,8 +33,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from published_runs_h100 import WORST_BAR, base_argv, build, layout_argv, result_row, summary
-
+from benchmarks.validation.published_runs_h100 import WORST_BAR, base_argv, build, layout_argv, result_row, summary
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.megatron_flags import flag_table
 

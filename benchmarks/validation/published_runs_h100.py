@@ -1,12 +1,13 @@
 """Predict NVIDIA's published H100 runs at their own layouts and settings; print every row.
 
-    python benchmarks/published_runs_h100.py [--out benchmarks/results/published_runs_h100-DATE] [--no-search]
+    python -m benchmarks.validation.published_runs_h100
+        [--out benchmarks/results/published_runs_h100-DATE] [--no-search]
 
 --out writes results.json (every row's prediction, breakdown and search) and table.md (the table
 docs/validation.md shows).
 
 Why: the planner is only worth trusting if it agrees with what NVIDIA runs today. The rows
-(benchmarks/published_runs_h100.json, a copy of the team's development set: NeMo 24.07,
+(benchmarks/validation/published_runs_h100.json, a copy of the team's development set: NeMo 24.07,
 Megatron-Bridge 25.09-26.04 and the Megatron-LM README's H100 table) give each run's model flags,
 published layout, global batch, measured tokens/s/GPU, and the Megatron flags its recipe resolves
 to (field `recipe`). Each row is priced the way a user would price it: `pipette estimate` (its

@@ -1,7 +1,7 @@
 """The README's validation table, generated from the kept results, so every figure in it is traceable.
 
-    python benchmarks/validation_summary.py            # prints the table
-    python benchmarks/validation_summary.py --check    # exits 1 when README.md's table differs
+    python -m benchmarks.validation.summary            # prints the table
+    python -m benchmarks.validation.summary --check    # exits 1 when README.md's table differs
 
 Why: figures typed into a README drift from the runs they came from. Each row here reads one kept
 result file (the newest of its benchmark) and names it with the command that reproduces it.
@@ -16,9 +16,9 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-BEGIN, END = "<!-- validation table: benchmarks/validation_summary.py -->", "<!-- end of validation table -->"
+BEGIN, END = "<!-- validation table: benchmarks/validation/summary.py -->", "<!-- end of validation table -->"
 
 
 def _load(folder: str) -> dict:
@@ -82,14 +82,14 @@ def rows() -> list[list[str]]:
          f"{s['priced']} of {s['runs']} priced, {s['predicted_not_to_fit']} of them predicted not to fit; "
          f"MoE free-search median gain "
          f"{s['moe_median_search_gain']:+.0%}",
-         "`python benchmarks/published_runs_h100.py`",
+         "`python -m benchmarks.validation.published_runs_h100`",
          f"{h100['date']}, `{H100_FOLDER}`"],
         ["Published A100 runs (18: Narayanan et al. 2021, Korthikanti et al. 2022, transcribed from memory). "
          "**Half held out**: the A100's GEMM efficiency was calibrated on the other half",
          f"held-out half ({a100['held-out']['runs']}) mean \\|error\\| {a100['held-out']['mean_abs_error']:.1%}, "
          f"worst {a100['held-out']['worst_error']:+.1%}; the calibration's half "
          f"{a100['dev']['mean_abs_error']:.1%}, all {a100['all']['mean_abs_error']:.1%}",
-         "`python benchmarks/published_runs.py`",
+         "`python -m benchmarks.validation.published_runs`",
          f"{a100_run['date']}, `{A100_FOLDER}`"],
         ["NVIDIA's published Blackwell runs (126: Megatron-Bridge 25.09-26.08 on DGX-B200, DGX-B300, GB200 and "
          "GB300 NVL72), published layouts with what the perf recipes set. **Development set, nothing fitted on it "
@@ -97,7 +97,7 @@ def rows() -> list[list[str]]:
          f"{bw['priced']} of {bw['runs']} priced: mean \\|error\\| {bw['mean_abs_error']:.1%}, signed "
          f"{bw['mean_error']:+.1%}, worst {bw['worst_error']:+.1%}, {bw['beyond_25pct']} beyond 25%, "
          f"{bw['predicted_not_to_fit']} predicted not to fit; refused by name: {refused}",
-         "`python benchmarks/published_runs_blackwell.py`",
+         "`python -m benchmarks.validation.published_runs_blackwell`",
          f"{bw_run['date']}, `{BLACKWELL_FOLDER}`"],
         ["Emulated 4-node cluster (network namespaces, shaped links, CPU training), each layout checked to "
          "train as pinned: 22 **held out** but looked at for the diagnosis behind the last change, and 12 "
@@ -106,7 +106,7 @@ def rows() -> list[list[str]]:
          f"{best_vs_fastest(held)} against the fastest measured; fresh: MAPE {fresh['mape']:.1%}, tau "
          f"{fresh['kendall_tau']:.2f}, predicted-best {best_vs_fastest(fresh)}; placement {placed['ratio']:.2f}x "
          "faster than Megatron's order",
-         "`python benchmarks/emulated_cluster.py --only held-out`, `--only fresh` (root)",
+         "`python -m benchmarks.validation.emulated_cluster --only held-out`, `--only fresh` (root)",
          f"2026-11-28, `{emulated_folder}`"],
         ["One H200, no Transformer Engine: kernels held against their prices, and a 1.28B GPT's training step "
          "(Megatron's local layers). **Held out**: nothing was fitted on this GPU",

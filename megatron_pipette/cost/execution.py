@@ -3,7 +3,7 @@
 The roofline and the measured kernel tables price each kernel alone, on an otherwise idle GPU. A
 training step differs in three ways, each priced by one named constant here (their values,
 the data they were fitted on and their physical bounds: docs/time-model.md, "Execution constants";
-benchmarks/fit_execution.py refits them on the development set of published H100 runs only):
+benchmarks/calibration/fit_execution.py refits them on the development set of published H100 runs only):
 
 - Its GEMMs take longer than the tables say, by a share fitted on published runs and not yet
   attributed (GPU.step_gemm_fraction in data/gpus.json, per GPU). It was first read as the clock
@@ -46,6 +46,6 @@ class Execution:
 
 
 DEFAULT_EXECUTION = Execution(nccl_compute_share=0.10, moe_layer_fixed_s=1.6e-3)
-"""Fitted on the development set of published H100 runs only (benchmarks/fit_execution.py; raw
+"""Fitted on the development set of published H100 runs only (benchmarks/calibration/fit_execution.py; raw
 output benchmarks/results/fit_execution-2026-11-26-ep-overlap): the share at the low end of its physical range,
 which decided it (docs/time-model.md), the MoE fixed cost in its upper half."""

@@ -1,7 +1,7 @@
 """GEMM and attention-kernel efficiency, and the work units the cost model adds up.
 
 A GEMM runs at a fraction of the device's large-GEMM rate (cluster.gemm_flops) that depends on
-its shape: measured tables per GPU (data/gemm_efficiency.json, benchmarks/gemm_table.py), or a
+its shape: measured tables per GPU (data/gemm_efficiency.json, benchmarks/calibration/gemm_table.py), or a
 parametric curve where a GPU has none. Work keeps effective FLOPs (FLOPs / efficiency) apart
 from memory-bound seconds, so one array operation prices every device at its own GEMM speed.
 """

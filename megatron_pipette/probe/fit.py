@@ -7,7 +7,7 @@ every round it ran, so a few rounds find it; a measured link far below what its 
 predict is reported as a slow link. Between nodes the fit works on (nodes, rounds) tables of
 what ran and writes each nodes x nodes matrix once; all array work is vectorised (no loop over
 pairs), and the exchange figures are fitted on a second thread. A 2048-node document builds in
-about half a second on this project's two-core machine (benchmarks/probe_twin.py). Pure: numpy
+about half a second on this project's two-core machine (benchmarks/validation/probe_twin.py). Pure: numpy
 and the standard library's threads.
 """
 

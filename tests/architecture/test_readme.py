@@ -1,13 +1,12 @@
-"""The README's validation table is the one benchmarks/validation_summary.py generates from the kept
+"""The README's validation table is the one benchmarks/validation/summary.py generates from the kept
 results, and every file the README and docs link to exists."""
 
 import re
-import sys
 from pathlib import Path
 
+from benchmarks.validation import summary as validation_summary
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import validation_summary  # noqa: E402
 
 
 def test_readme_validation_table_is_generated_from_kept_results():

@@ -3,15 +3,14 @@ there, holds an absolute path of the machine a run happened on (its checkout, vi
 environment, scratch folders, system folders). benchmarks/scrub_results.py makes a folder so."""
 
 import gzip
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.scrub_results import MACHINE_PATH
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from scrub_results import MACHINE_PATH  # noqa: E402
 
 
 def contents(folder: Path) -> Iterator[tuple[str, bytes]]:
@@ -35,4 +34,4 @@ def test_no_absolute_machine_path_under_benchmarks_results():
     found = [f"{name}: ...{data[m.start():m.start() + 60].decode(errors='replace').splitlines()[0]}"
              for name, data in contents(RESULTS) if (m := MACHINE_PATH.search(data))]
     assert not found, (f"{len(found)} files under benchmarks/results/ name a machine's absolute path "
-                       "(python benchmarks/scrub_results.py FOLDER rewrites them):\n" + "\n".join(found[:20]))
+                       "(python -m benchmarks.scrub_results FOLDER rewrites them):\n" + "\n".join(found[:20]))

@@ -1,4 +1,4 @@
-"""benchmarks/device/cost_check.py, the GPU check: the planner prices every shape it times and the
+"""benchmarks/validation/cost_check.py, the GPU check: the planner prices every shape it times and the
 training step it runs (given the very flags Megatron gets), and it reads Megatron's log as
 Megatron writes it. Runs on CPU; the measurements themselves need the GPU."""
 
@@ -6,17 +6,14 @@ import itertools
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.validation import cost_check
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION
 from megatron_pipette.cost.memory import DEFAULT_FRAGMENTATION
 from megatron_pipette.spec.hardware import lookup_gpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "device"))
-import cost_check  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["H100-80GB", "H200"])

@@ -1,18 +1,16 @@
-"""benchmarks/emulated_cluster.py scores a pinned layout only when the job trained it: a run whose hook
+"""benchmarks/validation/emulated_cluster.py scores a pinned layout only when the job trained it: a run whose hook
 planned again (a flag typed beside the plan that the plan does not match) or trained another layout
 stops the benchmark instead of lending its time to the pinned layout."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.validation import emulated_cluster
 from megatron_pipette.report.plan_document import PlanRecord
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import emulated_cluster  # noqa: E402
 
 PLAN = REPO / "tests" / "golden" / "plan-llama3-8b-h200x2.json"
 

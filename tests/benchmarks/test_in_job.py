@@ -1,14 +1,11 @@
-"""benchmarks/device/in_job.py, the in-job GPU check: its starts leave the layout to the planner and
+"""benchmarks/validation/in_job.py, the in-job GPU check: its starts leave the layout to the planner and
 share one schedule, and its summary reads the hook's lines as the hook writes them. Runs on CPU; the
 starts themselves are for the GPU machine (`--dry-run` checks them on CPU in about two minutes)."""
 
-import sys
 from pathlib import Path
 
+from benchmarks.validation import in_job
 from megatron_pipette.integration.megatron_args import typed_flags
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "device"))
-import in_job  # noqa: E402
 
 
 def test_the_starts_type_no_layout_flag_and_plan_automatically(tmp_path: Path) -> None:

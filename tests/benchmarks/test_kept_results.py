@@ -5,17 +5,16 @@ fitted constant, a memory term) fails here, naming the rows that moved and the c
 new results."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.validation import published_runs as a100
+from benchmarks.validation import published_runs_blackwell as blackwell
+from benchmarks.validation import published_runs_h100 as h100
+from benchmarks.validation import summary as validation_summary
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import published_runs as a100  # noqa: E402
-import published_runs_blackwell as blackwell  # noqa: E402
-import published_runs_h100 as h100  # noqa: E402
-import validation_summary  # noqa: E402
 
 RELATIVE = 1e-3
 """A predicted time or peak memory may move by 0.1% before the kept figure counts as stale."""
@@ -42,8 +41,9 @@ def drift(name: str, was, now, relative: bool = True) -> list[str]:
 def stale(folder: str, moved: list[str], command: str) -> str:
     return (f"{len(moved)} figures moved from benchmarks/results/{folder} (tolerance {RELATIVE:.1%} of a time "
             f"or memory, {ABSOLUTE * 100:.1f} percentage point of an error figure):\n  " + "\n  ".join(moved) +
-            f"\nKeep new results: {command} --out benchmarks/results/<name>-<date>-<change>, point "
-            f"benchmarks/validation_summary.py at the folder, run `python benchmarks/validation_summary.py` for "
+            f"\nKeep new results: python -m benchmarks.validation.{command} "
+            f"--out benchmarks/results/<name>-<date>-<change>, point "
+            f"benchmarks/validation/summary.py at the folder, run `python -m benchmarks.validation.summary` for "
             f"the README's table, and update docs/validation.md")
 
 
@@ -69,7 +69,7 @@ def test_h100_development_set_prices_as_kept_at_its_published_layouts():
     for key in ("plain", "recipe"):
         now = h100.summary(rows, key)
         moved += summary_drift(results["summary"][key], now, f"summary {key}", H100_ERRORS + H100_COUNTS)
-    assert not moved, stale(validation_summary.H100_FOLDER, moved, "python benchmarks/published_runs_h100.py")
+    assert not moved, stale(validation_summary.H100_FOLDER, moved, "published_runs_h100")
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def test_h100_development_sets_free_search_picks_as_kept():
     for key in ("plain", "recipe"):
         moved += summary_drift(results["summary"][key], h100.summary(rows, key), f"summary {key}",
                                ("moe_median_search_gain", "moe_median_search_gain_at_published_mbs"))
-    assert not moved, stale(validation_summary.H100_FOLDER, moved, "python benchmarks/published_runs_h100.py")
+    assert not moved, stale(validation_summary.H100_FOLDER, moved, "published_runs_h100")
 
 
 def test_a100_runs_price_as_kept():
@@ -107,7 +107,7 @@ def test_a100_runs_price_as_kept():
     for name in ("dev", "held-out", "all"):
         moved += summary_drift(results["summary"][name], a100.summary(rows, name), f"summary {name}",
                                ("runs", "within_15pct", "mean_abs_error", "worst_error", "mean_error"))
-    assert not moved, stale(validation_summary.A100_FOLDER, moved, "python benchmarks/published_runs.py")
+    assert not moved, stale(validation_summary.A100_FOLDER, moved, "published_runs")
 
 
 def test_blackwell_development_set_prices_as_kept():
@@ -126,4 +126,4 @@ def test_blackwell_development_set_prices_as_kept():
         moved += summary_drift(results["summary"][key], h100.summary(rows, key), f"summary {key}",
                                H100_ERRORS + H100_COUNTS)
     moved += drift("refusals", results["refusals"], blackwell.refusal_counts(rows))
-    assert not moved, stale(validation_summary.BLACKWELL_FOLDER, moved, "python benchmarks/published_runs_blackwell.py")
+    assert not moved, stale(validation_summary.BLACKWELL_FOLDER, moved, "published_runs_blackwell")

@@ -1,15 +1,14 @@
-"""benchmarks/published_runs_blackwell.py prices the Blackwell rows it can and refuses the rest by the
+"""benchmarks/validation/published_runs_blackwell.py prices the Blackwell rows it can and refuses the rest by the
 setting's name (issue 31's baseline): one priced row, and rows once refused for MXFP8, GB300, NVFP4 and VP
 as the recipes write them, now refused only for what the planner still cannot price."""
 
 import json
-import sys
 from pathlib import Path
 
+from benchmarks.validation import published_runs_blackwell as blackwell
+from benchmarks.validation.published_runs_h100 import recipe_flags
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import published_runs_blackwell as blackwell  # noqa: E402
-from published_runs_h100 import recipe_flags  # noqa: E402
 
 ROWS = {row["id"]: row for row in json.loads(blackwell.DATA.read_text())["rows"]}
 

@@ -1,11 +1,8 @@
-"""benchmarks/published_runs_h100.py reads each row's recipe as the run used it."""
+"""benchmarks/validation/published_runs_h100.py reads each row's recipe as the run used it."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import published_runs_h100 as runs  # noqa: E402
+from benchmarks.validation import published_runs_h100 as runs
 
 ROWS = {row["id"]: row for row in json.loads(runs.DATA.read_text())["rows"]}
 

@@ -1,15 +1,12 @@
 """benchmarks/scrub_results.py: which paths count as a machine's, what they become, and that packing
 a run folder keeps every byte of its logs, reproducibly."""
 
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import scrub_results  # noqa: E402
-from scrub_results import MACHINE_PATH, scrub  # noqa: E402
+from benchmarks import scrub_results
+from benchmarks.scrub_results import MACHINE_PATH, scrub
 
 MAPS = [(b"/work/main/", b""), (b"/tmp/site/", b"<site-packages>/")]
 

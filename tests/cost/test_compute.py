@@ -39,7 +39,7 @@ def measured_h100_gemms(dtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_h100_table_holds_the_measured_gemms(dtype):
-    """The H100 curve is the table fitted to these measurements (benchmarks/gemm_table.py): over all of
+    """The H100 curve is the table fitted to these measurements (benchmarks/calibration/gemm_table.py): over all of
     them (fit and held-out shapes) it misses by 5% on average; the n / (n + 32) curve it replaced
     missed by over 10%, and the parametric fallback by 9-13%."""
     dims, measured = measured_h100_gemms(dtype)

@@ -165,7 +165,7 @@ def test_fp8_sequence_parallel_gathers_move_one_byte_an_element():
 
 
 def test_the_measured_tables_hold_no_efficiency_above_the_large_gemm_rate():
-    """data/gemm_efficiency.json itself is clamped (benchmarks/gemm_table.py writes it so): it had
+    """data/gemm_efficiency.json itself is clamped (benchmarks/calibration/gemm_table.py writes it so): it had
     539 nodes above 1.0, at shapes HBM cannot feed."""
     from megatron_pipette.cost.gemm import _gemm_data
     for gpu in _gemm_data()["gpus"].values():

@@ -1,16 +1,12 @@
-"""The GEMM table (benchmarks/gemm_efficiency.py) times the shapes megatron-core's own layer has."""
+"""The GEMM table (benchmarks/calibration/gemm_efficiency.py) times the shapes megatron-core's own layer has."""
 
-import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.calibration import gemm_efficiency
 from megatron_pipette.profile import build
 from megatron_pipette.profile.runtime import single_device_megatron
 from megatron_pipette.spec.workload import workload_from_preset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import gemm_efficiency  # noqa: E402
 
 MODULES = {"qkv": "layers.0.self_attention.linear_qkv", "proj": "layers.0.self_attention.linear_proj",
            "fc1": "layers.0.mlp.linear_fc1", "fc2": "layers.0.mlp.linear_fc2"}

@@ -32,7 +32,7 @@ def twin_run(tmp_path_factory):
 def test_the_twin_stays_in_budget_and_finds_the_slow_node_and_pair(twin_run, capsys):
     tmp, doc = twin_run
     p = doc["probe"]
-    assert p["duration_s"] <= 30            # simulated; benchmarks/probe_twin.py prints the wall time
+    assert p["duration_s"] <= 30            # simulated; benchmarks/validation/probe_twin.py prints the wall time
     (node,) = p["slow_nodes"]
     assert node["node"] == SLOW_NODE and node["rate_Bps"] == pytest.approx(RATE / 4, rel=0.25)
     links = {tuple(link["nodes"]): link for link in p["slow_links"]}
