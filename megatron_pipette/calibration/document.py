@@ -35,10 +35,10 @@ VERSION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class FittedOn:
-    """The latest self-check a calibration was fitted on: its layout (as written), node order, iterations
-    and times (calibrated_s: that check's own fit's prediction), and the device memory."""
+    """The latest self-check a calibration was fitted on: its layout, node order, iterations and times
+    (calibrated_s: that check's own fit's prediction), and the device memory."""
 
-    layout: Mapping[str, Any]
+    layout: Layout
     node_order: tuple[int, ...]
     iterations: tuple[int, ...]
     measured_s: float
@@ -65,7 +65,7 @@ class CalibrationRecord:
            stored: CalibrationRecord | None = None) -> CalibrationRecord:
         """The record of a fit, merged with the allocation's `stored` record (fit.merge); its id hashes
         everything else, as written."""
-        fitted_on = FittedOn(layout=asdict(layout), node_order=tuple(placement.node_order),
+        fitted_on = FittedOn(layout=layout, node_order=tuple(placement.node_order),
                              iterations=tuple(check.iterations), measured_s=fit_.measured_s,
                              predicted_s=fit_.predicted_s, calibrated_s=fit_.calibrated_s, notes=tuple(fit_.notes),
                              device_memory_bytes=fit_.device_memory_bytes)
@@ -93,7 +93,10 @@ class CalibrationRecord:
                 raise ValueError("its id is not a string")
             factors, on = _factors_from_json(doc["factors"]), doc["fitted_on"]
             calibrated, device = on.get("calibrated_s"), on.get("device_memory_bytes")
-            fitted_on = FittedOn(layout=dict(on.get("layout") or {}), node_order=tuple(on.get("node_order") or ()),
+            layout = on.get("layout")      # get: a plan's candidates have the key too (tests/architecture)
+            if not isinstance(layout, dict):
+                raise ValueError(f"fitted_on.layout is {layout!r}, not a layout")
+            fitted_on = FittedOn(layout=Layout(**layout), node_order=tuple(on.get("node_order") or ()),
                                  iterations=tuple(on.get("iterations") or ()), measured_s=float(on["measured_s"]),
                                  predicted_s=float(on["predicted_s"]),
                                  calibrated_s=None if calibrated is None else float(calibrated),
@@ -160,7 +163,7 @@ def _factors_from_json(doc: Any) -> Factors:
 
 def _body(factors: Factors, on: FittedOn, fits: Mapping[str, int]) -> dict[str, Any]:
     return {"schema": SCHEMA, "version": VERSION, "factors": _factors_json(factors), "fits": dict(fits),
-            "fitted_on": {"layout": dict(on.layout), "node_order": list(on.node_order),
+            "fitted_on": {"layout": asdict(on.layout), "node_order": list(on.node_order),
                           "iterations": list(on.iterations), "measured_s": on.measured_s,
                           "predicted_s": on.predicted_s, "calibrated_s": on.calibrated_s, "notes": list(on.notes),
                           "device_memory_bytes": on.device_memory_bytes}}

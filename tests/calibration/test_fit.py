@@ -133,6 +133,37 @@ def test_scaled_compute_scales_profiled_layers_too() -> None:
     assert sum(base) == pytest.approx(profiled) and sum(half) == pytest.approx(2 * profiled)
 
 
+WRITTEN_LAYOUT = {
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 4,
+    "micro_batch_size": 4, "num_layers_per_virtual_pipeline_stage": None, "sequence_parallel": False,
+    "tp_comm_overlap": False, "use_distributed_optimizer": False, "recompute_granularity": None,
+    "recompute_method": None, "recompute_num_layers": None, "recompute_modules": None,
+    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+    "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False, "overlap_grad_reduce": True, "overlap_param_gather": False,
+    "overlap_param_gather_with_optimizer_step": False, "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None, "context_parallel_size": 1, "cp_comm_type": "p2p",
+    "overlap_moe_expert_parallel_comm": False, "delay_wgrad_compute": False}
+"""The layout of a CPU rehearsal's calibration.json, as the hook wrote it before the record was typed."""
+
+
+def test_a_stored_document_written_before_the_record_was_typed_reads_and_writes_back_unchanged() -> None:
+    doc = {"schema": "megatron-pipette/calibration", "version": 1, "factors": {
+        "compute_rate": 1.0434915753790066, "memory_rate": 0.05037420638752311,
+        "link_bandwidth": {"intra_node": 0.3071553156141707}, "memory_overhead_bytes": 0},
+        "fits": {"compute_rate": 1, "memory_rate": 1, "intra_node": 1},
+        "fitted_on": {"layout": WRITTEN_LAYOUT, "node_order": [0], "iterations": [2, 6],
+                      "measured_s": 0.11080296400086809, "predicted_s": 0.06900179066404145,
+                      "calibrated_s": 0.11080296399889555, "notes": [], "device_memory_bytes": 6319125504},
+        "id": "1f4ed52df2ec0c13"}
+    read = CalibrationRecord.from_json(doc, "c.json")
+    assert read.fitted_on.layout == Layout(data_parallel_size=4, micro_batch_size=4, overlap_grad_reduce=True)
+    assert json.loads(json.dumps(read.to_json())) == doc
+    without = {**doc, "fitted_on": {k: v for k, v in doc["fitted_on"].items() if k != "layout"}}
+    with pytest.raises(PipetteError, match=r"^c.json: malformed calibration \(fitted_on.layout is None"):
+        CalibrationRecord.from_json(without, "c.json")
+
+
 def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     cluster = cpu_like()
     check, placement = check_of(cluster, LAYOUTS["dp4"], Factors(compute_rate=0.4, link_bandwidth={"intra_node": 0.5}))
@@ -142,6 +173,7 @@ def test_the_stored_document_round_trips_and_names_a_bad_one() -> None:
     read = CalibrationRecord.from_json(doc, "c.json")
     assert read == record and read.to_json() == doc and read.factors == fitted.factors
     assert read.fitted_on.measured_s == check.measured_s and len(read.id) == 16
+    assert read.fitted_on.layout == LAYOUTS["dp4"]
     assert read.fitted_on.device_memory_bytes == cluster.memory_bytes
     assert read.fits == dict.fromkeys(fitted.fitted, 1) and "compute_rate" in read.fits
     with pytest.raises(PipetteError, match="^c.json: malformed calibration"):
@@ -174,7 +206,8 @@ def test_a_stored_calibration_outside_its_physical_bounds_is_refused(factors, ov
     doc = {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
            "factors": {"compute_rate": 1.0, "memory_rate": 1.0, "link_bandwidth": {}, "memory_overhead_bytes": overhead,
                        **factors},
-           "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1, "device_memory_bytes": CAPACITY}}
+           "fitted_on": {"layout": dataclasses.asdict(Layout()), "measured_s": 0.2, "predicted_s": 0.1,
+                         "device_memory_bytes": CAPACITY}}
     with pytest.raises(PipetteError, match=f"^c.json: {why}.*: not a physical calibration$"):
         CalibrationRecord.from_json(doc, "c.json")
     doc["factors"] = {"compute_rate": 4.0, "memory_rate": 1 / 500, "link_bandwidth": {"inter_node": 0.05},

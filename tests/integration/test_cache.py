@@ -2,6 +2,7 @@
 are atomic and private, an unsafe directory is refused, concurrent jobs take turns, and a start plans
 with whatever of the cache is still good."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -36,7 +37,7 @@ PROFILE_DOC = {"schema": PROFILE_SCHEMA, "version": 1, "device": {"rank": 0, "de
 CALIBRATION_DOC = {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
                    "factors": {"compute_rate": 0.5, "memory_rate": 1.0, "link_bandwidth": {"intra_node": 0.5},
                                "memory_overhead_bytes": 0},
-                   "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1}}
+                   "fitted_on": {"layout": dataclasses.asdict(Layout()), "measured_s": 0.2, "predicted_s": 0.1}}
 DOCS = {"plan": (PLAN, {**plan_doc(TINY, Layout(data_parallel_size=4, micro_batch_size=4)),
                         "calibration": {"id": "c0ffee", "factors": CALIBRATION_DOC["factors"]}}),  # made with it
         "cluster": (CLUSTER, {**cluster_to_json(cpu_like(), "fp32"), "device_name": "cpu"}),

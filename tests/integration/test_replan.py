@@ -24,6 +24,7 @@ from megatron_pipette.spec.cluster_file import cluster_to_json
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import SCHEMA as PROFILE_SCHEMA
 from megatron_pipette.spec.layer_profile import profile_from_json, profile_model_fields
+from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 from megatron_pipette.units import GiB, MiB
 
@@ -188,7 +189,8 @@ def test_a_calibration_that_leaves_no_layout_fitting_is_dropped_and_the_job_plan
     cache.write(CALIBRATION, {"schema": "megatron-pipette/calibration", "version": 1, "id": "c0ffee",
                               "factors": {"compute_rate": 1.0, "memory_rate": 1.0, "link_bandwidth": {},
                                           "memory_overhead_bytes": device // 4},
-                              "fitted_on": {"measured_s": 0.2, "predicted_s": 0.1, "device_memory_bytes": device}})
+                              "fitted_on": {"layout": dataclasses.asdict(Layout()), "measured_s": 0.2,
+                                            "predicted_s": 0.1, "device_memory_bytes": device}})
     doc = start(cache)
     assert (f"WARNING: with the calibration in {cache.file(CALIBRATION)} (memory overhead +0.60 GiB per device) no "
             "layout fits: it is dropped, and the job plans uncalibrated") in capsys.readouterr().out
