@@ -1,5 +1,5 @@
-"""Kept results name no machine: no file under benchmarks/results/, and no member of an archive
-there, holds an absolute path of the machine a run happened on (its checkout, virtual
+"""Kept results name no machine: no file under benchmarks/results/ or benchmarks/archive/, and no
+member of an archive there, holds an absolute path of the machine a run happened on (its checkout, virtual
 environment, scratch folders, system folders). benchmarks/scrub_results.py makes a folder so."""
 
 import gzip
@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks.scrub_results import MACHINE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
+KEPT = [ROOT / "benchmarks" / "results", ROOT / "benchmarks" / "archive"]
 
 
 def contents(folder: Path) -> Iterator[tuple[str, bytes]]:
@@ -29,9 +29,9 @@ def contents(folder: Path) -> Iterator[tuple[str, bytes]]:
             yield name, path.read_bytes()
 
 
-def test_no_absolute_machine_path_under_benchmarks_results():
-    assert RESULTS.is_dir()
+def test_no_absolute_machine_path_under_kept_results():
+    assert all(folder.is_dir() for folder in KEPT)
     found = [f"{name}: ...{data[m.start():m.start() + 60].decode(errors='replace').splitlines()[0]}"
-             for name, data in contents(RESULTS) if (m := MACHINE_PATH.search(data))]
-    assert not found, (f"{len(found)} files under benchmarks/results/ name a machine's absolute path "
+             for folder in KEPT for name, data in contents(folder) if (m := MACHINE_PATH.search(data))]
+    assert not found, (f"{len(found)} files of kept results name a machine's absolute path "
                        "(python -m benchmarks.scrub_results FOLDER rewrites them):\n" + "\n".join(found[:20]))
