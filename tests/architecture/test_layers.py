@@ -102,3 +102,18 @@ def test_matplotlib_is_imported_only_where_a_picture_is_drawn():
             if target.split(".")[0] == "matplotlib":
                 wrong.append(f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_benchmarks_stay_outside_the_package_and_validation_never_imports_calibration():
+    """The package never imports its evidence; the validation suite checks the package as shipped, so
+    it imports no calibration step (calibration may price the development sets through it)."""
+    benchmarks = PACKAGE.parent / "benchmarks"
+    wrong = [f"megatron_pipette/{name.replace('.', '/')}.py:{line} imports {target}"
+             for _, name, tree in modules() for target, line in imports(tree, top_level_only=False)
+             if target.split(".")[0] == "benchmarks"]
+    for path in sorted((benchmarks / "validation").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        wrong += [f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+                  for target, line in imports(tree, top_level_only=False)
+                  if target.startswith("benchmarks.calibration")]
+    assert not wrong, "\n".join(wrong)
