@@ -19,7 +19,7 @@ from megatron_pipette.profile import build, measure
 from megatron_pipette.profile.request import check_request
 from megatron_pipette.profile.runtime import Environment, device_record, resolve_device, single_device_megatron
 from megatron_pipette.profile.shapes import Measured, Shape, estimate_wall_s, layer_entries, part_entries, plan_shapes
-from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, ProfileFile, profile_model_fields
+from megatron_pipette.spec.layer_profile import SCHEMA, VERSION, ProfiledModel, ProfileFile
 from megatron_pipette.spec.workload import Workload
 
 REFERENCE_GEMM_WINDOW_S = 0.3
@@ -73,11 +73,7 @@ def profile_layers(workload: Workload, *, tp_sizes: Sequence[int], micro_batch_s
         record = {**device_record(dev, env.rank if rank is None else rank), **reference}
     return ProfileFile.from_json({
         "schema": SCHEMA, "version": VERSION, "device": record,
-        "model": {**profile_model_fields(workload), "vocab_size": workload.vocab_size,
-                  "normalization": workload.normalization, "add_bias_linear": workload.add_bias_linear,
-                  "position_embedding_type": workload.position_embedding_type,
-                  "attention_backend": workload.attention_backend, "hidden_dropout": workload.hidden_dropout,
-                  "attention_dropout": workload.attention_dropout},
+        "model": ProfiledModel.of(workload).to_json(),
         "layers": layer_entries(results, tp_sizes=tp_sizes, micro_batch_sizes=micro_batch_sizes,
                                 recompute=recompute, sequence_parallel=sequence_parallel,
                                 seq_length=workload.seq_length),

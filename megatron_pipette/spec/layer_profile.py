@@ -30,7 +30,7 @@ entry with `"context_parallel_size": CP` (absent: 1) times one CP rank's seq_len
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,18 @@ from megatron_pipette.spec.expressions import in_range
 from megatron_pipette.spec.hardware import Cluster, gpu_catalog
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
-from megatron_pipette.spec.workload import MAX_SIZE, Workload
+from megatron_pipette.spec.workload import (
+    ATTENTION_BACKENDS,
+    MAX_SIZE,
+    NORMALIZATIONS,
+    POSITION_EMBEDDINGS,
+    PRECISIONS,
+    AttentionBackend,
+    Normalization,
+    PositionEmbeddingType,
+    Precision,
+    Workload,
+)
 
 SCHEMA = "megatron-pipette/layer-profile"
 VERSION = 1
@@ -64,6 +75,70 @@ class ProfileEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfiledModel:
+    """The model a profile timed, as its "model" block holds it: the fields it is tied to
+    (profile_model_fields) and those that rebuild its layer (ProfileFile.workload). None: the block
+    does not name it (a hand-written profile, or none at all), which check_profile_matches counts as
+    another model where the field is tied."""
+
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    seq_length: int | None = None
+    swiglu: bool | None = None
+    precision: Precision | None = None
+    vocab_size: int | None = None
+    normalization: Normalization | None = None
+    add_bias_linear: bool | None = None
+    position_embedding_type: PositionEmbeddingType | None = None
+    attention_backend: AttentionBackend | None = None
+    hidden_dropout: float | None = None
+    attention_dropout: float | None = None
+
+    @classmethod
+    def of(cls, workload: Workload) -> ProfiledModel:
+        """What the profiler writes of the model it times."""
+        return cls(**profile_model_fields(workload), normalization=workload.normalization,
+                   add_bias_linear=workload.add_bias_linear, position_embedding_type=workload.position_embedding_type,
+                   attention_backend=workload.attention_backend, hidden_dropout=workload.hidden_dropout,
+                   attention_dropout=workload.attention_dropout)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], where: str) -> ProfiledModel:
+        """The "model" block (keys it does not know are left to the document); PipetteError naming
+        `where` and the field on a value of the wrong kind."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in names:
+            kind, holds = _KINDS[name]
+            if doc.get(name) is not None and not holds(doc[name]):
+                raise PipetteError(f"{where}: model.{name} must be {kind}, got {doc[name]!r}")
+        return cls(**{name: doc.get(name) for name in names})
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_of(values: tuple[str, ...]) -> tuple[str, Callable[[Any], bool]]:
+    return f"one of {', '.join(values)}", lambda value: value in values
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "seq_length",
+                     "vocab_size"), ("an integer", _integer)),
+    **dict.fromkeys(("swiglu", "add_bias_linear"), ("true or false", lambda value: isinstance(value, bool))),
+    **dict.fromkeys(("hidden_dropout", "attention_dropout"),
+                    ("a number", lambda value: _integer(value) or isinstance(value, float))),
+    "precision": _one_of(PRECISIONS), "normalization": _one_of(NORMALIZATIONS),
+    "position_embedding_type": _one_of(POSITION_EMBEDDINGS), "attention_backend": _one_of(ATTENTION_BACKENDS)}
+"""What each ProfiledModel field holds, and its check."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerProfile:
     device_name: str
     rank: int
@@ -74,7 +149,7 @@ class LayerProfile:
     layers: tuple[ProfileEntry, ...]
     embedding: tuple[ProfileEntry, ...]
     output_layer: tuple[ProfileEntry, ...]
-    model: dict
+    model: ProfiledModel
 
     def covers(self, job: Job) -> bool:
         """Whether its dense-layer figures stand for this job's: the profiler times the training
@@ -218,7 +293,8 @@ def profile_from_json(data: Any, where: str = "--layer-profile") -> LayerProfile
     return LayerProfile(device_name=str(device.get("device_name", "unknown")), rank=rank,
                         gemm_flops=None if rate is None else float(rate),
                         layers=layers, embedding=_entries(data, "embedding", where),
-                        output_layer=_entries(data, "output_layer", where), model=dict(model))
+                        output_layer=_entries(data, "output_layer", where),
+                        model=ProfiledModel.from_json(model, where))
 
 
 def profile_model_fields(workload: Workload) -> dict:
@@ -243,7 +319,7 @@ def check_profile_device(profile: LayerProfile, cluster: Cluster, where: str = "
 
 def check_profile_matches(profile: LayerProfile, workload: Workload, where: str = "--layer-profile") -> None:
     expected = profile_model_fields(workload)
-    wrong = {k: (profile.model.get(k), v) for k, v in expected.items() if profile.model.get(k) != v}
+    wrong = {k: (getattr(profile.model, k), v) for k, v in expected.items() if getattr(profile.model, k) != v}
     if wrong:
         details = ", ".join(f"{k}={got!r} (model has {want!r})" for k, (got, want) in wrong.items())
         raise PipetteError(f"{where}: profiled for another model: {details}")
@@ -279,17 +355,15 @@ class ProfileFile:
     def workload(self) -> Workload:
         """The profiled model as a Workload (one layer; the batch does not matter here)."""
         m = self.profile.model
-        try:
-            gqa = m["num_query_groups"] != m["num_attention_heads"]
-            fields = {k: m[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                                        "swiglu", "precision")}
-            optional = {k: m[k] for k in ("vocab_size", "normalization", "add_bias_linear", "position_embedding_type",
-                                          "attention_backend", "hidden_dropout", "attention_dropout") if k in m}
-        except KeyError as e:
-            raise PipetteError(f"layer profile: 'model' lacks {e.args[0]!r}") from None
+        named = {k: v for k, v in dataclasses.asdict(m).items() if v is not None}
+        for k in ("num_query_groups", "num_attention_heads", "hidden_size", "ffn_hidden_size", "seq_length",
+                  "swiglu", "precision"):
+            if k not in named:
+                raise PipetteError(f"layer profile: 'model' lacks {k!r}")
+        gqa = named.pop("num_query_groups") != m.num_attention_heads
         workload = Workload(num_layers=1, global_batch_size=1, group_query_attention=gqa,
-                            num_query_groups=m["num_query_groups"] if gqa else None,
-                            kv_channels=m["hidden_size"] // m["num_attention_heads"], **fields, **optional)
+                            num_query_groups=m.num_query_groups if gqa else None,
+                            kv_channels=m.hidden_size // m.num_attention_heads, **named)
         if self.layer_spec == "local":
             workload = dataclasses.replace(workload, attention_backend="unfused")
         return workload

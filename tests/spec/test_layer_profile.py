@@ -12,11 +12,14 @@ from megatron_pipette.report.plans import estimate_report, plan_report
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layer_profile import (
+    SCHEMA,
+    VERSION,
     LayerProfile,
+    ProfiledModel,
     ProfileEntry,
+    ProfileFile,
     check_profile_matches,
     profile_extrapolations,
-    profile_model_fields,
 )
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
@@ -33,7 +36,7 @@ def entry(mbs: int, rc: str | None = None, measured: bool = True) -> ProfileEntr
 def profile(*layers: ProfileEntry) -> LayerProfile:
     ends = (entry(1), entry(2), entry(4))
     return LayerProfile(device_name="x", rank=0, layers=layers or ends, embedding=ends, output_layer=ends,
-                        model=profile_model_fields(GPT))
+                        model=ProfiledModel.of(GPT))
 
 
 def job(mbs: int, **layout) -> object:
@@ -50,6 +53,42 @@ def test_a_profile_of_another_vocabulary_or_sequence_length_is_refused_in_one_li
     with pytest.raises(PipetteError, match=f"profiled for another model: {field}=") as error:
         check_profile_matches(profile(), other, where="--layer-profile p.json")
     assert "\n" not in str(error.value) and str(error.value).startswith("--layer-profile p.json")
+
+
+WRITTEN_MODEL = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256, "num_query_groups": 4,
+                 "seq_length": 64, "swiglu": False, "precision": "fp32", "vocab_size": 1024,
+                 "normalization": "LayerNorm", "add_bias_linear": True, "position_embedding_type": "learned_absolute",
+                 "attention_backend": "local", "hidden_dropout": 0.1, "attention_dropout": 0.1}
+"""A CPU rehearsal's layer_profile.json model block, as the profiler wrote it before the record was typed."""
+
+
+def profile_doc(**top) -> dict:
+    return {"schema": SCHEMA, "version": VERSION, "device": {"device_name": "cpu"},
+            "layers": [{"tensor_model_parallel_size": 1, "micro_batch_size": 1, "forward_s": 1.0, "backward_s": 1.0,
+                        "activation_bytes": 1}], **top}
+
+
+def test_a_profile_written_before_the_model_was_typed_reads_as_its_model():
+    read = ProfileFile.from_json(profile_doc(model=WRITTEN_MODEL))
+    tiny = workload_from_preset("tiny-gpt", precision="fp32", attention_backend="local")
+    assert read.profile.model == ProfiledModel.of(tiny) and read.profile.model.to_json() == WRITTEN_MODEL
+    check_profile_matches(read.profile, tiny)
+    assert read.workload().hidden_size == 64 and read.workload().attention_backend == "local"
+
+
+def test_a_profile_naming_no_model_reads_and_serves_none():
+    read = ProfileFile.from_json(profile_doc())
+    assert read.profile.model == ProfiledModel()
+    with pytest.raises(PipetteError, match="profiled for another model: hidden_size=None"):
+        check_profile_matches(read.profile, GPT)
+
+
+@pytest.mark.parametrize("field, value, kind", [("hidden_size", "64", "an integer"), ("swiglu", 1, "true or false"),
+                                                ("precision", "fp8", "one of fp32, fp16, bf16"),
+                                                ("hidden_dropout", "0.1", "a number")])
+def test_a_malformed_model_is_refused_naming_the_file_and_field(field, value, kind):
+    with pytest.raises(PipetteError, match=f"^p.json: model.{field} must be {kind}, got {value!r}$"):
+        ProfileFile.from_json(profile_doc(model={**WRITTEN_MODEL, field: value}), "p.json")
 
 
 def test_measured_shapes_name_nothing():
