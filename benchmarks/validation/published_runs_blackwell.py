@@ -164,14 +164,26 @@ def priced_row(row: dict, search: bool) -> dict:
         if "predicted_s" in out[key]:
             out[key]["predicted_tokens_per_s_per_gpu"] = tokens_per_gpu(row, out[key]["predicted_s"])
     out["refused"] = refusals(row) if "error" not in out["recipe"] else []
+    out["not_known"] = not_known(row, out["recipe"].get("error_message"))
     return out
 
 
+def not_known(row: dict, refusal: str | None) -> str | None:
+    """Why the row's settings are not known, where the planner refuses them by a rule of Megatron's
+    (Megatron would refuse the launch as read too) and the recipe's pipeline split is not the run's
+    (pipeline_split's `not_known`): the run's release set something 0.6.2 does not say."""
+    split = (row.get("recipe") or {}).get("pipeline_split", {}).get("not_known")
+    if refusal is None or split is None or not refusal.endswith("Megatron's rule)"):
+        return None
+    return f"{split}; as read, {refusal}"
+
+
 def refusal_counts(rows: list[dict]) -> dict:
-    """Refused rows counted by their first refusal's reason, and rows counted by every reason they have."""
+    """Refused rows counted by their first refusal's reason, and rows counted by every reason they have
+    (rows whose settings are not known are not refusals: counted apart)."""
     first, every = {}, {}
     for r in rows:
-        if "error" in r["recipe"]:
+        if "error" in r["recipe"] or r.get("not_known"):
             continue
         key = reason(r["recipe"]["error_message"])
         first[key] = first.get(key, 0) + 1
@@ -203,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in doc["rows"]:
         rows.append(priced_row(row, ns.search))
         recipe = rows[-1]["recipe"]
+        if rows[-1]["not_known"]:
+            print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,}  not known: {rows[-1]['not_known']}",
+                  flush=True)
+            continue
         if "error" not in recipe:
             print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,}  refused: "
                   f"{'; '.join(rows[-1]['refused']) or recipe['error_message']}", flush=True)
@@ -225,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"of capacity")
     print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
+    print(f"not known (the recipe as read is refused by Megatron too): {sum(bool(r['not_known']) for r in rows)}")
     if ns.out:
         out = Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -336,13 +353,20 @@ def resolve_recipe(row: dict, root: Path) -> dict:
 def pipeline_split(row: dict, settings: dict, root: Path) -> dict:
     """The recipe's pipeline split as Megatron flags (SPLIT), and where each came from. A layout set by
     LAYOUT_FUNCTION is evaluated at the row's published PP and VP and the recipe's MTP depth (none where
-    the table says "without MTP"); a layout placing MTP layers brings --mtp-num-layers, which Megatron
-    requires beside it; a layout whose stages are not PP x VP of the published layout is not taken (the
-    run's release must have split otherwise), said in `note`."""
+    the table says "without MTP"); where the table prints no VP and the recipe sets the published PP,
+    at the recipe's VP (the layout it sets at that PP). A layout placing MTP layers brings
+    --mtp-num-layers, which Megatron requires beside it; a layout whose stages are not PP x VP of the
+    published layout is not taken (the run's release must have split otherwise), said in `note`.
+    `not_known` says where the recipe sets another PP or VP than the run's: the split (and what the
+    recipe sets with it) is then not the release's as far as 0.6.2 knows (not_known_refusal)."""
     layout = row["published_layout"]
-    pp, vp = layout["pp"], layout["virtual_stages_per_pipeline_rank"] or 1
-    mtp = 0 if "without MTP" in row["notes"] else settings.get(MTP) or 0
+    pp, vp = layout["pp"], layout["virtual_stages_per_pipeline_rank"]
+    recipe_pp = settings.get("model.pipeline_model_parallel_size", pp)
+    recipe_vp = settings.get("model.virtual_pipeline_model_parallel_size") or 1
     flags, sources, notes = [], [], []
+    vp_from_recipe = vp is None and pp > 1 and recipe_pp == pp and recipe_vp > 1
+    vp = recipe_vp if vp_from_recipe else vp or 1
+    mtp = 0 if "without MTP" in row["notes"] else settings.get(MTP) or 0
     for path, flag in SPLIT.items():
         value = settings.get(path)
         if isinstance(value, dict):
@@ -363,7 +387,15 @@ def pipeline_split(row: dict, settings: dict, root: Path) -> dict:
         if path == "model.pipeline_model_parallel_layout" and "m" in value:
             flags += ["--mtp-num-layers", str(mtp)]
             sources.append(f"{MTP} = {mtp!r}" + (" (the row: without MTP)" if "without MTP" in row["notes"] else ""))
-    return {"flags": flags, "source": "; ".join(sources), "note": "; ".join(notes)}
+    if vp_from_recipe:
+        if "--pipeline-model-parallel-layout" not in flags:
+            flags += ["--num-virtual-stages-per-pipeline-rank", str(vp)]
+        sources.append(f"model.virtual_pipeline_model_parallel_size = {vp!r} (the table prints no VP)")
+    split = {"flags": flags, "source": "; ".join(sources), "note": "; ".join(notes)}
+    if (recipe_pp, recipe_vp) != (pp, vp):
+        split["not_known"] = (f"the recipe sets PP{recipe_pp} VP{recipe_vp}, the run PP{pp} VP{vp}: how the "
+                              f"{row['release']} recipe split the pipeline there is not in 0.6.2")
+    return split
 
 
 def layout_from_function(root: Path, given: object, pp: int, vp: int, mtp_num_layers: object) -> object:

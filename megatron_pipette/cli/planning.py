@@ -32,7 +32,12 @@ from megatron_pipette.report.plan_document import PlanRecord, estimate_json, pla
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job, resolve_job
 from megatron_pipette.spec.layer_profile import LayerProfile
-from megatron_pipette.spec.layout import Layout, check_implementation, check_user_layout
+from megatron_pipette.spec.layout import (
+    Layout,
+    check_implementation,
+    check_user_layout,
+    megatron_sequence_parallel,
+)
 from megatron_pipette.spec.workload import megatron_flag, workload_fields
 from megatron_pipette.units import GiB
 
@@ -109,11 +114,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _as_megatron_runs(ns: argparse.Namespace, typed: dict) -> dict:
-    """The typed layout flags as Megatron runs them: its validate_args turns --sequence-parallel off at
-    TP 1 rather than refusing it (megatron/training/arguments.py, megatron-core 0.19.2 lines 1390-1399:
-    "Disabling sequence parallelism because tensor model parallelism is disabled"), so NVIDIA's TP 1
-    launch lines with it plan; one line says so (on stderr beside --json)."""
-    if not (typed.get("sequence_parallel") and typed.get("tensor_model_parallel_size", 1) == 1):
+    """The typed layout flags as Megatron runs them (spec.layout.megatron_sequence_parallel: no
+    --sequence-parallel at TP 1); one line says what changed (on stderr beside --json)."""
+    sequence_parallel = typed.get("sequence_parallel", False)
+    if megatron_sequence_parallel(typed.get("tensor_model_parallel_size", 1), sequence_parallel) == sequence_parallel:
         return typed
     print("--sequence-parallel with --tensor-model-parallel-size 1: priced without it, as Megatron turns "
           "sequence parallelism off at TP 1", file=sys.stderr if ns.json else sys.stdout)

@@ -26,7 +26,7 @@ from typing import Any
 
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.job import Job, resolve_job
-from megatron_pipette.spec.layout import Layout, check_tensor_parallel_size
+from megatron_pipette.spec.layout import Layout, check_tensor_parallel_size, megatron_sequence_parallel
 from megatron_pipette.spec.resume import ResumeRule
 from megatron_pipette.spec.workload import Workload, megatron_flag
 
@@ -73,8 +73,10 @@ SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_l
                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                "pipeline_model_parallel_layout")
 KEPT_AS_GIVEN = ("cp_comm_type", "recompute_modules", "pipeline_model_parallel_layout", "tp_comm_overlap",
-                 "overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
-"""Layout fields the search does not vary: the user's value, else Megatron's default."""
+                 "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "use_megatron_fsdp",
+                 "data_parallel_sharding_strategy")
+"""Layout fields the search does not vary: the user's value, else Megatron's default (so it
+chooses Megatron-FSDP only where typed)."""
 
 
 def _user_split(constraints: Mapping[str, Any]) -> list[Split] | None:
@@ -253,8 +255,7 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
             splits,
             choices("micro_batch_size", micro_batch_options(per_replica)),
             recomputes,
-            # Megatron turns a typed --sequence-parallel off at TP 1 (validate_args) rather than refusing it
-            choices("sequence_parallel", (True, False)) if tp > 1 else (False,),
+            dict.fromkeys(megatron_sequence_parallel(tp, sp) for sp in choices("sequence_parallel", (True, False))),
             choices("use_distributed_optimizer", (True, False) if dp > 1 else (False,))):
         # --overlap-param-gather is not always faster: without interleaving every later stage
         # waits for its own all-gather along the pipeline fill (cost.timing).

@@ -27,9 +27,11 @@ def test_refused_rows_name_every_setting_the_planner_cannot_price():
     out = blackwell.priced_row(ROWS["bw25.11-gb300-deepseekv3-w-o-mtp-FP8-MX"], search=False)
     assert "error" not in out["recipe"]
     assert "--cluster gb300-nvl72" not in {blackwell.reason(m) for m in out["refused"]}
-    # 61 layers over PP 2 in 4 chunks a rank: the 0.6.2 recipe's layout has 16 stages, not 8, so not taken
+    # 61 layers over PP 2 in 4 chunks a rank: the 0.6.2 recipe's layout has 16 stages (PP 2 x VP 8), not 8,
+    # so not taken; Megatron refuses the split as read too, so the row's settings are not known
     assert "--num-virtual-stages-per-pipeline-rank 4 must divide the layers of every pipeline stage" in \
         " ".join(out["refused"])
+    assert out["not_known"].startswith("the recipe sets PP2 VP8, the run PP2 VP4")
     nvfp4 = next(r for r in ROWS.values() if r["precision"] == "nvfp4" and r["cluster"] == "gb200-nvl72")
     assert "--fp4-format" not in {blackwell.reason(m) for m in blackwell.priced_row(nvfp4, search=False)["refused"]}
 
@@ -105,3 +107,27 @@ def test_the_resolver_reads_only_the_split_from_the_base_recipe(tmp_path):
     row = ROWS["bw26.06-gb200-llama3.1-405b-MXFP8"]
     assert blackwell.pipeline_split(row, settings, wheel / "perf_recipes")["flags"] == [
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+
+
+def test_a_row_without_a_printed_vp_takes_the_vp_its_recipe_sets_at_the_same_pp():
+    """The B300 table prints no VP for DeepSeek-V3 at PP 8; the 0.6.2 recipe sets PP 8 VP 2 (with
+    --overlap-moe-expert-parallel-comm, which Megatron allows at PP > 1 only interleaved), so the layout is
+    set_deepseek_v3_pipeline_model_parallel_layout's at (8, 2): 16 stages, and the row is priced."""
+    row = ROWS["bw26.06-b300-deepseekv3-MXFP8"]
+    split = row["recipe"]["pipeline_split"]
+    assert len(split["flags"][1].split("|")) == 16 and "not_known" not in split
+    out = blackwell.priced_row(row, search=False)
+    assert "error" in out["recipe"] and out["not_known"] is None
+    assert "--overlap-moe-expert-parallel-comm" in out["recipe_flags"]
+
+
+def test_a_row_whose_recipe_splits_another_pp_and_megatron_refuses_as_read_is_not_known():
+    """B300 at PP 16: the 0.6.2 recipe sets PP 8 VP 2 with the expert-parallel overlap; read at PP 16 with
+    no VP, Megatron refuses the overlap too, so the release's settings are not known (not a refusal)."""
+    row = ROWS["bw26.02-b300-deepseekv3-MXFP8"]
+    out = blackwell.priced_row(row, search=False)
+    assert out["not_known"].startswith("the recipe sets PP8 VP2, the run PP16 VP1")
+    assert "--overlap-moe-expert-parallel-comm" in out["not_known"]
+    assert blackwell.refusal_counts([out]) == {"by_first_reason": {}, "by_every_reason": {}}
+    assert blackwell.not_known(row, "--use-megatron-fsdp: fully sharded data parallelism (FSDP) is not modelled") \
+        is None
