@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
+from megatron_pipette.cost.fsdp import held_state
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.cost.schedules import InFlight, schedule_for
 from megatron_pipette.errors import PipetteError
@@ -593,8 +594,11 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     fp8_copies = round(fp8_weight_copy_bytes(recipe) * layer_linears) if recipe else 0
     if workload.keeps_quantised_weights:
         fp8_copies -= weight * layer_linears
-    return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weight * (dense + expert) + fp8_copies,
-                       gradient_bytes=gradient * (dense + expert), optimizer_bytes=sharded(optimizer),
+    weights, gradients = weight * (dense + expert) + fp8_copies, gradient * (dense + expert)
+    if layout.use_megatron_fsdp:      # sharded as its strategy says, a few layers held whole
+        weights, gradients = held_state(job, stage, params, weights, gradients, weight, gradient)
+    return StageMemory(stage=stage, parameters=dense + expert, weight_bytes=weights,
+                       gradient_bytes=gradients, optimizer_bytes=sharded(optimizer),
                        activation_bytes=activations, transient_bytes=transient, overhead_bytes=overhead,
                        step_bytes=sharded(step))
 

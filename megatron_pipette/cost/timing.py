@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_pipette.cost import schedules, simulator
+from megatron_pipette.cost import fsdp, schedules, simulator
 from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
@@ -68,7 +68,8 @@ class TimeBreakdown:
     pipeline_bubble_s: float
     """The rest of the forward-backward pass: warmup, cooldown and waiting on other stages."""
     dp_comm_exposed_s: float
-    """Data-parallel gradient reduction (and parameter all-gather) not hidden behind compute."""
+    """Data-parallel gradient reduction (and parameter all-gather) not hidden behind compute; under
+    Megatron-FSDP its layer gathers and reduce-scatters of every micro-batch (cost.fsdp) included."""
     embedding_allreduce_s: float
     """Tied word-embedding gradient all-reduce between the first and last stage."""
     optimizer_s: float
@@ -115,6 +116,8 @@ class _Stages:
     tp_comm: np.ndarray
     cp_comm: np.ndarray
     ep_comm: np.ndarray
+    dp_comm: np.ndarray
+    """Megatron-FSDP's layer gathers and reduce-scatters not hidden (cost.fsdp), zeros without it."""
 
 
 def behind_gemms(collective_s: np.ndarray, gemm_flops: np.ndarray | float, rate: np.ndarray,
@@ -337,6 +340,9 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                                   where=saved > 0)     # a chunk without MoE layers saves nothing
         forward_s, backward_s, ep = (forward_s - saved * forward_share, backward_s - saved * (1 - forward_share),
                                      ep - saved)
+    fsdp_f, fsdp_b = fsdp.microbatch_exposed(job, links, stage_parameters(job), work.layers, forward_s, backward_s,
+                                             share)
+    forward_s, backward_s = forward_s + fsdp_f, backward_s + fsdp_b
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
     times = schedules.StageTimes(forward_s=forward_s, backward_s=backward_s,
@@ -344,7 +350,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                                  fwd_xchg_s=None if xchg is None else xchg.activation,
                                  bwd_xchg_s=None if xchg is None else xchg.gradient)
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
-                   ep_comm=ep)
+                   ep_comm=ep, dp_comm=fsdp_f + fsdp_b)
 
 
 def _run_schedule(schedule: schedules.Schedule, times: schedules.StageTimes, m: int,
@@ -397,13 +403,15 @@ def _dp_exposed(job: Job, links: GroupLinks, schedule: schedules.Schedule, stage
         return out + (getattr(experts.edp_groups, collective)(expert) if experts else 0.0)
 
     reduce = both("reduce_scatter_s" if dopt else "all_reduce_s", workload.grad_bytes)
+    if fsdp.shards_gradients(layout):       # reduce-scattered by every backward (in its stage times)
+        reduce = np.zeros_like(reduce)
     buckets = max(1, math.ceil(params.total[0] / max(DDP_MIN_BUCKET_PARAMS, 1_000_000 * replicas)))
     edge = edge_bucket_share(job, params, buckets)
     backward = stages.times.backward_s[crit]                                    # (p, v)
     exposed = schedule.grad_reduce_exposed(reduce, backward, edge) if layout.overlap_grad_reduce else reduce
     contention = share * float((reduce - exposed).max())
     gather = 0.0
-    if dopt:
+    if dopt and not fsdp.shards_parameters(layout):     # FSDP's: gathered by every pass (its stage times)
         ag = both("all_gather_s", workload.bytes_per_element, workload.param_gather_bytes)
         # The first of v equal chunks is updated first; its all-gather runs behind the other v-1.
         window = optimizer_s * (1 - 1 / job.virtual_stages) if layout.overlap_param_gather_with_optimizer_step \
@@ -475,12 +483,14 @@ def _estimate(job: Job, cluster: Cluster, links: GroupLinks, pipeline: _Pipeline
     tp_comm = m * float(stages.tp_comm[crit, busiest].sum())
     cp_comm = m * float(stages.cp_comm[crit, busiest].sum())
     ep_comm = m * float(stages.ep_comm[crit, busiest].sum())
+    fsdp_comm = m * float(stages.dp_comm[crit, busiest].sum())
     pp_comm = float(pipe.p2p_s[crit, busiest])
     breakdown = TimeBreakdown(
         compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm,
         pp_comm_s=pp_comm,
-        pipeline_bubble_s=max(0.0, t_pipe - compute - recompute - tp_comm - cp_comm - ep_comm - pp_comm),
-        dp_comm_exposed_s=t_dp - t_pipe + gather, embedding_allreduce_s=float(t_sync - t_dp), optimizer_s=optimizer)
+        pipeline_bubble_s=max(0.0, t_pipe - compute - recompute - tp_comm - cp_comm - ep_comm - pp_comm - fsdp_comm),
+        dp_comm_exposed_s=t_dp - t_pipe + gather + fsdp_comm, embedding_allreduce_s=float(t_sync - t_dp),
+        optimizer_s=optimizer)
     worst_f = stages.times.forward_s.sum(axis=2).max(axis=0)
     worst_b = stages.times.backward_s.sum(axis=2).max(axis=0)
     return TimeEstimate(

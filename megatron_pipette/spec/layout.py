@@ -43,6 +43,7 @@ ABBREVIATIONS = {
     "sp": "--sequence-parallel", "+tpo": "--tp-comm-overlap", "epo": "--overlap-moe-expert-parallel-comm",
     "+dw": "--delay-wgrad-compute", "dopt": "--use-distributed-optimizer", "+opg": "--overlap-param-gather",
     "+step": "--overlap-param-gather-with-optimizer-step",
+    "fsdp/": "--use-megatron-fsdp (/STRATEGY: --data-parallel-sharding-strategy)",
     "rc=sel": "--recompute-granularity selective (/MODULES: --recompute-modules)",
     "rc=full": "--recompute-granularity full (/METHOD N: --recompute-method, --recompute-num-layers)",
 }
@@ -55,6 +56,10 @@ DEFAULT_RECOMPUTE_MODULES = frozenset({"core_attn"})
 CpCommType = Literal["p2p", "a2a", "allgather"]
 CP_COMM_TYPES = get_args(CpCommType)
 """--cp-comm-type values the cost model prices (a2a+p2p needs hierarchical groups it does not describe)."""
+ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]
+SHARDING_STRATEGIES = get_args(ShardingStrategy)
+"""--data-parallel-sharding-strategy values the cost model prices under --use-megatron-fsdp (Megatron's
+fourth, no_shard, keeps every state whole: not modelled)."""
 TRANSFORMER_ENGINE_ONLY = {
     "delay_wgrad_compute": "megatron/training/arguments.py validate_args asserts --transformer-impl transformer_engine",
 }
@@ -129,6 +134,12 @@ class Layout:
     delay_wgrad_compute: bool = False
     """--delay-wgrad-compute: under that overlap, the experts' weight-gradient GEMMs run after the
     backward dispatch is issued, so it need not wait for them."""
+    use_megatron_fsdp: bool = False
+    """--use-megatron-fsdp: Megatron-FSDP shards the model state over the data-parallel group as
+    --data-parallel-sharding-strategy says, gathering each layer's parameters when it runs (cost.fsdp)."""
+    data_parallel_sharding_strategy: ShardingStrategy = "optim_grads_params"
+    """--data-parallel-sharding-strategy: what Megatron-FSDP shards: optimizer state (optim), and the
+    gradients (optim_grads), and the parameters (optim_grads_params); read only under --use-megatron-fsdp."""
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute_modules, list):     # from a plan document or Megatron's args
@@ -206,6 +217,8 @@ class Layout:
             parts.append(_joined("sp", ("+tpo", self.tp_comm_overlap)))
         if self.overlap_moe_expert_parallel_comm:
             parts.append(_joined("epo", ("+dw", self.delay_wgrad_compute)))
+        if self.use_megatron_fsdp:
+            parts.append((f"fsdp/{self.data_parallel_sharding_strategy}", ("fsdp/",)))
         if self.use_distributed_optimizer:
             parts.append(_joined("dopt", ("+opg", self.overlap_param_gather),
                                  ("+step", self.overlap_param_gather_with_optimizer_step)))
@@ -236,6 +249,8 @@ class Layout:
             ("--recompute-modules", None if self.recompute_modules is None else " ".join(self.recompute_modules)),
         )
         args += [f"{flag} {value}" for flag, value in optional if value is not None]
+        if self.use_megatron_fsdp:      # the strategy is read only under FSDP
+            args.append(f"--data-parallel-sharding-strategy {self.data_parallel_sharding_strategy}")
         switches = (("--sequence-parallel", self.sequence_parallel), ("--tp-comm-overlap", self.tp_comm_overlap),
                     ("--use-distributed-optimizer", self.use_distributed_optimizer),
                     ("--overlap-grad-reduce", self.overlap_grad_reduce),
@@ -244,7 +259,8 @@ class Layout:
                     ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split),
                     ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split),
                     ("--overlap-moe-expert-parallel-comm", self.overlap_moe_expert_parallel_comm),
-                    ("--delay-wgrad-compute", self.delay_wgrad_compute))
+                    ("--delay-wgrad-compute", self.delay_wgrad_compute),
+                    ("--use-megatron-fsdp", self.use_megatron_fsdp))
         return args + [flag for flag, on in switches if on]
 
 
@@ -264,6 +280,9 @@ def check_user_layout(layout: Layout) -> None:
         raise PipetteError(f"--recompute-granularity must be selective or full, got {layout.recompute_granularity!r}")
     if layout.recompute_method not in RECOMPUTE_METHODS:
         raise PipetteError(f"--recompute-method must be uniform or block, got {layout.recompute_method!r}")
+    if layout.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+        raise PipetteError(f"--data-parallel-sharding-strategy {shown(layout.data_parallel_sharding_strategy)}: the "
+                           f"cost model prices {', '.join(SHARDING_STRATEGIES)} (no_shard is not modelled)")
     if layout.cp_comm_type not in CP_COMM_TYPES:
         raise PipetteError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {layout.cp_comm_type!r}")
     unknown = [m for m in layout.recompute_modules or () if m not in RECOMPUTE_MODULES]
@@ -527,6 +546,28 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
                          "interleaved schedule (Megatron's rule)")
     _validate_context_parallel(workload, layout)
     _validate_experts(workload, layout)
+    _validate_fsdp(workload, layout)
+
+
+def _validate_fsdp(workload: Workload, layout: Layout) -> None:
+    """megatron/training/arguments.py's rules for --use-megatron-fsdp (megatron-core 0.19.2), and the
+    combinations cost.fsdp does not price."""
+    if not layout.use_megatron_fsdp:
+        return
+    flag = f"--use-megatron-fsdp --data-parallel-sharding-strategy {layout.data_parallel_sharding_strategy}"
+    if not layout.use_distributed_optimizer:
+        raise Infeasible(f"{flag} runs with --use-distributed-optimizer (validate_args turns it on): give it")
+    if layout.pp > 1:
+        raise Infeasible(f"{flag} with --pipeline-model-parallel-size {layout.pp} is not modelled (each "
+                         "micro-batch's layer gathers under a pipeline's warmup and cooldown; no published run "
+                         "to check them against)")
+    if layout.overlap_moe_expert_parallel_comm:
+        raise Infeasible(f"{flag} with --overlap-moe-expert-parallel-comm is not modelled (megatron-fsdp then "
+                         "gathers each sub-module apart, fine-grained hooks)")
+    if workload.fp8_recipe == "mxfp8" and workload.fp8_param_gather and workload.fp8 is not None:
+        raise Infeasible(f"{flag} with --fp8-recipe mxfp8 and --fp8-param-gather is not modelled (validate_args "
+                         "turns --reuse-grad-buf-for-mxfp8-param-ag off; megatron-fsdp then gathers MXFP8's "
+                         "rowwise and columnwise weights apart)")
 
 
 def _validate_context_parallel(workload: Workload, layout: Layout) -> None:

@@ -10,7 +10,8 @@ EVERYTHING = [
            account_for_loss_in_pipeline_split=True, sequence_parallel=True, tp_comm_overlap=True,
            overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, use_distributed_optimizer=True,
            overlap_param_gather=True, overlap_param_gather_with_optimizer_step=True,
-           recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+           recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+           use_megatron_fsdp=True),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=1, micro_batch_size=1,
            pipeline_model_parallel_layout="Et|tL", recompute_granularity="selective", recompute_modules=("mlp",)),
 ]

@@ -145,11 +145,11 @@ def peak_in_flight(p: int, rank: int, m: int, v: int, warmup: int) -> frozenset[
     return frozenset({InFlight(chunks=n, first_chunk=n, last_chunk=n)})
 
 
-def _overlapped(total: float, window: float, last: float) -> float:
+def overlapped(total: float | np.ndarray, window: float | np.ndarray, last: float | np.ndarray) -> np.ndarray:
     """Exposed part of a reduction issued bucket by bucket while a backward of `window` seconds
     produces the gradients: all but the last bucket (`last`, its share of the total) hide, as far
-    as the window allows."""
-    return max(total * last, total - window * (1 - last))
+    as the window allows. Floats or arrays (cost.fsdp's layer-by-layer gathers, per chunk)."""
+    return np.maximum(total * last, total - window * (1 - last))
 
 
 def first_stage_grad_reduce(reduce: np.ndarray, backward: np.ndarray, edge: float) -> np.ndarray:
@@ -157,7 +157,7 @@ def first_stage_grad_reduce(reduce: np.ndarray, backward: np.ndarray, edge: floa
     bucket by bucket; later stages start theirs when they finish (one bucket each), which the max
     over stages in cost.timing hides behind the others' cooldown."""
     exposed = reduce.copy()
-    exposed[0] = _overlapped(reduce[0], backward[0, 0], edge)
+    exposed[0] = overlapped(reduce[0], backward[0, 0], edge)
     return exposed
 
 
