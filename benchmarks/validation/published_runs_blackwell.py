@@ -302,6 +302,20 @@ LAYOUT_FUNCTION = "set_deepseek_v3_pipeline_model_parallel_layout"
 """The helper that sets DeepSeek-V3's --pipeline-model-parallel-layout from PP, VP and the MTP depth (or a
 given layout); run from the wheel's source at the row's published PP and VP (layout_from_function)."""
 
+DISPATCHER = ("model.moe_token_dispatcher_type", "model.moe_flex_dispatcher_backend")
+"""The token dispatcher, read from the base recipe as well: a perf recipe that sets none (the B200
+DeepSeek-V3 ones) runs the base's, which FLEX_FUNCTION at the base's end makes flex on Blackwell."""
+
+FLEX_FUNCTION = "apply_flex_dispatcher_backend"
+"""Megatron-Bridge 0.6.2's training/flex_dispatcher_backend.py: the flex dispatcher with the given backend
+where the job's GPU takes it, else alltoall with no backend; decided per row (dispatcher_on)."""
+
+ARCHITECTURE = {"DeepSeekV3": "--moe-router-num-groups 8 --moe-router-group-topk 4: DeepSeek-V3's config.json "
+                              "(n_group 8, topk_group 4), which Megatron-Bridge 0.6.2 maps to moe_router_num_groups "
+                              "and moe_router_group_topk (models/conversion/model_bridge.py)"}
+"""Architecture settings of a table's model that its recipe takes from the Hugging Face config, not from
+perf_recipes/ (the deepseek-v3-like preset leaves node-limited routing out), as a recipe entry."""
+
 LAYER_LETTERS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 """A layout's list-of-lists layer names as megatron-core's string letters (PipelineParallelLayerLayout)."""
 
@@ -325,6 +339,11 @@ def resolve_recipe(row: dict, root: Path) -> dict:
     settings, unknown = {}, []
     interpret(functions, name, {}, settings, unknown)
     split = pipeline_split(row, settings, root)
+    if isinstance(flex := settings.get(DISPATCHER[0]), dict):
+        if not dispatcher_on(gpu, flex["flex"]):
+            settings[DISPATCHER[0]], settings[DISPATCHER[1]] = "alltoall", None
+        else:
+            settings[DISPATCHER[0]] = "flex"
     if row["published_layout"]["tp"] < 2:      # Bridge's CommOverlapConfig turns it off below TP 2
         settings.pop("comm_overlap.tp_comm_overlap", None)    # (training/comm_overlap.py lines 442-445)
         settings.pop("comm_overlap.tp_comm_overlap_cfg", None)
@@ -338,6 +357,8 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             flagless.append(f"{path} = {value!r}")
         elif words:
             entries.append(f"{' '.join(words)}: {path} = {value!r} ({name})")
+    if label in ARCHITECTURE:
+        entries.append(ARCHITECTURE[label])
     recipe_layout = " ".join(f"{k}{settings[p]}" for p, k in LAYOUT_SETTINGS.items() if p in settings)
     published = row["published_layout"]
     gpus = "its GPU count" if count == row["gpus"] else f"{count} GPUs, the row {row['gpus']}"
@@ -348,6 +369,12 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             f"release's recipe, which 0.6.2 (the 25.11-26.02 era) may not match")
     return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
             "pipeline_split": split, "not_known": unknown, "no_megatron_flag": flagless}
+
+
+def dispatcher_on(gpu: str, backend: str | None) -> bool:
+    """Whether FLEX_FUNCTION keeps the flex dispatcher on this GPU of the set (all Blackwell, compute
+    capability 10): HybridEP and NCCL EP on each, DeepEP only on GPUs named B200 or B300."""
+    return backend in ("hybridep", "ncclep") or backend == "deepep" and gpu in ("b200", "b300")
 
 
 def pipeline_split(row: dict, settings: dict, root: Path) -> dict:
@@ -481,15 +508,23 @@ def call(functions: dict, node: ast.Call, env: dict, settings: dict, unknown: li
         settings.pop("model.pipeline_model_parallel_layout", None)
         settings["model.pipeline_model_parallel_layout"] = {"layout": given and ast.literal_eval(given)}
         return None
+    if name == FLEX_FUNCTION:        # its backend argument is the config's (cfg.model.moe_flex_dispatcher_backend)
+        given = node.args[1] if len(node.args) > 1 else None
+        path = given and cfg_path(given, env)
+        backend = settings.get(path) if path else given and ast.literal_eval(given)
+        settings.pop(DISPATCHER[0], None)
+        settings[DISPATCHER[0]] = {"flex": backend}
+        return None
     if ("base", name) in functions:
         base = {}
         interpret({**functions, name: functions[("base", name)]}, name, {}, base, [])
-        for path in (*SPLIT, MTP):
+        for path in (*SPLIT, MTP, *DISPATCHER):
             if path in base:
                 settings.pop(path, None)
                 settings[path] = base[path]
-        unknown.append(f"{name}(): base recipe {functions[('base', name)].name}, only its pipeline split read "
-                       f"({', '.join(f'{p} = {base[p]!r}' for p in (*SPLIT, MTP) if p in base) or 'none set'})")
+        read = ", ".join(f"{p} = {base[p]!r}" for p in (*SPLIT, MTP, *DISPATCHER) if p in base)
+        unknown.append(f"{name}(): base recipe {functions[('base', name)].name}, only its pipeline split and "
+                       f"token dispatcher read ({read or 'none set'})")
         return CFG
     if name not in functions:
         passed_cfg = any(cfg_path(a, env) is not None for a in node.args)

@@ -75,8 +75,8 @@ def test_the_recipes_pipeline_split_prices_the_vp_rows_it_once_refused():
 
 
 def test_the_resolver_reads_only_the_split_from_the_base_recipe(tmp_path):
-    """A perf recipe starting from a base recipe takes the base's split (and MTP depth), not its other
-    settings, and the split follows the base's re-export to where it is defined."""
+    """A perf recipe starting from a base recipe takes the base's split (and MTP depth) and token
+    dispatcher, not its other settings, and the split follows the base's re-export to where it is defined."""
     wheel = tmp_path / "megatron" / "bridge"
     files = {
         "perf_recipes/_common.py": "",
@@ -95,15 +95,13 @@ def test_the_resolver_reads_only_the_split_from_the_base_recipe(tmp_path):
             "    cfg.model.account_for_embedding_in_pipeline_split = True\n"
             "    cfg.model.account_for_loss_in_pipeline_split = True\n"
             "    return cfg\n")}
-    for name, text in files.items():
-        (wheel / name).parent.mkdir(parents=True, exist_ok=True)
-        (wheel / name).write_text(text)
+    write_wheel(wheel, files)
     functions = blackwell.recipe_functions(wheel / "perf_recipes", "llama", "b200")
     settings, unknown = {}, []
     blackwell.interpret(functions, "llama31_405b_pretrain_64gpu_b200_bf16_config", {}, settings, unknown)
     assert settings == {"model.account_for_embedding_in_pipeline_split": True,
                         "model.account_for_loss_in_pipeline_split": True, "model.pipeline_model_parallel_size": 8}
-    assert "base recipe base_256gpu_config, only its pipeline split read" in unknown[0]
+    assert "base recipe base_256gpu_config, only its pipeline split and token dispatcher read" in unknown[0]
     row = ROWS["bw26.06-gb200-llama3.1-405b-MXFP8"]
     assert blackwell.pipeline_split(row, settings, wheel / "perf_recipes")["flags"] == [
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
@@ -131,3 +129,72 @@ def test_a_row_whose_recipe_splits_another_pp_and_megatron_refuses_as_read_is_no
     assert blackwell.refusal_counts([out]) == {"by_first_reason": {}, "by_every_reason": {}}
     assert blackwell.not_known(row, "--use-megatron-fsdp: fully sharded data parallelism (FSDP) is not modelled") \
         is None
+
+
+def write_wheel(wheel: Path, files: dict[str, str]) -> None:
+    """A stand-in megatron-bridge wheel: each file's source under `wheel`."""
+    for name, text in files.items():
+        (wheel / name).parent.mkdir(parents=True, exist_ok=True)
+        (wheel / name).write_text(text)
+
+
+def deepseek_wheel(tmp_path, backend: str):
+    """A wheel whose B200 and GB200 DeepSeek-V3 perf recipes set no dispatcher and whose base recipe ends
+    as Megatron-Bridge 0.6.2's does: alltoall, a flex backend, then apply_flex_dispatcher_backend."""
+    wheel = tmp_path / "megatron" / "bridge"
+    perf = ("from megatron.bridge.perf_recipes.deepseek.common import deepseek_v3_pretrain_config\n"
+            "def deepseek_v3_pretrain_256gpu_{gpu}_fp8mx_config():\n"
+            "    cfg = deepseek_v3_pretrain_config()\n"
+            "    cfg.model.expert_model_parallel_size = 32\n")
+    files = {
+        "perf_recipes/_common.py": "",
+        "perf_recipes/deepseek/common.py": ("from megatron.bridge.recipes.deepseek.deepseek_v3 import "
+                                            "deepseek_v3_pretrain_config\n"),
+        "perf_recipes/deepseek/b200/deepseek_v3.py": perf.format(gpu="b200"),
+        "perf_recipes/deepseek/gb200/deepseek_v3.py": perf.format(gpu="gb200"),
+        "recipes/deepseek/deepseek_v3.py": (
+            "def deepseek_v3_pretrain_config():\n"
+            "    cfg = _pretrain_common()\n"
+            "    cfg.model.moe_token_dispatcher_type = 'alltoall'\n"
+            f"    cfg.model.moe_flex_dispatcher_backend = {backend!r}\n"
+            "    cfg.model.moe_shared_expert_overlap = True\n"
+            "    apply_flex_dispatcher_backend(cfg.model, cfg.model.moe_flex_dispatcher_backend)\n"
+            "    return cfg\n")}
+    write_wheel(wheel, files)
+    return wheel / "perf_recipes"
+
+
+def dispatcher_entries(recipe: dict) -> list[str]:
+    return [entry.split(":")[0] for entry in recipe["not_expressible"] if "dispatcher" in entry or "groups" in entry]
+
+
+def test_the_base_recipes_flex_dispatcher_is_read_as_bridge_applies_it_on_the_rows_gpu(tmp_path):
+    """The B200 DeepSeek-V3 perf recipes set no dispatcher: they run their base recipe's, which
+    apply_flex_dispatcher_backend makes HybridEP on every Blackwell GPU, DeepEP only on B200/B300
+    (Megatron-Bridge 0.6.2, training/flex_dispatcher_backend.py), else alltoall; DeepSeek-V3's
+    node-limited routing comes with the model."""
+    row = {**ROWS["bw26.04.01-b200-deepseekv3-MXFP8"], "recipe": None}
+    gb200 = {**row, "system": "GB200", "label": "26.04.01 DeepSeekV3 GB200"}
+    hybrid = deepseek_wheel(tmp_path / "hybridep", "hybridep")
+    routing = "--moe-router-num-groups 8 --moe-router-group-topk 4"
+    for on in (row, gb200):
+        assert dispatcher_entries(blackwell.resolve_recipe(on, hybrid)) == [
+            "--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend hybridep", routing]
+    deepep = deepseek_wheel(tmp_path / "deepep", "deepep")
+    assert dispatcher_entries(blackwell.resolve_recipe(row, deepep))[:2] == [
+        "--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep"]
+    assert dispatcher_entries(blackwell.resolve_recipe(gb200, deepep)) == [
+        "--moe-token-dispatcher-type alltoall", routing]
+
+
+def test_deepseek_v3_over_b200_nodes_is_priced_with_hybridep_and_node_limited_routing():
+    """EP 32 over four DGX-B200 nodes: HybridEP sends a token once per remote node holding one of its
+    experts, and node-limited routing bounds those at 4 of the 8 groups (2 a node): its dispatch is
+    priced at under half an NCCL all-to-all's (33.7 s of the step before the set read the base recipe)."""
+    row = ROWS["bw26.04.01-b200-deepseekv3-MXFP8"]
+    flags, _ = recipe_flags(blackwell.as_h100_row(row))
+    words = " ".join(flags)
+    assert "--moe-token-dispatcher-type flex" in words and "--moe-flex-dispatcher-backend hybridep" in words
+    assert "--moe-router-num-groups 8 --moe-router-group-topk 4" in words
+    recipe = blackwell.priced_row(row, search=False)["recipe"]
+    assert recipe["breakdown_s"]["ep_comm_s"] < 0.5 * 33.7
