@@ -51,6 +51,7 @@ from megatron_pipette.cost.gemm import (
     linear_work,
     main_grad_bytes,
 )
+from megatron_pipette.cost.launch import HostFloor, layer_floor
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile, profile_extrapolations
@@ -424,10 +425,13 @@ class ChunkWork(NamedTuple):
     """(p, v) effective GEMM FLOPs: seconds = flops / the stage's GEMM FLOP/s."""
     mem_s: np.ndarray
     """(p, v) memory-bound seconds."""
+    host_s: np.ndarray | float = 0.0
+    """(p, v) seconds the host takes to launch the layers' kernels (cost.launch): the floor under
+    the device's time; 0 where the layers are profiled, whose times hold it already."""
 
     def seconds(self, rate: np.ndarray | float) -> np.ndarray:
-        """Seconds at `rate` GEMM FLOP/s (broadcast against (p, v))."""
-        return self.flops / rate + self.mem_s
+        """Seconds at `rate` GEMM FLOP/s (broadcast against (p, v)), never below the host's floor."""
+        return np.maximum(self.flops / rate + self.mem_s, self.host_s)
 
 
 class LayerLinears(NamedTuple):
@@ -533,9 +537,14 @@ def stage_work(job: Job, cluster: Cluster, profile: LayerProfile | None = None) 
     experts = moe_mlp(job, bw, gemm, linear) if moe.any() else None
     paired = experts is not None and layout.overlap_moe_expert_parallel_comm   # cost.timing runs its halves apart
     sparse = roofline_layer(job, bw, gemm, attention, moe=experts, linear=linear) if experts is not None else layer
-    fwd = _chunks(layer.forward, sparse.forward, layers, moe)
-    bwd = _chunks(layer.backward, sparse.backward, layers, moe)
-    rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)
+    dense_floor = HostFloor() if profiled else layer_floor(job, moe=False)
+    moe_floor = layer_floor(job, moe=True) if experts is not None else dense_floor
+    fwd = _chunks(layer.forward, sparse.forward, layers, moe)._replace(
+        host_s=dense_floor.forward_s * (layers - moe) + moe_floor.forward_s * moe)
+    bwd = _chunks(layer.backward, sparse.backward, layers, moe)._replace(
+        host_s=dense_floor.backward_s * (layers - moe) + moe_floor.backward_s * moe)
+    rc = _chunks(layer.recompute, sparse.recompute, rc_layers, moe_rc_layers)._replace(
+        host_s=dense_floor.recompute_s * (rc_layers - moe_rc_layers) + moe_floor.recompute_s * moe_rc_layers)
     _add_at(fwd, 0, 0, embed.forward)
     _add_at(bwd, 0, 0, embed.backward)
     _add_at(fwd, -1, -1, out.forward)

@@ -80,6 +80,8 @@ def workload_from_args(args: Any) -> Workload:
         grad_reduce_in_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
         cross_entropy_loss_fusion=bool(getattr(args, "cross_entropy_loss_fusion", False)),
         cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"),
+        cuda_graph_impl=getattr(args, "cuda_graph_impl", "none"),
+        cuda_graph_modules=tuple(_enum_name(m) for m in getattr(args, "cuda_graph_modules", None) or ()),
         **_attention_fields(args), **_moe_fields(args), **_fp8_fields(args), **_optimizer_fields(args))
 
 

@@ -62,6 +62,14 @@ per 16 (NVFP4_BLOCK_SCALING_SIZE) beside a per-tensor FP32 scale (common/recipe 
 Per-tensor recipes keep one FP32 scale a tensor: nothing per element."""
 ELEMENT_BYTES = {"nvfp4": 0.5}
 """Bytes of a quantised element where not one: NVFP4's E2M1, two to a byte."""
+CudaGraphImpl = Literal["none", "local", "transformer_engine", "full_iteration"]
+CUDA_GRAPH_IMPLS = get_args(CudaGraphImpl)
+CudaGraphModule = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess"]
+CUDA_GRAPH_MODULES = get_args(CudaGraphModule)
+"""--cuda-graph-modules values the cost model prices (megatron-core 0.19.2's CudaGraphModule less
+mamba, which needs Mamba layers). Megatron's deprecated spellings are read as its arguments.py reads
+them: "full" alone is the empty list (the whole layer), "full_iteration" means --cuda-graph-impl
+full_iteration, "full_iteration_inference" acts in inference only (cuda_graph_config.py)."""
 
 
 def quantised_bytes(recipe: str) -> float:
@@ -290,6 +298,14 @@ class Workload:
     moe_router_dtype: MoeRouterDtype | None = None
     """--moe-router-dtype: fp32 or fp64 router logits, and so routing probabilities (kept for the
     experts' weighted activation); None: the training dtype."""
+    cuda_graph_impl: CudaGraphImpl = "none"
+    """--cuda-graph-impl: none, local (megatron-core's per-layer graphs), transformer_engine (TE's
+    make_graphed_callables per layer) or full_iteration (one graph for the forward-backward of the
+    whole iteration, the optimizer step excluded): the captured kernels cost no host launch each
+    (cost.launch)."""
+    cuda_graph_modules: tuple[CudaGraphModule, ...] = ()
+    """--cuda-graph-modules: what the per-layer graphs capture (attn, mlp, moe, moe_router,
+    moe_preprocess); empty: the whole layer. Meaningless (and empty) under full_iteration."""
     name: str = "custom"
     """A label for reports; not a Megatron flag."""
 
@@ -372,6 +388,7 @@ class Workload:
             raise PipetteError("--reuse-grad-buf-for-mxfp8-param-ag needs --fp8-param-gather and --fp8-recipe mxfp8 "
                                "(megatron-core asserts the first; the model prices it with MXFP8 weights only)")
         self._check_optimizer()
+        self._check_cuda_graphs()
 
     def _check_fp8(self) -> None:
         if self.fp8 not in FP8_FORMATS:
@@ -441,6 +458,58 @@ class Workload:
                                "(megatron-core's shared experts have no biases)")
         self._check_expert_activation()
         self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
+
+    def _check_cuda_graphs(self) -> None:
+        """--cuda-graph-impl and --cuda-graph-modules as megatron-core 0.19.2 reads them
+        (training/arguments.py _normalize_cuda_graph_modules_args, transformer_config.py
+        __post_init__): the deprecated spellings migrated, then its assertions."""
+        modules = list(self.cuda_graph_modules)
+        if isinstance(self.cuda_graph_modules, str):     # one word, as a preset or plan document may give it
+            modules = self.cuda_graph_modules.split(",") if self.cuda_graph_modules else []
+        impl = self.cuda_graph_impl
+        if modules == ["full"]:
+            modules = []
+        elif "full" in modules:
+            raise PipetteError("--cuda-graph-modules full cannot be given with other modules (Megatron asserts)")
+        if "full_iteration" in modules:
+            impl = "full_iteration"       # Megatron migrates the deprecated module to the implementation
+        modules = [m for m in modules if m not in ("full_iteration", "full_iteration_inference")]
+        if impl not in CUDA_GRAPH_IMPLS:
+            raise PipetteError(f"--cuda-graph-impl must be one of {', '.join(CUDA_GRAPH_IMPLS)}, got {impl!r}")
+        unknown = [m for m in modules if m not in CUDA_GRAPH_MODULES]
+        if unknown:
+            raise PipetteError(f"--cuda-graph-modules {' '.join(map(str, unknown))}: the cost model prices "
+                               f"{', '.join(CUDA_GRAPH_MODULES)} (mamba needs Mamba layers)")
+        if impl == "none":     # Megatron checks the modules only where graphs are built
+            object.__setattr__(self, "cuda_graph_modules", tuple(modules))
+            return
+        if impl == "local" and {"moe_router", "moe_preprocess"} & set(modules):
+            modules += [m for m in ("moe_router", "moe_preprocess") if m not in modules]  # as Megatron does
+        rules = (
+            (impl == "full_iteration" and bool(modules), "--cuda-graph-modules must be empty with --cuda-graph-impl "
+                                                         "full_iteration"),
+            ("moe" in modules and "moe_router" in modules, "--cuda-graph-modules takes moe or moe_router, not both"),
+            ("moe_preprocess" in modules and "moe_router" not in modules,
+             "--cuda-graph-modules moe_preprocess needs moe_router"),
+            (self.num_experts is None and bool({"moe", "moe_router"} & set(modules)),
+             "--cuda-graph-modules moe and moe_router need --num-experts"),
+            (self.num_experts is not None and "mlp" in modules and all(self.moe_layer_pattern()),
+             "--cuda-graph-modules mlp needs dense layers (every layer is MoE)"),
+            (self.num_experts is not None and "moe" in modules
+             and not (self.moe_expert_capacity_factor is not None and self.moe_pad_expert_input_to_capacity),
+             "--cuda-graph-modules moe needs drop-and-pad experts (--moe-expert-capacity-factor and "
+             "--moe-pad-expert-input-to-capacity)"),
+            (self.num_experts is not None and "moe_preprocess" in modules
+             and self.moe_token_dispatcher_type == "alltoall" and self.moe_expert_capacity_factor is not None
+             and not self.moe_pad_expert_input_to_capacity,
+             "--cuda-graph-modules moe_preprocess with the alltoall dispatcher and a capacity factor: its "
+             "preprocessing copies to the host"),
+        )
+        for broken, message in rules:
+            if broken:
+                raise PipetteError(f"{message} (megatron-core 0.19.2's TransformerConfig asserts it)")
+        object.__setattr__(self, "cuda_graph_impl", impl)
+        object.__setattr__(self, "cuda_graph_modules", tuple(modules))
 
     def _check_expert_activation(self) -> None:
         """Routed experts scale each token's activation by its router probability, and megatron-core

@@ -401,3 +401,16 @@ def test_virtual_stages_per_rank_price_as_the_layers_per_chunk_they_build(capsys
                           "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                           "--top", "1", "--json")[1])
     assert plan["candidates"][0]["layout"]["num_layers_per_virtual_pipeline_stage"] == 8
+
+
+def test_estimate_prices_cuda_graphs_as_megatron_takes_them(capsys):
+    """--cuda-graph-impl and --cuda-graph-modules (Megatron's deprecated full_iteration module
+    included) remove the host's launch floor of what they capture (cost.launch)."""
+    def seconds(*graphs):
+        code, out, err = run(capsys, "estimate", *SMALL, "--transformer-impl", "local", "--tensor-model-parallel-size",
+                             "4", "--json", *graphs)
+        assert code == 0, err
+        return json.loads(out)["iteration_time_s"]
+    eager = seconds()
+    assert eager > seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn") > seconds(
+        "--cuda-graph-impl", "none", "--cuda-graph-modules", "full_iteration")
