@@ -186,7 +186,9 @@ def layer_kernels(job: Job, *, moe: bool) -> dict[str, Kernels]:
     if layout.recompute_granularity == "full":
         return {name: k._replace(recompute=k.forward) for name, k in regions.items()}
     redone = layout.selective_modules
-    again = {"attn": _core_attention(w).forward if "core_attn" in redone else 0,
+    up = sum(_linear(w).forward for name in w.attention_linears() if name in ("q_up", "kv_up"))
+    again = {"attn": (_core_attention(w).forward if "core_attn" in redone else 0)
+             + (up + _rope(w).forward if "mla_up_proj" in redone else 0),
              "mlp": 2 * _linear(w).forward + _activation(w).forward if "mlp" in redone else 0,
              "moe_router": (_norm().forward if "layernorm" in redone else 0),
              "moe_experts": 1 if "moe_act" in redone else 0}

@@ -119,7 +119,8 @@ class PlanRecord:
                    candidates=candidates, phases_s=phases_s, calibration=calibration)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"schema": SCHEMA, "version": VERSION, "model": dataclasses.asdict(self.model), "cluster": self.cluster,
+        model = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.model).items()}
+        doc = {"schema": SCHEMA, "version": VERSION, "model": model, "cluster": self.cluster,
                "world_size": self.world_size, "considered": self.considered, "out_of_memory": self.out_of_memory,
                "candidates": [dict(c.document) for c in self.candidates]}
         if self.phases_s is not None:
