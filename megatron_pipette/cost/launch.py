@@ -63,9 +63,9 @@ LOCAL_SECONDS_PER_KERNEL = (2.109e-3 / LOCAL_GPT_KERNELS.forward, 1.767e-3 / LOC
 TE_SECONDS_PER_KERNEL = (8e-6, 8e-6 * LOCAL_SECONDS_PER_KERNEL[1] / LOCAL_SECONDS_PER_KERNEL[0])
 """Host seconds per kernel of Transformer Engine's layers, forward 8 us and backward 3.8 us (the local
 spec's ratio): a fit to the development sets within their bound, not a measurement. At the local
-spec's cost the H100 set's Qwen3-30B rows would be priced 72-169% too slow; no row of either set
+spec's cost the H100 set's Qwen3-30B rows would be priced 72-170% too slow; no row of either set
 moves at 8 us, at 16 us one Blackwell row does (the B200 Qwen3-30B 25.09 token-drop run, +30% ->
-+41%), at 33 us the H100 Qwen3-30B rows do (+8.9% -> +23.5%). Lower bound: CUDA's kernel launch,
++41%), at 33 us the H100 Qwen3-30B rows do (+8.9% -> +23.6%). Lower bound: CUDA's kernel launch,
 a few microseconds (not measured here). docs/time-model.md, "Launch floor"."""
 
 
