@@ -27,6 +27,9 @@ hidden, a heads, g query groups, d head dim, f ffn, t TP):
 Recomputation adds forward work to the backward: full, the whole layer for
 each recomputed layer (uniform: all, block n: n per model chunk); selective,
 the --recompute-modules of every layer (by default the attention core).
+A chunk's pass takes no less than the host needs to launch its layers' kernels
+(ChunkWork.host_s, cost.launch), less what CUDA graphs capture; profiled layers
+hold that time already.
 """
 
 from __future__ import annotations

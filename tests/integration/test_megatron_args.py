@@ -300,3 +300,16 @@ def test_virtual_stages_per_rank_are_read_typed_and_cleared_as_megatron_takes_th
     with pytest.raises(PipetteError, match="--num-virtual-stages-per-pipeline-rank 3 must divide"):
         ma.constraints_from_args(megatron_namespace(num_layers=8, pipeline_model_parallel_size=4,
                                                     num_virtual_stages_per_pipeline_rank=3), argv)
+
+
+def test_cuda_graph_arguments_become_the_workload():
+    """--cuda-graph-modules as Megatron's parser leaves it (CudaGraphModule members, or the deprecated
+    word full_iteration before validate_args migrates it) reaches the workload by name."""
+    from enum import Enum
+
+    Module = Enum("CudaGraphModule", "attn mlp")
+    w = ma.workload_from_args(megatron_namespace(cuda_graph_impl="transformer_engine",
+                                                 cuda_graph_modules=[Module.attn, Module.mlp]))
+    assert (w.cuda_graph_impl, w.cuda_graph_modules) == ("transformer_engine", ("attn", "mlp"))
+    w = ma.workload_from_args(megatron_namespace(cuda_graph_impl="none", cuda_graph_modules=["full_iteration"]))
+    assert (w.cuda_graph_impl, w.cuda_graph_modules) == ("full_iteration", ())
