@@ -93,7 +93,8 @@ def _add_field(group, field: dataclasses.Field, hints: dict, cls: type) -> None:
         else:
             group.add_argument(megatron_flag(field.name), action="store_true", default=argparse.SUPPRESS, help=doc)
         return
-    options = [_as_text(t) for t in typing.get_args(kind) if t is not type(None)] or [kind]
+    options = [kind] if typing.get_origin(kind) is tuple else \
+        [_as_text(t) for t in typing.get_args(kind) if t is not type(None)] or [kind]
     if typing.get_origin(options[0]) is tuple:    # a list of words (--recompute-modules core_attn mlp)
         group.add_argument(megatron_flag(field.name), dest=field.name, type=str, nargs="*", action=_TupleAction,
                            default=argparse.SUPPRESS, metavar="STR", help=doc)

@@ -412,5 +412,6 @@ def test_estimate_prices_cuda_graphs_as_megatron_takes_them(capsys):
         assert code == 0, err
         return json.loads(out)["iteration_time_s"]
     eager = seconds()
-    assert eager > seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn") > seconds(
-        "--cuda-graph-impl", "none", "--cuda-graph-modules", "full_iteration")
+    attention = seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn")
+    assert eager > attention > seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp")
+    assert attention > seconds("--cuda-graph-impl", "none", "--cuda-graph-modules", "full_iteration")
