@@ -119,8 +119,7 @@ class PlanRecord:
                    candidates=candidates, phases_s=phases_s, calibration=calibration)
 
     def to_json(self) -> dict[str, Any]:
-        model = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.model).items()}
-        doc = {"schema": SCHEMA, "version": VERSION, "model": model, "cluster": self.cluster,
+        doc = {"schema": SCHEMA, "version": VERSION, "model": workload_json(self.model), "cluster": self.cluster,
                "world_size": self.world_size, "considered": self.considered, "out_of_memory": self.out_of_memory,
                "candidates": [dict(c.document) for c in self.candidates]}
         if self.phases_s is not None:
@@ -150,6 +149,12 @@ class PlanRecord:
                        phases_s=doc.get("phases_s"), calibration=calibration, self_check=check)
         except (KeyError, TypeError, ValueError) as e:
             raise PipetteError(f"{where}: malformed plan ({e!r})") from None
+
+
+def workload_json(workload: Workload) -> dict[str, Any]:
+    """A plan document's model block: the workload's fields, word lists (--cuda-graph-modules) as JSON
+    lists, so that a document reads back unchanged."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(workload).items()}
 
 
 def _model_from_json(doc: dict[str, Any], where: str) -> Workload:
