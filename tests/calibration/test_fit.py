@@ -118,13 +118,13 @@ def test_calibrated_inputs_keep_uniform_levels_as_views() -> None:
 def test_scaled_compute_scales_profiled_layers_too() -> None:
     """The profile's layers run at profiled rate / device rate: pinning the profiled rate makes the
     compute factor reach them as it reaches the roofline."""
-    from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+    from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel, ProfileEntry
 
     cluster = cpu_like()
     entry = ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=4, forward_s=0.01, backward_s=0.02,
                          activation_bytes=1000)
     profile = LayerProfile(device_name="cpu", rank=0, layers=(entry,), embedding=(entry,), output_layer=(entry,),
-                           model={})
+                           model=ProfiledModel())
     job = resolve_job(TINY, LAYOUTS["dp4"])
     base = calibrated(cluster, profile, Factors()).time(job).stage_times[0]
     half = calibrated(cluster, profile, Factors(compute_rate=0.5)).time(job).stage_times[0]
@@ -147,7 +147,7 @@ WRITTEN_LAYOUT = {
 """The layout of a CPU rehearsal's calibration.json, as the hook wrote it before the record was typed."""
 
 
-def test_a_stored_document_written_before_the_record_was_typed_reads_and_writes_back_unchanged() -> None:
+def test_a_document_written_before_the_record_was_typed_reads_and_writes_back_new_fields_at_default() -> None:
     doc = {"schema": "megatron-pipette/calibration", "version": 1, "factors": {
         "compute_rate": 1.0434915753790066, "memory_rate": 0.05037420638752311,
         "link_bandwidth": {"intra_node": 0.3071553156141707}, "memory_overhead_bytes": 0},
@@ -158,7 +158,9 @@ def test_a_stored_document_written_before_the_record_was_typed_reads_and_writes_
         "id": "1f4ed52df2ec0c13"}
     read = CalibrationRecord.from_json(doc, "c.json")
     assert read.fitted_on.layout == Layout(data_parallel_size=4, micro_batch_size=4, overlap_grad_reduce=True)
-    assert json.loads(json.dumps(read.to_json())) == doc
+    written = json.loads(json.dumps(read.to_json()))
+    added = {k: v for k, v in dataclasses.asdict(Layout()).items() if k not in WRITTEN_LAYOUT}
+    assert written == {**doc, "fitted_on": {**doc["fitted_on"], "layout": {**WRITTEN_LAYOUT, **added}}}
     without = {**doc, "fitted_on": {k: v for k, v in doc["fitted_on"].items() if k != "layout"}}
     with pytest.raises(PipetteError, match=r"^c.json: malformed calibration \(fitted_on.layout is None"):
         CalibrationRecord.from_json(without, "c.json")

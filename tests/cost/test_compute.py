@@ -13,7 +13,7 @@ from megatron_pipette.cost.gemm import GemmCurve, gemm_curve
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.spec.hardware import cluster_presets, lookup_gpu, preset_cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -213,7 +213,8 @@ def _profile(rank=0, fwd=0.01, bwd=0.02, rc_bwd=None, gemm_flops=None):
     if rc_bwd is not None:
         layers.append(ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd,
                                    backward_s=rc_bwd, activation_bytes=1, recompute_granularity="full"))
-    return LayerProfile(device_name="x", rank=rank, layers=tuple(layers), embedding=(), output_layer=(), model={},
+    return LayerProfile(device_name="x", rank=rank, layers=tuple(layers), embedding=(), output_layer=(),
+                        model=ProfiledModel(),
                         gemm_flops=gemm_flops)
 
 
@@ -269,7 +270,7 @@ def test_a_context_parallel_shard_gets_the_attention_to_the_other_ranks_keys_add
     whole = ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=0.006, backward_s=0.012,
                          activation_bytes=2)
     profile = LayerProfile(device_name="x", rank=0, layers=(whole, shard), embedding=(whole,), output_layer=(whole,),
-                           model={}, gemm_flops=1e15)
+                           model=ProfiledModel(), gemm_flops=1e15)
     layout = Layout(context_parallel_size=2, data_parallel_size=4, recompute_granularity="full",
                     recompute_method="uniform", recompute_num_layers=1)
     job = resolve_job(w, layout)
@@ -296,7 +297,7 @@ def _synthetic_profile(gemm_flops: float) -> LayerProfile:
         return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd, backward_s=bwd,
                             activation_bytes=1)
     return LayerProfile(device_name="x", rank=0, gemm_flops=gemm_flops, layers=(entry(0.01, 0.02),),
-                        embedding=(entry(0.001, 0.002),), output_layer=(entry(0.003, 0.007),), model={})
+                        embedding=(entry(0.001, 0.002),), output_layer=(entry(0.003, 0.007),), model=ProfiledModel())
 
 
 @pytest.mark.parametrize("preset", sorted(cluster_presets()))

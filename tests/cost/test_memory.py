@@ -28,7 +28,7 @@ from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.hardware import lookup_gpu, preset_cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel, ProfileEntry
 from megatron_pipette.spec.layout import Layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -446,7 +446,8 @@ def test_profile_replaces_the_formula():
     measured = 123_456_789
     entry = ProfileEntry(tensor_model_parallel_size=8, micro_batch_size=1, forward_s=1.0, backward_s=2.0,
                          activation_bytes=measured, sequence_parallel=True, recompute_granularity="selective")
-    profile = LayerProfile(device_name="H100", rank=0, layers=(entry,), embedding=(), output_layer=(), model={})
+    profile = LayerProfile(device_name="H100", rank=0, layers=(entry,), embedding=(), output_layer=(),
+                           model=ProfiledModel())
     with_profile = estimate_memory(resolve_job(GPT3, layout), H100, profile=profile).stages[3]
     formula = estimate_memory(resolve_job(GPT3, layout), H100).stages[3]
     layers_in_flight = 5 * 12  # rank 3 of 8 holds 5 micro-batches of 12 layers

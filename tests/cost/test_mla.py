@@ -14,7 +14,7 @@ from megatron_pipette.cost.parameters import dense_layer_parameters
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel
 from megatron_pipette.spec.layout import Infeasible, Layout
 from megatron_pipette.spec.workload import Workload, workload_from_preset
 
@@ -100,7 +100,7 @@ def test_rules_and_what_the_profile_does_not_cover():
         dataclasses.replace(SMALL, group_query_attention=True, num_query_groups=2)
     with pytest.raises(Infeasible, match="--tp-comm-overlap with --multi-latent-attention"):
         job(SMALL, tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)
-    profile = LayerProfile(device_name="H100", rank=0, model={}, layers=(), embedding=(), output_layer=())
+    profile = LayerProfile(device_name="H100", rank=0, model=ProfiledModel(), layers=(), embedding=(), output_layer=())
     assert profile.covers(job(workload_from_preset("llama3-8b")))
     assert not profile.covers(job(SMALL))
     assert not profile.covers(job(dataclasses.replace(workload_from_preset("llama3-8b"), qk_layernorm=True)))

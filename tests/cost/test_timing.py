@@ -17,7 +17,7 @@ from megatron_pipette.cost.timing import iteration_time
 from megatron_pipette.errors import Infeasible
 from megatron_pipette.spec.hardware import Cluster, preset_cluster, uniform_level
 from megatron_pipette.spec.job import resolve_job
-from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel, ProfileEntry
 from megatron_pipette.spec.layout import Layout, validate_layout
 from megatron_pipette.spec.workload import workload_from_preset
 
@@ -66,7 +66,7 @@ def profiled_layers(rate: float, output_s: tuple[float, float] = (0.0, 0.0)) -> 
     def entry(**kw):
         return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, activation_bytes=1, **kw)
     return LayerProfile(device_name="H100", rank=0, gemm_flops=rate, embedding=(entry(forward_s=0.0, backward_s=0.0),),
-                        output_layer=(entry(forward_s=output_s[0], backward_s=output_s[1]),), model={},
+                        output_layer=(entry(forward_s=output_s[0], backward_s=output_s[1]),), model=ProfiledModel(),
                         layers=(entry(forward_s=F, backward_s=B),
                                 entry(forward_s=F, backward_s=B + RECOMPUTED, recompute_granularity="full")))
 

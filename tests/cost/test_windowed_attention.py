@@ -236,7 +236,7 @@ def test_a_profiled_layer_loses_the_windows_share_of_its_measured_time():
     iteration time of -0.18 s), forward and backward."""
     from megatron_pipette.cost.compute import roofline_embedding, roofline_output
     from megatron_pipette.cost.model import CostModel
-    from megatron_pipette.spec.layer_profile import LayerProfile, ProfileEntry
+    from megatron_pipette.spec.layer_profile import LayerProfile, ProfiledModel, ProfileEntry
     from megatron_pipette.spec.workload import workload_from_preset
 
     cluster = dataclasses.replace(preset_cluster("dgx-h100", num_nodes=1, gpus_per_node=1),
@@ -247,7 +247,7 @@ def test_a_profiled_layer_loses_the_windows_share_of_its_measured_time():
         return ProfileEntry(tensor_model_parallel_size=1, micro_batch_size=1, forward_s=fwd, backward_s=bwd,
                             activation_bytes=1)
     profile = LayerProfile(device_name="x", rank=0, layers=(entry(1e-3, 2e-3),), embedding=(entry(0.0, 0.0),),
-                           output_layer=(entry(0.0, 0.0),), model={})
+                           output_layer=(entry(0.0, 0.0),), model=ProfiledModel())
     layout = Layout(data_parallel_size=1)
 
     def layers_s(window, measured):

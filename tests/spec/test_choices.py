@@ -45,7 +45,8 @@ def test_the_choice_fields_are_the_ones_with_a_fixed_set() -> None:
                              "main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype",
                              "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_dtype",
                              "cuda_graph_impl", "cuda_graph_modules"}
-    assert set(LAYOUT) == {"recompute_granularity", "recompute_method", "recompute_modules", "cp_comm_type"}
+    assert set(LAYOUT) == {"recompute_granularity", "recompute_method", "recompute_modules", "cp_comm_type",
+                           "data_parallel_sharding_strategy"}
     assert set(OPTIMIZER_DTYPES) == set(typing.get_args(OptimizerStateDtype))   # the tables priced by them
     assert set(BYTES_PER_ELEMENT) == set(PRECISIONS)
 
