@@ -247,10 +247,34 @@ def searched(row: dict, predicted_s: float | None, constraints: dict | None = No
         return {"search_error": str(e)}
     if best is None:
         return {"search_error": "no layout fits"}
-    out = {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args())}
+    out = {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args()),
+           "search_breakdown_s": best.time.breakdown.as_dict()}
     if predicted_s is not None:
         out["search_gain"] = predicted_s / best.time.iteration_time_s - 1
     return out
+
+
+NAMED_GAIN = 0.10
+"""A free search's predicted gain over a published layout above which the report names the time
+terms it comes from (issue 31: the gain over NVIDIA's MoE layouts should stay under 10%)."""
+
+
+def gain_terms(published: dict, found: dict) -> list[tuple[str, float]]:
+    """Where the search claims more than NAMED_GAIN over the published layout: the time terms (seconds
+    of TimeBreakdown) that the searched layout saves, largest first, those under 5% of the gap left
+    out. Why: a claimed gain is either the model's error on one term or a better layout; the term
+    says which to look at."""
+    if found.get("search_gain", 0.0) <= NAMED_GAIN or "breakdown_s" not in published:
+        return []
+    saved = {term: published["breakdown_s"][term] - found["search_breakdown_s"][term]
+             for term in published["breakdown_s"]}
+    gap = published["predicted_s"] - found["search_s"]
+    return sorted(((t, s) for t, s in saved.items() if s > 0.05 * gap), key=lambda ts: -ts[1])
+
+
+def describe_gain(terms) -> str:
+    """The gain's terms as the report prints them ("ep_comm -2.71 s, compute -0.40 s")."""
+    return ", ".join(f"{t.removesuffix('_s')} -{s:.2f} s" for t, s in terms)
 
 
 def summary(rows: list[dict], key: str) -> dict:
@@ -301,6 +325,9 @@ def result_row(row: dict, search: bool = True) -> dict:
         # the rest of the layout: the search again with the published micro-batch size.
         published = {"micro_batch_size": row["published_layout"]["micro_batch_size"]}
         found["at_published_mbs"] = searched(row, recipe.get("predicted_s"), published)
+    for pick in (found, found.get("at_published_mbs", {})):
+        if terms := gain_terms(recipe, pick):
+            pick["gain_terms_s"] = dict(terms)
     flags, not_priced = recipe_flags(row)
     return {"id": row["id"], "measured_s": row["iteration_time_s"], "moe": is_moe(row), "plain": plain,
             "recipe": recipe, "search": found, "recipe_flags": flags, "recipe_not_priced": not_priced}
@@ -326,10 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['id']:<26} {row['iteration_time_s']:>10.3f} {unpriced:>9} "
               f"{recipe['predicted_s']:>11.3f} {recipe['error']:>+7.1%} {recipe['peak_gib']:>7.1f}{fits:<4} "
               f"{gain:>11}  {search.get('search_layout', '')}", flush=True)
+        if "gain_terms_s" in search:
+            print(f"{'':<26} {'':>61}  the gain from: {describe_gain(search['gain_terms_s'].items())}")
         if "search_gain" in search.get("at_published_mbs", {}):
             at = search["at_published_mbs"]
             print(f"{'':<26} {'':>10} {'':>9} {'':>11} {'':>7} {'':>8}  {at['search_gain']:>+11.1%}  "
                   f"(the published micro-batch size) {at['search_layout']}", flush=True)
+            if "gain_terms_s" in at:
+                print(f"{'':<26} {'':>61}  the gain from: {describe_gain(at['gain_terms_s'].items())}")
     result = {"date": datetime.date.today().isoformat(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),

@@ -44,7 +44,7 @@ def _in_job(folder: str) -> dict[str, dict]:
     return starts
 
 
-H100_FOLDER = "published_runs_h100-2026-11-28-launch-floor"
+H100_FOLDER = "published_runs_h100-2026-11-28-search-terms"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
 BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-28-launch-floor"
 """The development sets' current kept results (tests/benchmarks/test_kept_results.py prices the sets

@@ -44,3 +44,13 @@ def test_the_recipes_mtp_layer_is_priced_where_its_layout_puts_it():
     assert "m" not in row["published_layout"]["pipeline_model_parallel_layout"]
     assert runs.recipe_layout(row)["pipeline_model_parallel_layout"].endswith("mL")
     assert "error_message" not in runs.pinned(row, recipe=True)
+
+
+def test_a_claimed_gain_over_ten_percent_names_the_terms_it_comes_from():
+    published = {"predicted_s": 12.0, "breakdown_s": {"compute_s": 6.0, "ep_comm_s": 5.0, "pp_comm_s": 1.0}}
+    found = {"search_s": 9.0, "search_gain": 12.0 / 9.0 - 1,
+             "search_breakdown_s": {"compute_s": 5.9, "ep_comm_s": 2.0, "pp_comm_s": 1.1}}
+    assert runs.gain_terms(published, found) == [("ep_comm_s", 3.0)]   # compute's 0.1 s is under 5% of the gap
+    assert runs.describe_gain(runs.gain_terms(published, found)) == "ep_comm -3.00 s"
+    small = {**found, "search_s": 11.0, "search_gain": 12.0 / 11.0 - 1}
+    assert runs.gain_terms(published, small) == []                      # +9.1%: under the 10% that names terms
