@@ -218,6 +218,8 @@ class GroupLinks:
     hop_xchg: tuple[np.ndarray, np.ndarray] | None
     """Latency and 1/bandwidth (each (2, pp, dp x cp, tp)) of the same links inside an exchange;
     None: full duplex (as hop_alpha_s, hop_inv_bw)."""
+    host_link_Bps: float | None = None
+    """Each device's one-way copy rate to host memory (Cluster.host_link_Bps), None where not known."""
 
     def p2p_s(self, nbytes: float) -> Hops:
         """One message on each hop, each TP rank on its own link; the slowest sets it."""
@@ -279,6 +281,7 @@ def group_links(tp: int, pp: int, dp: int, cluster: Cluster, placement=None, *, 
         hop_alpha_s=hop_alpha,
         hop_inv_bw=hop_inv,
         hop_xchg=hop_xchg,
+        host_link_Bps=cluster.host_link_Bps,
     )
 
 

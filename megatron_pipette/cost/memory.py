@@ -21,6 +21,7 @@ import numpy as np
 
 from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
 from megatron_pipette.cost.fsdp import held_state
+from megatron_pipette.cost.offload import resident_layers
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.cost.schedules import InFlight, schedule_for
 from megatron_pipette.errors import PipetteError
@@ -453,6 +454,12 @@ class ChunkActivations(NamedTuple):
     """Its heaviest layer's stored bytes (under full recomputation an upper bound: the layer whole)."""
 
 
+def chunk_stored_bytes(job: Job, chunk_layers: int, moe_layers: int) -> int:
+    """Bytes one micro-batch keeps for its backward in a chunk of `chunk_layers` layers, `moe_layers`
+    of them MoE (the formula's: what cost.offload copies to the host)."""
+    return _chunk_activations(job, chunk_layers, moe_layers, None).stored
+
+
 def _chunk_activations(job: Job, chunk_layers: int, moe_layers: int,
                        profile: LayerProfile | None) -> ChunkActivations:
     """One micro-batch's activations in one model chunk of `chunk_layers` layers, `moe_layers` of
@@ -550,7 +557,10 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
     moe = job.moe_layers[stage] if job.moe_layers else (0,) * vpp
-    chunks = [chunk_bytes(n, m) for n, m in zip(job.chunk_sizes[stage], moe)]
+    # Under --cpu-offloading-num-layers a chunk holds L - N layers' activations at most (cost.offload),
+    # the heavier (MoE) ones among them.
+    resident = [resident_layers(job, n) for n in job.chunk_sizes[stage]]
+    chunks = [chunk_bytes(n, min(m, n)) for n, m in zip(resident, moe)]
     recomputed = max(c.recomputed for c in chunks)
     embedding = terms.embedding if first else 0
     output = terms.output + mtp if last else 0

@@ -24,13 +24,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_pipette.cost import fsdp, schedules, simulator
+from megatron_pipette.cost import fsdp, offload, schedules, simulator
 from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
-from megatron_pipette.cost.memory import extra_warmup
+from megatron_pipette.cost.memory import chunk_stored_bytes, extra_warmup
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
+from megatron_pipette.errors import Infeasible
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.workload import Workload, quantised_bytes
@@ -66,7 +67,8 @@ class TimeBreakdown:
     pp_comm_s: float
     """That stage's p2p sends and receives."""
     pipeline_bubble_s: float
-    """The rest of the forward-backward pass: warmup, cooldown and waiting on other stages."""
+    """The rest of the forward-backward pass: warmup, cooldown and waiting on other stages (and the
+    --cpu-offloading-num-layers copies' exposed part, cost.offload)."""
     dp_comm_exposed_s: float
     """Data-parallel gradient reduction (and parameter all-gather) not hidden behind compute; under
     Megatron-FSDP its layer gathers and reduce-scatters of every micro-batch (cost.fsdp) included."""
@@ -343,6 +345,8 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
     fsdp_f, fsdp_b = fsdp.microbatch_exposed(job, links, stage_parameters(job), work.layers, forward_s, backward_s,
                                              share)
     forward_s, backward_s = forward_s + fsdp_f, backward_s + fsdp_b
+    offload_f, offload_b = _offload_exposed(job, links, forward_s, backward_s)
+    forward_s, backward_s = forward_s + offload_f, backward_s + offload_b
     message = act / (layout.tp if sp else 1)
     hop, xchg = links.p2p_s(message), links.exchange_s(message)
     times = schedules.StageTimes(forward_s=forward_s, backward_s=backward_s,
@@ -351,6 +355,23 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                                  bwd_xchg_s=None if xchg is None else xchg.gradient)
     return _Stages(times=times, compute=fwd + bwd, recompute=rc, tp_comm=tp_f + tp_b, cp_comm=cp_f + cp_b,
                    ep_comm=ep, dp_comm=fsdp_f + fsdp_b)
+
+
+def _offload_exposed(job: Job, links: GroupLinks, forward_s: np.ndarray,
+                     backward_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds (dp, pp, v) the --cpu-offloading-num-layers copies of one
+    micro-batch add to its chunk (PP 1: one chunk), its layers taken equal: each layer's stored
+    bytes over the host link one way (cost.offload)."""
+    n = job.layout.cpu_offloading_num_layers
+    if not n:
+        return np.zeros_like(forward_s), np.zeros_like(backward_s)
+    if links.host_link_Bps is None:
+        raise Infeasible(f"--cpu-offloading-num-layers {n}: the cluster gives no host-link bandwidth "
+                         "(host_link_bandwidth_Bps of the presets) to price the copies with")
+    layers = job.chunk_sizes[0][0]
+    moe = job.moe_layers[0][0] if job.moe_layers else 0
+    copy_s = chunk_stored_bytes(job, n, min(moe, n)) / n / links.host_link_Bps
+    return offload.microbatch_exposed(layers, n, forward_s / layers, backward_s / layers, copy_s)
 
 
 def _run_schedule(schedule: schedules.Schedule, times: schedules.StageTimes, m: int,

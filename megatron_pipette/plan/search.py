@@ -74,9 +74,9 @@ SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_l
                "pipeline_model_parallel_layout")
 KEPT_AS_GIVEN = ("cp_comm_type", "recompute_modules", "pipeline_model_parallel_layout", "tp_comm_overlap",
                  "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "use_megatron_fsdp",
-                 "data_parallel_sharding_strategy")
+                 "data_parallel_sharding_strategy", "cpu_offloading_num_layers")
 """Layout fields the search does not vary: the user's value, else Megatron's default (so it
-chooses Megatron-FSDP only where typed)."""
+chooses Megatron-FSDP and CPU offloading only where typed)."""
 
 
 def _user_split(constraints: Mapping[str, Any]) -> list[Split] | None:

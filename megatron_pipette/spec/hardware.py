@@ -222,6 +222,9 @@ class Cluster:
     NCCL_NVLS_ENABLE=0, and for cluster files (the probe does not detect it)."""
     hosts: tuple[str, ...] = ()
     """Host name per node, when known."""
+    host_link_Bps: float | None = None
+    """Bytes/s one device copies one way to or from its host's memory while every device of the node
+    copies (cost.offload: --cpu-offloading-num-layers); None where not known (cluster files)."""
 
     def __post_init__(self) -> None:
         check_cluster_shape(self.num_nodes, self.gpus_per_node, ("--num-nodes", "--gpus-per-node"))
@@ -379,4 +382,5 @@ def preset_cluster(name: str, *, num_nodes: int | None = None, gpus_per_node: in
         memory_bytes=device.memory_bytes, memory_bandwidth_Bps=device.attained_memory_bandwidth_Bps,
         gemm_flops=device.large_gemm_rate(precision),
         intra_node=uniform_level(gpus_per_node, p["intra_node_bandwidth_Bps"], p["intra_node_latency_s"]),
-        inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False))
+        inter_node=inter, domain_of_node=domains, nvls=p.get("nvls", False),
+        host_link_Bps=p.get("host_link_bandwidth_Bps"))

@@ -44,6 +44,7 @@ ABBREVIATIONS = {
     "+dw": "--delay-wgrad-compute", "dopt": "--use-distributed-optimizer", "+opg": "--overlap-param-gather",
     "+step": "--overlap-param-gather-with-optimizer-step",
     "fsdp/": "--use-megatron-fsdp (/STRATEGY: --data-parallel-sharding-strategy)",
+    "cpuoff": "--cpu-offloading-num-layers",
     "rc=sel": "--recompute-granularity selective (/MODULES: --recompute-modules)",
     "rc=full": "--recompute-granularity full (/METHOD N: --recompute-method, --recompute-num-layers)",
 }
@@ -140,6 +141,9 @@ class Layout:
     data_parallel_sharding_strategy: ShardingStrategy = "optim_grads_params"
     """--data-parallel-sharding-strategy: what Megatron-FSDP shards: optimizer state (optim), and the
     gradients (optim_grads), and the parameters (optim_grads_params); read only under --use-megatron-fsdp."""
+    cpu_offloading_num_layers: int = 0
+    """--cpu-offloading-num-layers: the activations of the model's first N transformer layers are copied
+    to host memory after their forward and back before their backward (cost.offload); 0: none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute_modules, list):     # from a plan document or Megatron's args
@@ -219,6 +223,8 @@ class Layout:
             parts.append(_joined("epo", ("+dw", self.delay_wgrad_compute)))
         if self.use_megatron_fsdp:
             parts.append((f"fsdp/{self.data_parallel_sharding_strategy}", ("fsdp/",)))
+        if self.cpu_offloading_num_layers:
+            parts.append((f"cpuoff{self.cpu_offloading_num_layers}", ("cpuoff",)))
         if self.use_distributed_optimizer:
             parts.append(_joined("dopt", ("+opg", self.overlap_param_gather),
                                  ("+step", self.overlap_param_gather_with_optimizer_step)))
@@ -247,6 +253,7 @@ class Layout:
             ("--recompute-method", self.recompute_method),
             ("--recompute-num-layers", self.recompute_num_layers),
             ("--recompute-modules", None if self.recompute_modules is None else " ".join(self.recompute_modules)),
+            ("--cpu-offloading-num-layers", self.cpu_offloading_num_layers or None),
         )
         args += [f"{flag} {value}" for flag, value in optional if value is not None]
         if self.use_megatron_fsdp:      # the strategy is read only under FSDP
@@ -547,6 +554,28 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
     _validate_context_parallel(workload, layout)
     _validate_experts(workload, layout)
     _validate_fsdp(workload, layout)
+    _validate_cpu_offloading(workload, layout)
+
+
+def _validate_cpu_offloading(workload: Workload, layout: Layout) -> None:
+    """megatron-core 0.19.2's rules for --cpu-offloading-num-layers (TransformerConfig.__post_init__;
+    megatron/training/arguments.py turns --cpu-offloading on for N > 0)."""
+    n = layout.cpu_offloading_num_layers
+    if not n:
+        return
+    flag = f"--cpu-offloading-num-layers {n}"
+    if not 0 < n < workload.num_layers:
+        raise Infeasible(f"{flag}: CPU offloading can be done only for layers less than --num-layers "
+                         f"{workload.num_layers} (Megatron's rule)")
+    if layout.pp > 1:
+        raise Infeasible(f"{flag} with --pipeline-model-parallel-size {layout.pp}: Megatron has no support for "
+                         "pipeline parallelism with CPU offloading (Megatron's rule)")
+    if layout.recompute_granularity is not None:
+        raise Infeasible(f"{flag} with --recompute-granularity {layout.recompute_granularity}: CPU offloading does "
+                         "not work when activation recomputation is enabled (Megatron's rule)")
+    if workload.cuda_graph_impl not in ("none", "full_iteration"):
+        raise Infeasible(f"{flag} with --cuda-graph-impl {workload.cuda_graph_impl}: CUDA graphs not supported "
+                         "with CPU offloading (Megatron's rule)")
 
 
 def _validate_fsdp(workload: Workload, layout: Layout) -> None:
