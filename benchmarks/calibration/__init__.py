@@ -6,6 +6,8 @@
    on held-out shapes.
 3. `fit_execution` fits the time model's execution constants (megatron_pipette/cost/execution.py) on the
    development set of published H100 runs only, through the validation suite's pricing of its rows.
+4. `launch_floor_sweep` bounds Transformer Engine's host cost per kernel (cost/launch.py) by the cost
+   at which a row of either development set moves away from its measurement.
 
 Each step is `python -m benchmarks.calibration.STEP --help`; its raw output goes to a folder under
 benchmarks/results/ that the docs cite.
