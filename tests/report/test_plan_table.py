@@ -14,6 +14,7 @@ EVERYTHING = [
            use_megatron_fsdp=True),
     Layout(pipeline_model_parallel_size=2, data_parallel_size=1, micro_batch_size=1,
            pipeline_model_parallel_layout="Et|tL", recompute_granularity="selective", recompute_modules=("mlp",)),
+    Layout(data_parallel_size=8, micro_batch_size=1, cpu_offloading_num_layers=4),
 ]
 
 
