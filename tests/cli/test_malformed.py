@@ -63,8 +63,9 @@ VALID = {
     ("--world-size", HUGE), ("--gpus-per-node", HUGE), ("--cpu-offloading-num-layers", "0"),
 }
 """(flag, value) pairs that are not malformed: zero layers on a stage, zero warm-up iterations, rank
-or seed 0, no layer offloaded (Megatron's default), exact timings; --top above the number of layouts lists them all. (--world-size and
---gpus-per-node of probe-sim must match the truth file: huge values are tried there by file.)"""
+or seed 0, no layer offloaded (Megatron's default), exact timings; --top above the number of layouts
+lists them all. (--world-size and --gpus-per-node of probe-sim must match the truth file: huge values
+are tried there by file.)"""
 FLOAT_VALID = {("--attention-dropout", "0"), ("--hidden-dropout", "0"), ("--memory-headroom", "0"),
                *((flag, value) for flag in ("--mscale", "--mscale-all-dim") for value in ("-1", "0"))}
 """Zero dropout; no memory headroom (the fastest layout that fits); YaRN's mscale values, which
