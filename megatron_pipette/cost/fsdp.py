@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_pipette.cost.comm import GroupLinks
-from megatron_pipette.cost.parameters import StageParameters
+from megatron_pipette.cost.parameters import StageParameters, stage_parameters
 from megatron_pipette.cost.schedules.without_interleaving import overlapped
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
@@ -76,7 +76,7 @@ def held_state(job: Job, stage: int, params: StageParameters, weight_bytes: int,
             held(gradient_bytes, gradient) if shards_gradients(layout) else gradient_bytes)
 
 
-def microbatch_exposed(job: Job, links: GroupLinks, params: StageParameters, layers: np.ndarray,
+def microbatch_exposed(job: Job, links: GroupLinks, layers: np.ndarray,
                        forward_s: np.ndarray, backward_s: np.ndarray, share: float) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds (dp, pp, v) that one micro-batch's FSDP collectives add to each
     chunk. Layer by layer, each collective runs behind the layer before it on the data-parallel
@@ -91,6 +91,7 @@ def microbatch_exposed(job: Job, links: GroupLinks, params: StageParameters, lay
     zero = np.zeros_like(forward_s)
     if not shards_gradients(layout):
         return zero, zero
+    params = stage_parameters(job)      # past the guard: every estimate without FSDP passes through here
     n = np.maximum(np.array([units(job, r) for r in range(layout.pp)]), 1)
     dense, expert = params.dense_in_layers / n, params.expert / n           # (pp,) per layer on one device
 

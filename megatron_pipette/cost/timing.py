@@ -342,8 +342,7 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
                                   where=saved > 0)     # a chunk without MoE layers saves nothing
         forward_s, backward_s, ep = (forward_s - saved * forward_share, backward_s - saved * (1 - forward_share),
                                      ep - saved)
-    fsdp_f, fsdp_b = fsdp.microbatch_exposed(job, links, stage_parameters(job), work.layers, forward_s, backward_s,
-                                             share)
+    fsdp_f, fsdp_b = fsdp.microbatch_exposed(job, links, work.layers, forward_s, backward_s, share)
     forward_s, backward_s = forward_s + fsdp_f, backward_s + fsdp_b
     offload_f, offload_b = _offload_exposed(job, links, forward_s, backward_s)
     forward_s, backward_s = forward_s + offload_f, backward_s + offload_b

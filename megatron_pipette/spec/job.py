@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
-from megatron_pipette.errors import Infeasible
 from megatron_pipette.spec.layout import Layout, chunk_sizes, validate_layout
 from megatron_pipette.spec.workload import Workload
 
@@ -78,10 +77,6 @@ def resolve_job(workload: Workload, layout: Layout, world_size: int | None = Non
     """The job of `layout` for `workload`; raises Infeasible (naming the flags) where Megatron
     would reject the layout, and when `world_size` is given and the layout does not fill it."""
     validate_layout(workload, layout, world_size)
-    if workload.cuda_graph_impl in ("local", "transformer_engine") and layout.recompute_granularity == "full":
-        raise Infeasible(f"--recompute-granularity full with --cuda-graph-impl {workload.cuda_graph_impl}: "
-                         "megatron-core 0.19.2 runs full recomputation with the full_iteration graph only "
-                         "(TransformerConfig asserts)")
     job = Job(workload=workload, layout=layout,
               chunk_sizes=tuple(tuple(chunks) for chunks in chunk_sizes(workload, layout)),
               num_microbatches=workload.global_batch_size // (layout.micro_batch_size * layout.dp))

@@ -555,6 +555,10 @@ def validate_layout(workload: Workload, layout: Layout, world_size: int | None =
     _validate_experts(workload, layout)
     _validate_fsdp(workload, layout)
     _validate_cpu_offloading(workload, layout)
+    if workload.cuda_graph_impl in ("local", "transformer_engine") and layout.recompute_granularity == "full":
+        raise Infeasible(f"--recompute-granularity full with --cuda-graph-impl {workload.cuda_graph_impl}: "
+                         "megatron-core 0.19.2 runs full recomputation with the full_iteration graph only "
+                         "(TransformerConfig asserts)")
 
 
 def _validate_cpu_offloading(workload: Workload, layout: Layout) -> None:

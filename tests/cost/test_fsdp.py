@@ -59,7 +59,7 @@ def _gather_case(cluster):
 def test_without_compute_to_hide_behind_every_layer_gather_and_reduce_scatter_shows():
     job, links, params, layers = _gather_case(preset_cluster("dgx-h100", num_nodes=2))
     zero = np.zeros((16, 1, 1))
-    f, b = fsdp.microbatch_exposed(job, links, params, layers, zero, zero, share=0.0)
+    f, b = fsdp.microbatch_exposed(job, links, layers, zero, zero, share=0.0)
     layer = params.dense_in_layers[0] / 32
     gather = links.dp_cp_groups.all_gather_s(np.array([[2 * layer]])).max()
     reduce = links.dp_cp_groups.reduce_scatter_s(np.array([[LLAMA.grad_bytes * layer]])).max()
@@ -70,7 +70,7 @@ def test_without_compute_to_hide_behind_every_layer_gather_and_reduce_scatter_sh
 def test_behind_long_layers_only_the_first_gather_shows_and_the_rest_takes_its_share():
     job, links, params, layers = _gather_case(preset_cluster("dgx-h100", num_nodes=2))
     long = np.full((16, 1, 1), 1e3)
-    f, _ = fsdp.microbatch_exposed(job, links, params, layers, long, long, share=0.1)
+    f, _ = fsdp.microbatch_exposed(job, links, layers, long, long, share=0.1)
     gather = links.dp_cp_groups.all_gather_s(np.array([[2 * params.dense_in_layers[0] / 32]])).max()
     assert f == pytest.approx(np.full((16, 1, 1), gather + 0.1 * 31 * gather))
 
