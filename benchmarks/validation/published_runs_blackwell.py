@@ -316,6 +316,13 @@ ARCHITECTURE = {"DeepSeekV3": "--moe-router-num-groups 8 --moe-router-group-topk
 """Architecture settings of a table's model that its recipe takes from the Hugging Face config, not from
 perf_recipes/ (the deepseek-v3-like preset leaves node-limited routing out), as a recipe entry."""
 
+PROVIDER_DEFAULTS = ["--cross-entropy-loss-fusion: GPTModelProvider.cross_entropy_loss_fusion = True "
+                     "(models/gpt_provider.py), which 0.6.2's pretrain recipes leave on (only PEFT ones turn it off)"]
+"""Settings every recipe's model provider defaults to where Megatron's default differs and no perf
+recipe assigns them, as recipe entries: Megatron-LM's --cross-entropy-loss-fusion is off by default,
+Megatron-Bridge's GPT provider has it on, so the recipes' cross_entropy_fusion_impl (te, set by
+perf_recipes/_common.py) is the loss they run."""
+
 LAYER_LETTERS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 """A layout's list-of-lists layer names as megatron-core's string letters (PipelineParallelLayerLayout)."""
 
@@ -357,6 +364,7 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             flagless.append(f"{path} = {value!r}")
         elif words:
             entries.append(f"{' '.join(words)}: {path} = {value!r} ({name})")
+    entries += PROVIDER_DEFAULTS
     if label in ARCHITECTURE:
         entries.append(ARCHITECTURE[label])
     recipe_layout = " ".join(f"{k}{settings[p]}" for p, k in LAYOUT_SETTINGS.items() if p in settings)

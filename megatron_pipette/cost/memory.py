@@ -502,8 +502,8 @@ class _JobTerms:
     embedding: int
     """Stage 0, chunk 0: the embedding's dropout mask."""
     output: int
-    """Last stage, last chunk: the final norm's and output layer's inputs, and the fp32 softmax
-    the vocab-parallel cross entropy saves."""
+    """Last stage, last chunk: the final norm's and output layer's inputs, and what the
+    vocab-parallel cross entropy saves (loss_kept_bytes)."""
     buffer: int
     """Megatron's "mpu" buffer: the unfused attention's score matrix, or the SP all-gathered input."""
     dense_backward: int
@@ -517,6 +517,15 @@ class _JobTerms:
     are the softmax."""
 
 
+def loss_kept_bytes(workload: Workload) -> int:
+    """Bytes per logit the vocab-parallel cross entropy keeps for its backward: megatron-core's plain
+    and native fused ones (tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py) save the
+    fp32 softmax (`exp_logits`, after `.float()`), 4; Transformer Engine's (--cross-entropy-fusion-impl
+    te with --cross-entropy-loss-fusion; TE 2.20's CrossEntropyFunction saves `saved_input`, a copy of
+    the logits in their own dtype, and two fp32 statistics per row) keeps the logits' e bytes."""
+    return workload.bytes_per_element if workload.cross_entropy_fusion == "te" else 4
+
+
 def _job_terms(job: Job) -> _JobTerms:
     workload, layout = job.workload, job.layout
     e, t, h = workload.bytes_per_element, layout.tp, workload.hidden_size
@@ -527,7 +536,7 @@ def _job_terms(job: Job) -> _JobTerms:
     dense = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores)
     moe = max(dense, moe_backward_bytes(job) + 2 * e * round(routed_rows(job)) * h) if job.moe_layers else dense
     return _JobTerms(embedding=tokens * h // sp if workload.hidden_dropout > 0 else 0,
-                     output=2 * e * tokens * h // sp + 4 * tokens * vocab // t,
+                     output=2 * e * tokens * h // sp + loss_kept_bytes(workload) * tokens * vocab // t,
                      buffer=max(e * scores, e * tokens * h if layout.sequence_parallel else 0),
                      dense_backward=dense, moe_backward=moe, logits=e * tokens * vocab // t if e != 4 else 0)
 

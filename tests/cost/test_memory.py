@@ -265,6 +265,18 @@ def test_interleaved_last_stage_keeps_one_output_layer():
     assert inter.activation_bytes == 5 * chunk + output  # 5 chunks in flight, of them one last chunk
 
 
+
+@pytest.mark.parametrize("fusion, impl, kept", [(False, "te", 4), (True, "native", 4), (True, "te", 2)])
+def test_the_loss_keeps_what_its_implementation_saves(fusion, impl, kept):
+    """megatron-core's plain and native fused cross entropy save the fp32 softmax; Transformer
+    Engine's saves the logits' bf16 copy (--cross-entropy-fusion-impl te counts only with
+    --cross-entropy-loss-fusion)."""
+    w = dataclasses.replace(GPT3, cross_entropy_loss_fusion=fusion, cross_entropy_fusion_impl=impl)
+    job = resolve_job(w, L(tensor_model_parallel_size=8, pipeline_model_parallel_size=1))
+    tokens, vocab = w.seq_length, w.padded_vocab_size(8)
+    assert _job_terms(job).output == 2 * 2 * tokens * w.hidden_size + kept * tokens * vocab // 8
+
+
 # Recomputation.
 
 def test_full_recompute_uniform_and_block():
