@@ -1,7 +1,7 @@
 """Price NVIDIA's published Blackwell runs at their own layouts with the planner as it stands; print every row.
 
     python -m benchmarks.validation.published_runs_blackwell
-        [--out benchmarks/results/published_runs_blackwell-DATE] [--search]
+        [--out benchmarks/results/published_runs_blackwell-DATE] [--search [--moe-only]]
     python -m benchmarks.validation.published_runs_blackwell --resolve WHEEL_DIR
 
 Why: the baseline of issue 31 (Blackwell priced from evidence). The rows
@@ -33,7 +33,17 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.validation.published_runs_h100 import WORST_BAR, base_argv, build, layout_argv, result_row, summary
+from benchmarks.validation.published_runs_h100 import (
+    WORST_BAR,
+    base_argv,
+    build,
+    describe_gain,
+    is_moe,
+    layout_argv,
+    result_row,
+    summary,
+)
+from benchmarks.validation.release_steps import release_spread
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.megatron_flags import flag_table
 
@@ -168,6 +178,15 @@ def priced_row(row: dict, search: bool) -> dict:
     return out
 
 
+def search_medians(s: dict) -> str:
+    """The summary's MoE median search gains as the report prints them (nothing without a search)."""
+    median, at_mbs = s["moe_median_search_gain"], s["moe_median_search_gain_at_published_mbs"]
+    if median is None:
+        return ""
+    return f", MoE median search gain {median:+.1%}" + (
+        "" if at_mbs is None else f" ({at_mbs:+.1%} at the published micro-batch sizes)")
+
+
 def not_known(row: dict, refusal: str | None) -> str | None:
     """Why the row's settings are not known, where the planner refuses them by a rule of Megatron's
     (Megatron would refuse the launch as read too) and the recipe's pipeline split is not the run's
@@ -196,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="folder for results.json (default: print only)")
     p.add_argument("--search", action="store_true", help="also run the free search on each priced row (slow)")
+    p.add_argument("--moe-only", action="store_true", help="with --search: search the MoE rows only")
     p.add_argument("--resolve", metavar="WHEEL_DIR",
                    help="write the rows' `recipe` from an unpacked megatron-bridge wheel, then stop")
     ns = p.parse_args(argv)
@@ -213,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'run':<46} {'measured tok/s/GPU':>18} {'predicted':>9} {'error':>7} {'peak GiB':>9}  refused / search")
     for row in doc["rows"]:
-        rows.append(priced_row(row, ns.search))
+        rows.append(priced_row(row, ns.search and (not ns.moe_only or is_moe(as_h100_row(row)))))
         recipe = rows[-1]["recipe"]
         if rows[-1]["not_known"]:
             print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,}  not known: {rows[-1]['not_known']}",
@@ -228,17 +248,32 @@ def main(argv: list[str] | None = None) -> int:
         gain = f"search {search['search_gain']:+.1%} {search['search_layout']}" if "search_gain" in search else ""
         print(f"{row['id']:<46} {row['tokens_per_s_per_gpu']:>18,} {recipe['predicted_tokens_per_s_per_gpu']:>9,.0f} "
               f"{recipe['error']:>+7.1%} {recipe['peak_gib']:>7.1f}{fits:<4} {gain}", flush=True)
+        for pick, what in ((search, ""), (search.get("at_published_mbs", {}), "at the published micro-batch size ")):
+            if "search_gain" in pick and pick is not search:
+                print(f"{'':<46} {'':>18} {'':>9} {'':>7} {'':>9}  search {what}{pick['search_gain']:+.1%} "
+                      f"{pick['search_layout']}", flush=True)
+            if "gain_terms_s" in pick:
+                print(f"{'':<46} {'':>48}the gain from: {describe_gain(pick['gain_terms_s'].items())}", flush=True)
+    for row, why in zip(rows, release_spread([as_h100_row(r) for r in doc["rows"]], rows)):
+        row["release_step"] = why
     counts = refusal_counts(rows)
     result = {"date": datetime.date.today().isoformat(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "error_sign": "predicted step time / measured - 1: positive is predicted too slow",
               "summary": {k: summary(rows, k) for k in ("plain", "recipe")}, "refusals": counts, "rows": rows}
+    result["summary"]["recipe"]["beyond_25pct_unexplained"] = sum(
+        abs(r["recipe"].get("error", 0)) > WORST_BAR and not r["release_step"] for r in rows)
     for name, s in result["summary"].items():
         print(f"{name:>7}: {s['priced']}/{s['runs']} priced, mean |error| {s['mean_abs_error']:.1%} "
               f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond "
               f"{WORST_BAR:.0%}, {s['predicted_not_to_fit']} predicted not to fit, {s['fits_within_2pct']} within 2% "
-              f"of capacity")
+              f"of capacity" + search_medians(s))
+    print(f"beyond {WORST_BAR:.0%} with the recipe and not explained by a release step (release_steps): "
+          f"{result['summary']['recipe']['beyond_25pct_unexplained']}")
+    for row in rows:
+        if row["release_step"]:
+            print(f"  {row['id']}: {row['release_step']}")
     print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
     print(f"not known (the recipe as read is refused by Megatron too): {sum(bool(r['not_known']) for r in rows)}")
