@@ -50,6 +50,7 @@ from megatron_pipette.cost.memory import RuntimeOverheads, environment_overheads
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.plan.planner import evaluate, plan
+from megatron_pipette.plan.search import PREFERABLE, RECOMPUTE_FLAGS, SPLIT_FLAGS
 from megatron_pipette.spec.hardware import Cluster
 from megatron_pipette.spec.job import resolve_job
 from megatron_pipette.spec.layout import Layout, check_user_layout
@@ -236,22 +237,59 @@ def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,
             "headroom": 1 - memory.peak_bytes / memory.capacity_bytes, "breakdown_s": time.breakdown.as_dict()}
 
 
+FREED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+         "expert_model_parallel_size", "expert_tensor_parallel_size", "micro_batch_size",
+         "num_layers_per_virtual_pipeline_stage", *SPLIT_FLAGS, *RECOMPUTE_FLAGS)
+"""The layout's sizes, micro-batch, interleaving, pipeline split and recomputation: what the free search
+chooses. Every other layout setting the run used (its recipe's and OVERLAPS) the search keeps
+(search_settings)."""
+
+
+def search_settings(fields: dict) -> tuple[dict, dict]:
+    """The published launch's layout settings beyond FREED, as the search keeps them: (constraints,
+    preferred). Those Megatron accepts on every layout (the distributed optimizer and its overlaps,
+    sequence parallelism, which Megatron itself drops at TP 1) are constraints; those valid on some
+    layouts only (--overlap-moe-expert-parallel-comm needs EP > 1 and, under PP, interleaving;
+    --delay-wgrad-compute needs it; Megatron-FSDP and CPU offloading need PP 1, ...) are preferred: set
+    together where Megatron accepts them, off where it does not, as a recipe written for that layout
+    would set them (plan's `preferred`)."""
+    kept = {name: value for name, value in fields.items() if name not in FREED}
+    preferred = {name: value for name, value in kept.items() if name in PREFERABLE}
+    return {name: value for name, value in kept.items() if name not in preferred}, preferred
+
+
 def searched(row: dict, predicted_s: float | None, constraints: dict | None = None) -> dict:
-    """The free search's pick for the row's model and settings (no layout flag), and its predicted
-    gain over the published layout; `constraints` (Layout fields) pin part of the layout."""
+    """The free search's pick for the row's model and settings (search_settings: the layout's sizes
+    free), and its predicted gain over the published layout; `constraints` (Layout fields) pin part of
+    the layout."""
+    found = dict(search(tuple(search_argv(row)), tuple(sorted(environment(row, True).items())),
+                        tuple(sorted((constraints or {}).items()))))
+    if "search_s" in found and predicted_s is not None:
+        found["search_gain"] = predicted_s / found["search_s"] - 1
+    return found
+
+
+def search_argv(row: dict) -> list[str]:
+    """The launch the published layout is priced with (pinned): the search reads its settings from it."""
+    return [*model_argv(row, recipe=True), *layout_argv(recipe_layout(row)), *OVERLAPS]
+
+
+@cache
+def search(argv: tuple[str, ...], env: tuple[tuple[str, str], ...], fixed: tuple[tuple[str, object], ...]) -> dict:
+    """The free search for one launch (search_settings, with the `fixed` Layout fields), once per
+    distinct launch: its pick depends on the model, cluster, settings and batch only, which many rows
+    (the releases of one recipe) share."""
     try:
-        priced = build(model_argv(row, recipe=True), environment(row, True))
-        best = plan(priced.workload, CostModel(priced.cluster, overheads=priced.overheads), constraints=constraints,
-                    top_k=1).best
+        priced = build(list(argv), dict(env))
+        constraints, preferred = search_settings(priced.fields)
+        best = plan(priced.workload, CostModel(priced.cluster, overheads=priced.overheads),
+                    constraints={**constraints, **dict(fixed)}, preferred=preferred, top_k=1).best
     except (PipetteError, Infeasible) as e:
         return {"search_error": str(e)}
     if best is None:
         return {"search_error": "no layout fits"}
-    out = {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args()),
-           "search_breakdown_s": best.time.breakdown.as_dict()}
-    if predicted_s is not None:
-        out["search_gain"] = predicted_s / best.time.iteration_time_s - 1
-    return out
+    return {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args()),
+            "search_breakdown_s": best.time.breakdown.as_dict(), "search_kept": {**constraints, **preferred}}
 
 
 NAMED_GAIN = 0.10

@@ -107,9 +107,10 @@ class Plan:
 
 def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any] | None = None, top_k: int = 10,
          placement_top: int = 3, allow_tp_across_nodes: bool = False, resume: ResumeRule | None = None,
-         memory_headroom: float = MEMORY_HEADROOM) -> Plan:
+         memory_headroom: float = MEMORY_HEADROOM, preferred: Mapping[str, Any] | None = None) -> Plan:
     """Search every valid layout for the model's cluster (that can load the checkpoint to resume from,
-    given `resume`) and return the best ones, placed, the pick first (step 5 of the module docstring)."""
+    given `resume`; with the `preferred` settings wherever Megatron accepts them, enumerate_layouts) and
+    return the best ones, placed, the pick first (step 5 of the module docstring)."""
     cluster = model.cluster
     considered = oom = 0
     rejected = Rejections()
@@ -131,7 +132,8 @@ def plan(workload: Workload, model: CostModel, *, constraints: Mapping[str, Any]
     tune_recompute = not any(k in (constraints or {}) for k in RECOMPUTE_FLAGS)
     for job in enumerate_layouts(workload, cluster.world_size, cluster.gpus_per_node, constraints,
                                  allow_tp_across_nodes=allow_tp_across_nodes,
-                                 gpus_per_domain=cluster.gpus_per_domain, rejected=rejected, resume=resume):
+                                 gpus_per_domain=cluster.gpus_per_domain, rejected=rejected, resume=resume,
+                                 preferred=preferred):
         considered += 1
         memory = model.memory(job)
         variants = [(job, memory)]

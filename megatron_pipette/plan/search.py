@@ -77,6 +77,10 @@ KEPT_AS_GIVEN = ("cp_comm_type", "recompute_modules", "pipeline_model_parallel_l
                  "data_parallel_sharding_strategy", "cpu_offloading_num_layers")
 """Layout fields the search does not vary: the user's value, else Megatron's default (so it
 chooses Megatron-FSDP and CPU offloading only where typed)."""
+PREFERABLE = tuple(k for k in KEPT_AS_GIVEN if k not in ("recompute_modules", "pipeline_model_parallel_layout"))
+"""KEPT_AS_GIVEN fields that may be `preferred` rather than fixed: settings whose validity depends on the
+layout's sizes (--overlap-moe-expert-parallel-comm needs EP > 1, CPU offloading PP 1, ...), not sizes or
+recomputation themselves."""
 
 
 def _user_split(constraints: Mapping[str, Any]) -> list[Split] | None:
@@ -92,6 +96,14 @@ def _check_constraints(constraints: Mapping[str, Any]) -> None:
     unknown = set(constraints) - LAYOUT_FIELDS
     if unknown:
         raise PipetteError(f"unknown layout constraint(s): {', '.join(sorted(unknown))}")
+
+
+def _check_preferred(preferred: Mapping[str, Any], constraints: Mapping[str, Any]) -> None:
+    wrong = set(preferred) - set(PREFERABLE)
+    if wrong:
+        raise PipetteError(f"cannot prefer layout field(s) {', '.join(sorted(wrong))}: only {', '.join(PREFERABLE)}")
+    if both := set(preferred) & set(constraints):
+        raise PipetteError(f"layout field(s) {', '.join(sorted(both))} both constrained and preferred")
 
 
 def fits_fast_domain(tp: int, gpus_per_node: int, gpus_per_domain: int) -> bool:
@@ -123,12 +135,15 @@ class Rejections:
 def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
                       constraints: Mapping[str, Any] | None = None, *, allow_tp_across_nodes: bool = False,
                       gpus_per_domain: int | None = None, rejected: Rejections | None = None,
-                      resume: ResumeRule | None = None) -> Iterator[Job]:
+                      resume: ResumeRule | None = None, preferred: Mapping[str, Any] | None = None) -> Iterator[Job]:
     """Yield the job of every valid layout that honours the constraints and can load the checkpoint
     to resume from (`resume`: its equalities are constraints, the rest a predicate); count each layout
     Megatron would reject in `rejected` (a typed size that does not divide the GPUs among them; one that
-    cannot load the checkpoint)."""
+    cannot load the checkpoint). `preferred` (PREFERABLE fields) are set together on each layout where
+    Megatron accepts them there, and left at Megatron's defaults where it does not: how a recipe that
+    sets them would be written for that layout, where a constraint would reject the layout instead."""
     constraints = {**(constraints or {}), **(resume.equalities if resume is not None else {})}
+    _check_preferred(preferred or {}, constraints)
     rejected = rejected if rejected is not None else Rejections()
 
     def choices(name: str, options):
@@ -139,7 +154,8 @@ def enumerate_layouts(workload: Workload, world_size: int, gpus_per_node: int,
         for ep, etp in _expert_options(workload, tp, pp, world_size, choices, constraints):
             sizes = {"context_parallel_size": cp, "expert_model_parallel_size": ep,
                      "expert_tensor_parallel_size": etp}
-            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume)
+            yield from _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume,
+                                         preferred or {})
 
 
 def _grids(workload: Workload, world_size: int, gpus_per_node: int, constraints: Mapping[str, Any],
@@ -241,7 +257,8 @@ def _expert_options(workload: Workload, tp: int, pp: int, world_size: int, choic
             for etp in etps if typed or world_size % (ep * pp * (tp if etp is None else etp)) == 0]
 
 
-def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume) -> Iterator[Job]:
+def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, sizes, resume,
+                      preferred) -> Iterator[Job]:
     per_replica = workload.global_batch_size // dp
     splits = _user_split(constraints) or _pipeline_splits(workload.num_layers, pp)
     recomputes = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
@@ -273,12 +290,13 @@ def _layouts_for_grid(workload, tp, pp, dp, constraints, choices, rejected, size
             if resume is not None and (why := resume.breaks(base)):
                 rejected.add(Infeasible(f"the checkpoint to resume from: {why[0]}"))
                 continue
-            yield from _jobs(workload, base, constraints, rejected)
+            yield from _jobs(workload, base, constraints, rejected, preferred)
 
 
-def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[Job]:
+def _jobs(workload: Workload, base: Layout, constraints, rejected, preferred) -> Iterator[Job]:
     """The job of `base` with every interleaving option (interleaved only where the search itself
-    counted the embedding and loss in the split); rejections counted by kind."""
+    counted the embedding and loss in the split), with the `preferred` settings where Megatron accepts
+    them; rejections counted by kind."""
     virtual = _virtual_options(workload, base, constraints)
     if base.account_for_embedding_in_pipeline_split and not any(k in constraints for k in SPLIT_FLAGS):
         virtual = [lpv for lpv in virtual if lpv]
@@ -286,9 +304,15 @@ def _jobs(workload: Workload, base: Layout, constraints, rejected) -> Iterator[J
     # distributed checkpointing, its default --ckpt-format (and what --auto-parallel resumes from).
     step = constraints.get("overlap_param_gather_with_optimizer_step", False)
     for lpv in virtual:
+        layout = replace(base, num_layers_per_virtual_pipeline_stage=lpv, overlap_param_gather_with_optimizer_step=step)
+        if preferred:
+            try:
+                yield resolve_job(workload, replace(layout, **preferred))
+                continue
+            except Infeasible:
+                pass                      # not valid here: the layout as it is, or its own rejection
         try:
-            yield resolve_job(workload, replace(base, num_layers_per_virtual_pipeline_stage=lpv,
-                                                overlap_param_gather_with_optimizer_step=step))
+            yield resolve_job(workload, layout)
         except Infeasible as e:
             rejected.add(e)
 

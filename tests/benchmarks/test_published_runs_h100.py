@@ -1,6 +1,7 @@
 """benchmarks/validation/published_runs_h100.py reads each row's recipe as the run used it."""
 
 import json
+from types import SimpleNamespace
 
 from benchmarks.validation import published_runs_h100 as runs
 
@@ -54,3 +55,38 @@ def test_a_claimed_gain_over_ten_percent_names_the_terms_it_comes_from():
     assert runs.describe_gain(runs.gain_terms(published, found)) == "ep_comm -3.00 s"
     small = {**found, "search_s": 11.0, "search_gain": 12.0 / 11.0 - 1}
     assert runs.gain_terms(published, small) == []                      # +9.1%: under the 10% that names terms
+
+
+def test_the_search_keeps_the_recipes_layout_settings_and_frees_the_sizes():
+    """Qwen3-235B's recipe overlaps the expert-parallel exchanges (and delays the experts' weight
+    gradients); its published layout is priced with them, so the free search keeps them wherever
+    Megatron accepts them (preferred), keeps the distributed optimizer, its overlaps and sequence
+    parallelism (constraints), and chooses the sizes, micro-batch, interleaving and split itself."""
+    priced = runs.build(runs.search_argv(ROWS["mb25.09-qwen3-235b"]))
+    constraints, preferred = runs.search_settings(priced.fields)
+    assert preferred == {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
+    assert constraints == {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                           "overlap_param_gather": True, "sequence_parallel": True}
+    assert {"tensor_model_parallel_size", "expert_model_parallel_size", "micro_batch_size",
+            "num_layers_per_virtual_pipeline_stage", "account_for_embedding_in_pipeline_split"} <= set(priced.fields)
+
+
+def test_the_search_runs_once_per_distinct_launch(monkeypatch):
+    """Rows that differ only in their measured figure (releases of one recipe) share one search; the
+    gain is each row's own."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(best=SimpleNamespace(time=SimpleNamespace(
+            iteration_time_s=10.0, breakdown=SimpleNamespace(as_dict=lambda: {"compute_s": 10.0})),
+            layout=SimpleNamespace(megatron_args=lambda: ["--micro-batch-size", "1"])))
+
+    monkeypatch.setattr(runs, "plan", counted)
+    runs.search.cache_clear()
+    row = ROWS["mb26.04-qwen3-30b"]
+    first = runs.searched(row, 12.0)
+    second = runs.searched({**row, "id": "another release", "iteration_time_s": 1.0}, 11.0)
+    runs.search.cache_clear()
+    assert len(calls) == 1
+    assert (first["search_gain"], second["search_gain"]) == (12.0 / 10.0 - 1, 11.0 / 10.0 - 1)

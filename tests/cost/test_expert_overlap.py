@@ -2,6 +2,7 @@
 combined 1F1B schedule's extra warmup forward and the memory of its paired steps, and the time the
 layer-by-layer pairing saves."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +12,7 @@ from megatron_pipette.cost import memory
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.schedules import schedule_for
 from megatron_pipette.cost.timing import _dispatch, _expert_overlap_saving
+from megatron_pipette.errors import PipetteError
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
@@ -187,3 +189,27 @@ def test_the_search_keeps_the_flag_and_megatrons_rules():
     assert all(j.layout.overlap_moe_expert_parallel_comm and j.layout.ep > 1 for j in jobs)
     assert all(j.layout.recompute_granularity != "full" for j in jobs)
     assert all(j.layout.pp == 1 or j.virtual_stages > 1 for j in jobs)
+
+
+def test_the_search_prefers_the_flag_where_megatron_accepts_it():
+    """`preferred` (a recipe's setting carried to other layouts): on wherever Megatron's rules allow it,
+    off on the layouts they forbid it on (EP 1, PP without interleaving, full recomputation), which a
+    constraint would reject instead; every layout the free search yields is still yielded, once."""
+    preferred = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
+    free = list(enumerate_layouts(qwen_moe(), 32, 8))
+    jobs = list(enumerate_layouts(qwen_moe(), 32, 8, preferred=preferred))
+    assert len(jobs) == len(free)
+    for job, plain in zip(jobs, free, strict=True):
+        on = dataclasses.replace(plain.layout, **preferred)
+        try:
+            validate_layout(qwen_moe(), on)
+            valid = True
+        except Infeasible:
+            valid = False
+        assert job.layout == (on if valid else plain.layout)
+    assert {j.layout.overlap_moe_expert_parallel_comm for j in jobs} == {True, False}
+    assert any(j.layout.ep == 1 for j in jobs) and any(j.layout.recompute_granularity == "full" for j in jobs)
+    with pytest.raises(PipetteError, match="both constrained and preferred"):
+        list(enumerate_layouts(qwen_moe(), 32, 8, {"delay_wgrad_compute": False}, preferred=preferred))
+    with pytest.raises(PipetteError, match="cannot prefer"):
+        list(enumerate_layouts(qwen_moe(), 32, 8, preferred={"micro_batch_size": 2}))
