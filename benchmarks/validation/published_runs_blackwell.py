@@ -43,7 +43,7 @@ from benchmarks.validation.published_runs_h100 import (
     result_row,
     summary,
 )
-from benchmarks.validation.release_steps import release_spread
+from benchmarks.validation.release_steps import ANOTHER_RECIPE, RELEASE_STEP, explanations
 from megatron_pipette.errors import PipetteError
 from megatron_pipette.spec.megatron_flags import flag_table
 
@@ -254,26 +254,31 @@ def main(argv: list[str] | None = None) -> int:
                       f"{pick['search_layout']}", flush=True)
             if "gain_terms_s" in pick:
                 print(f"{'':<46} {'':>48}the gain from: {describe_gain(pick['gain_terms_s'].items())}", flush=True)
-    for row, why in zip(rows, release_spread([as_h100_row(r) for r in doc["rows"]], rows)):
-        row["release_step"] = why
+    for row, why in zip(rows, explanations(doc["rows"], [as_h100_row(r) for r in doc["rows"]], rows)):
+        row["explained"] = None if why is None else {"kind": why[0], "why": why[1]}
     counts = refusal_counts(rows)
     result = {"date": datetime.date.today().isoformat(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "error_sign": "predicted step time / measured - 1: positive is predicted too slow",
               "summary": {k: summary(rows, k) for k in ("plain", "recipe")}, "refusals": counts, "rows": rows}
-    result["summary"]["recipe"]["beyond_25pct_unexplained"] = sum(
-        abs(r["recipe"].get("error", 0)) > WORST_BAR and not r["release_step"] for r in rows)
+    beyond = [r for r in rows if abs(r["recipe"].get("error", 0)) > WORST_BAR]
+    result["summary"]["recipe"].update(
+        beyond_25pct_unexplained=sum(not r["explained"] for r in beyond),
+        **{f"beyond_25pct_{kind.replace(' ', '_')}": sum(bool(r["explained"]) and r["explained"]["kind"] == kind
+                                                       for r in beyond) for kind in (RELEASE_STEP, ANOTHER_RECIPE)})
     for name, s in result["summary"].items():
         print(f"{name:>7}: {s['priced']}/{s['runs']} priced, mean |error| {s['mean_abs_error']:.1%} "
               f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond "
               f"{WORST_BAR:.0%}, {s['predicted_not_to_fit']} predicted not to fit, {s['fits_within_2pct']} within 2% "
               f"of capacity" + search_medians(s))
-    print(f"beyond {WORST_BAR:.0%} with the recipe and not explained by a release step (release_steps): "
-          f"{result['summary']['recipe']['beyond_25pct_unexplained']}")
-    for row in rows:
-        if row["release_step"]:
-            print(f"  {row['id']}: {row['release_step']}")
+    s = result["summary"]["recipe"]
+    print(f"beyond {WORST_BAR:.0%} with the recipe: {s['beyond_25pct_release_step']} explained by a release step, "
+          f"{s['beyond_25pct_another_recipe']} run from another recipe than 0.6.2's, {s['beyond_25pct_unexplained']} "
+          "unexplained (release_steps)")
+    for row in beyond:
+        print(f"  {row['id']} {row['recipe']['error']:+.1%}: " +
+              (f"{row['explained']['kind']}: {row['explained']['why']}" if row["explained"] else "unexplained"))
     print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
     print(f"not known (the recipe as read is refused by Megatron too): {sum(bool(r['not_known']) for r in rows)}")
@@ -411,6 +416,7 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             f"MBS{published['micro_batch_size']} GBS{row['global_batch_size']}; the {row['release']} run used that "
             f"release's recipe, which 0.6.2 (the 25.11-26.02 era) may not match")
     return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
+            "layout": {key: settings[path] for path, key in LAYOUT_SETTINGS.items() if path in settings},
             "pipeline_split": split, "not_known": unknown, "no_megatron_flag": flagless}
 
 

@@ -1,41 +1,74 @@
-"""Rows whose error the planner cannot know: the same inputs measured at different speeds by releases.
+"""Rows whose error the planner cannot know: settings a release changed that nothing published says.
 
 The planner prices a row from its model, cluster, precision, published layout, global batch and the
-settings read from Megatron-Bridge 0.6.2's recipe. Rows of one table model and system whose inputs are
-all equal get one price; when NVIDIA's releases measured them far apart, the difference is a setting
-the releases changed that neither the published table nor the 0.6.2 recipe says (issue 31's example:
-Qwen3-30B-A3B on 8 GB200 at one layout ran 26k tokens/s/GPU in 26.04.01 and 41k in 26.06). Such a
-row's error beyond the bar is explained by that spread, and counted apart; every other row beyond
-the bar stays unexplained.
+settings read from Megatron-Bridge 0.6.2's recipe. Two kinds of evidence say that a row ran with
+settings other than those, and so explain its error beyond the bar:
+- a release step: rows of one table model and system whose inputs are all equal get one price, and
+  NVIDIA's releases measured them far apart (issue 31's example: Qwen3-30B-A3B on 8 GB200 at one
+  layout ran 26k tokens/s/GPU in 26.04.01 and 41k in 26.06). The spread is measured, so this shows
+  that the difference is in settings the planner is not given.
+- another recipe: the run's layout (or GPU count) is not the one 0.6.2's recipe sets, so the run came
+  from another release's recipe, whose other settings 0.6.2 does not have. This is weaker: it shows
+  that the settings are unknown, not that they make the difference.
+Every other row beyond the bar stays unexplained, and the summary counts each kind apart.
 """
 
 from __future__ import annotations
 
+import re
+
 from benchmarks.validation.published_runs_h100 import WORST_BAR, layout_argv, model_argv, recipe_layout
+
+RELEASE_STEP, ANOTHER_RECIPE = "release step", "another recipe"
 
 
 def inputs(h100_row: dict) -> tuple[str, ...]:
-    """Everything the planner reads of a row (in the H100 set's shape), as the flags it prices."""
+    """Everything the planner reads of a row (in the H100 set's shape, which published_runs_blackwell
+    prices), as the flags it prices."""
     return (h100_row["label"].split(" ", 1)[1], *model_argv(h100_row, recipe=True),
             *layout_argv(recipe_layout(h100_row)))
 
 
-def release_spread(h100_rows: list[dict], priced: list[dict]) -> list[str | None]:
-    """For each priced row beyond WORST_BAR, why its error is not the model's where it is not: the
-    same inputs' measured tokens/s/GPU over the set span more than WORST_BAR (their fastest over
-    their slowest), named with the releases; None for the other rows."""
+def run_and_recipe(row: dict) -> tuple[dict, dict]:
+    """The run's GPU count and layout, and those of the 0.6.2 recipe read for it (`recipe.layout`,
+    the count in its function's name), VP and EP unset read as 1."""
+    recipe, published = row["recipe"], row["published_layout"]
+    count = re.search(r"_(\d+)gpu_", recipe.get("function") or "")
+    given = recipe.get("layout", {})
+    run = {"GPUs": row["gpus"], "TP": published["tp"], "PP": published["pp"], "CP": published["cp"],
+           "VP": published["virtual_stages_per_pipeline_rank"] or 1, "EP": published["ep"] or 1,
+           "MBS": published["micro_batch_size"], "GBS": row["global_batch_size"]}
+    read = {**{key: given.get(key) for key in run}, "GPUs": int(count.group(1)) if count else None,
+            "VP": given.get("VP") or 1, "EP": given.get("EP") or 1}
+    return run, read
+
+
+def explanations(rows: list[dict], h100_rows: list[dict], priced: list[dict]) -> list[tuple[str, str] | None]:
+    """For each of the set's rows priced (`priced`, from `h100_rows`, the rows in the H100 set's shape)
+    beyond WORST_BAR, (kind, why) where a release step or another recipe explains its error (the
+    module docstring), the release step first; None for the other rows."""
+    keys = [inputs(row) for row in h100_rows]
     groups: dict[tuple[str, ...], list[tuple[str, float]]] = {}
-    for row in h100_rows:
-        groups.setdefault(inputs(row), []).append((row["release"], row["tokens_per_s_per_gpu"]))
+    for row, key in zip(rows, keys):
+        groups.setdefault(key, []).append((row["release"], row["tokens_per_s_per_gpu"]))
     out = []
-    for row, result in zip(h100_rows, priced):
+    for row, key, result in zip(rows, keys, priced):
         error = result["recipe"].get("error")
-        same = groups[inputs(row)]
-        slow, fast = min(same, key=lambda rm: rm[1]), max(same, key=lambda rm: rm[1])
-        if error is None or abs(error) <= WORST_BAR or fast[1] / slow[1] - 1 <= WORST_BAR:
+        if error is None or abs(error) <= WORST_BAR:
             out.append(None)
             continue
-        out.append(f"the same inputs measured {slow[1]:,} tokens/s/GPU in {slow[0]} and {fast[1]:,} in {fast[0]} "
-                   f"({fast[1] / slow[1] - 1:+.0%}): a setting the releases changed that the table and the "
-                   "0.6.2 recipe do not say")
+        same = groups[key]
+        slow, fast = min(same, key=lambda rm: rm[1]), max(same, key=lambda rm: rm[1])
+        run, read = run_and_recipe(row)
+        differs = [key for key in run if read[key] != run[key]]
+        if fast[1] / slow[1] - 1 > WORST_BAR:
+            out.append((RELEASE_STEP, f"the same inputs measured {slow[1]:,} tokens/s/GPU in {slow[0]} and "
+                        f"{fast[1]:,} in {fast[0]} ({fast[1] / slow[1] - 1:+.0%}): a setting the releases changed "
+                        "that the table and the 0.6.2 recipe do not say"))
+        elif row["recipe"].get("function") and differs:
+            out.append((ANOTHER_RECIPE, "the run's " + ", ".join(f"{k} {run[k]}" for k in differs) + " where 0.6.2's "
+                        "recipe has " + ", ".join(f"{k} {read[k]}" for k in differs) + f": the {row['release']} "
+                        "recipe is not 0.6.2's, and its other settings are not known"))
+        else:
+            out.append(None)
     return out

@@ -4,9 +4,9 @@ measured far apart by releases."""
 import json
 
 from benchmarks.validation import published_runs_blackwell as blackwell
-from benchmarks.validation.release_steps import inputs, release_spread
+from benchmarks.validation.release_steps import ANOTHER_RECIPE, RELEASE_STEP, explanations, inputs
 
-ROWS = {row["id"]: blackwell.as_h100_row(row) for row in json.loads(blackwell.DATA.read_text())["rows"]}
+ROWS = {row["id"]: row for row in json.loads(blackwell.DATA.read_text())["rows"]}
 BEFORE, AFTER = ROWS["bw26.04.01-gb200-qwen3-30b-a3b-MXFP8"], ROWS["bw26.06-gb200-qwen3-30b-a3b-MXFP8"]
 
 
@@ -14,18 +14,29 @@ def priced(*errors: float) -> list[dict]:
     return [{"recipe": {"error": e}} for e in errors]
 
 
+def explained(rows: list[dict], *errors: float) -> list[tuple[str, str] | None]:
+    return explanations(rows, [blackwell.as_h100_row(row) for row in rows], priced(*errors))
+
+
 def test_one_layout_measured_26k_then_41k_explains_the_later_rows_error():
-    assert inputs(BEFORE) == inputs(AFTER)
-    why = release_spread([BEFORE, AFTER], priced(-0.09, 0.42))
+    assert inputs(blackwell.as_h100_row(BEFORE)) == inputs(blackwell.as_h100_row(AFTER))
+    why = explained([BEFORE, AFTER], -0.09, 0.42)
     assert why[0] is None                               # within the bar: nothing to explain
-    assert "26,112 tokens/s/GPU in 26.04.01 and 40,706 in 26.06" in why[1]
+    assert why[1][0] == RELEASE_STEP and "26,112 tokens/s/GPU in 26.04.01 and 40,706 in 26.06" in why[1][1]
 
 
-def test_a_row_alone_at_its_inputs_stays_unexplained():
-    other = ROWS["bw26.06-gb300-deepseekv3-MXFP8"]
-    assert release_spread([other, AFTER], priced(0.5, 0.42)) == [None, None]
+def test_a_row_alone_at_its_inputs_and_its_recipes_layout_stays_unexplained():
+    other = ROWS["bw26.06-gb300-deepseekv3-MXFP8"]      # 0.6.2's recipe sets its layout (MBS 1)
+    assert explained([other, AFTER], 0.5, 0.1) == [None, None]
 
 
 def test_rows_measured_alike_explain_nothing():
     same = {**AFTER, "release": "26.06.01", "tokens_per_s_per_gpu": 40_960}
-    assert release_spread([AFTER, same], priced(0.42, 0.43)) == [None, None]
+    assert explained([AFTER, same], 0.42, 0.43) == [None, None]
+
+
+def test_a_run_at_another_layout_than_its_recipes_has_settings_not_known():
+    """26.02 ran Qwen3-30B-A3B on B200 at micro-batch 1; 0.6.2's recipe for it sets 4."""
+    row = ROWS["bw26.02-b200-qwen3-30b-a3b-MXFP8"]
+    kind, why = explained([row], -0.37)[0]
+    assert kind == ANOTHER_RECIPE and "the run's MBS 1 where 0.6.2's recipe has MBS 4" in why
