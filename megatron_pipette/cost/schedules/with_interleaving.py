@@ -69,14 +69,18 @@ def in_flight_states(p: int, rank: int, m: int, v: int, warmup: int) -> frozense
     forwards in table order, backwards in table order with the chunk reversed (get_model_chunk_id)."""
     if 0 < rank < p - 1:  # holds neither embedding nor output: only the total matters
         return frozenset({InFlight(chunks=min(warmup + 1, m * v), first_chunk=0, last_chunk=0)})
-    order = simulator.forward_chunks(m, v, p)
-    live, states = [0] * v, set()
-    for step in range(len(order)):
-        live[order[step]] += 1
-        states.add(InFlight(chunks=sum(live), first_chunk=live[0], last_chunk=live[-1]))
-        if step >= warmup:
-            live[v - 1 - order[step - warmup]] -= 1
-    return frozenset(states)
+    # Replayed in arrays (m * v steps, in every search): after forward step s, chunk c holds its
+    # forwards up to s less the backwards before it, steps 0 .. s - warmup - 1 reversed.
+    order = np.asarray(simulator.forward_chunks(m, v, p))
+    steps = np.arange(order.size)
+    first_forwards, last_forwards = np.cumsum(order == 0), np.cumsum(order == v - 1)
+
+    def backwards(forwards: np.ndarray) -> np.ndarray:     # forwards of the reversed chunk, shifted
+        return np.concatenate([np.zeros(min(warmup + 1, order.size), dtype=int), forwards])[:order.size]
+    chunks = steps + 1 - np.maximum(steps - warmup, 0)
+    states = zip(chunks.tolist(), (first_forwards - backwards(last_forwards)).tolist(),
+                 (last_forwards - backwards(first_forwards)).tolist(), strict=True)
+    return frozenset(InFlight(*state) for state in set(states))
 
 
 def grad_sync_exposed(reduce: np.ndarray, backward: np.ndarray, edge: float = 0.0) -> np.ndarray:
