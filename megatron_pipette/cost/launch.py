@@ -37,6 +37,7 @@ hosts (Grace on GB200/GB300) are taken as fast as the hosts of those runs: not m
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 from megatron_pipette.spec.job import Job
@@ -176,16 +177,25 @@ def experts_kernels(w: Workload, local_experts: int) -> Kernels:
 def layer_kernels(job: Job, *, moe: bool) -> dict[str, Kernels]:
     """One layer's kernels by capture region (a dense layer: attn, mlp; an MoE layer: attn,
     moe_router, moe_preprocess, moe_experts), each with what recomputation redoes of it."""
-    w, layout = job.workload, job.layout
+    return _layer_kernels(job.workload, *_layer_settings(job), moe)
+
+
+def _layer_settings(job: Job) -> tuple[int, str | None, frozenset[str]]:
+    """What layer_kernels reads of the layout: EP, --recompute-granularity and what it redoes."""
+    layout = job.layout
+    return layout.ep, layout.recompute_granularity, layout.selective_modules
+
+
+def _layer_kernels(w: Workload, ep: int, granularity: str | None, redone: frozenset[str],
+                   moe: bool) -> dict[str, Kernels]:
     regions = {"attn": attention_kernels(w)}
     if moe:
         regions.update(moe_router=router_kernels(w), moe_preprocess=preprocess_kernels(),
-                       moe_experts=experts_kernels(w, (w.num_experts or 1) // layout.ep))
+                       moe_experts=experts_kernels(w, (w.num_experts or 1) // ep))
     else:
         regions["mlp"] = dense_mlp_kernels(w)
-    if layout.recompute_granularity == "full":
+    if granularity == "full":
         return {name: k._replace(recompute=k.forward) for name, k in regions.items()}
-    redone = layout.selective_modules
     up = sum(_linear(w).forward for name in w.attention_linears() if name in ("q_up", "kv_up"))
     again = {"attn": (_core_attention(w).forward if "core_attn" in redone else 0)
              + (up + _rope(w).forward if "mla_up_proj" in redone else 0),
@@ -195,7 +205,7 @@ def layer_kernels(job: Job, *, moe: bool) -> dict[str, Kernels]:
     if "moe" in redone and moe:
         again.update(moe_router=router_kernels(w).forward - _norm().forward,
                      moe_preprocess=preprocess_kernels().forward,
-                     moe_experts=experts_kernels(w, (w.num_experts or 1) // layout.ep).forward - 1)
+                     moe_experts=experts_kernels(w, (w.num_experts or 1) // ep).forward - 1)
     return {name: k._replace(recompute=again.get(name, 0)) for name, k in regions.items()}
 
 
@@ -231,15 +241,23 @@ def layer_floor(job: Job, *, moe: bool) -> HostFloor:
     regions no graph captures, and one launch per captured region a layer replays (none under
     full_iteration, whose one graph a step is launched once); recomputation inside a captured
     region runs in its backward graph."""
-    w = job.workload
-    graphed = captured(w)
-    kernels = Kernels()
-    for name, k in layer_kernels(job, moe=moe).items():
-        if name not in graphed:
-            kernels = kernels + k
-    replays = _graph_launches(w, moe)
-    forward, backward = seconds_per_kernel(w)
+    kernels, replays = _layer_launches(job.workload, *_layer_settings(job), moe)
+    forward, backward = seconds_per_kernel(job.workload)
     return HostFloor(forward_s=(kernels.forward + replays) * forward,
                      backward_s=(kernels.backward + replays) * backward, recompute_s=kernels.recompute * forward)
+
+
+# Module-level memo (cost.model lists them): a function of the workload and the layout settings
+# layer_kernels reads, so the stage_work of every layout of a search counts a layer once.
+@lru_cache(maxsize=256)
+def _layer_launches(w: Workload, ep: int, granularity: str | None, redone: frozenset[str],
+                    moe: bool) -> tuple[Kernels, int]:
+    """The kernels of a layer's regions no graph captures, and the graphs it replays (layer_floor)."""
+    graphed = captured(w)
+    kernels = Kernels()
+    for name, k in _layer_kernels(w, ep, granularity, redone, moe).items():
+        if name not in graphed:
+            kernels = kernels + k
+    return kernels, _graph_launches(w, moe)
 
 

@@ -13,6 +13,7 @@ alone, so no model sees another's state through them; each says so where it is:
   attention_curve (each curve remembers the efficiencies it looked up, GemmCurve._seen);
 - schedule shapes, functions of a few integers: cost.simulator.program_1f1b and program_interleaved,
   cost.interleaved._structure, cost.memory._in_flight_states, _peak_candidates and _communicators;
+- a layer's kernel launches, a function of the workload and three layout settings: cost.launch._layer_launches;
 - cost.interleaved._MEMO: the interleaved schedule's times of the last stage times it was given
   (a planner prices layouts that differ only outside the pipeline).
 
