@@ -98,19 +98,20 @@ def _one_f_one_b_lattice(f, b, phi, beta, x, m):
     batch, p = f.shape
     hops = np.arange(-1, p)
     fpad = np.concatenate([np.zeros((batch, 1)), f], axis=1)
+    nothing = np.zeros_like(fpad)
     finish = np.empty((batch, p))
     prev = np.full((batch, p + 1), NEG)
+    arrive = np.full((batch, p + 1), NEG)       # hop p-1 never hears from above; rows rewritten per column
     had_backward = np.zeros(p + 1, dtype=bool)
     for j in range(m + p):
         fw = j < m
         backward = hops + j - (p - 1)
         bw = (backward >= 0) & (backward < m)
-        d = np.where(bw, np.where(fw, x, beta), phi if fw else 0.0)
-        arrive = np.full((batch, p + 1), NEG)
-        arrive[:, :p] = prev[:, 1:] + b * had_backward[1:]
+        d = np.where(bw, x if fw else beta, phi if fw else nothing)
+        np.add(prev[:, 1:], b * had_backward[1:], out=arrive[:, :p])
         if j == 0:
             arrive[:, 0] = 0.0
-        s = np.cumsum(fpad * fw + d, axis=1)
+        s = np.cumsum((fpad if fw else nothing) + d, axis=1)
         prev = np.where(fw | bw, s + np.maximum.accumulate(arrive + d - s, axis=1), NEG)
         had_backward = bw
         if j == m - 1:
