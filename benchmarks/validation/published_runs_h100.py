@@ -14,8 +14,23 @@ to (field `recipe`). Each row is priced the way a user would price it: `pipette 
 parser and functions, called in-process) with the published layout, the distributed optimizer and
 the data-parallel overlaps every one of these runs used, the recipe's flags (and, for runs made from
 a Megatron-Bridge recipe, the environment it sets: NVLS off, expandable allocator segments); then
-`pipette plan` with the same model and settings and no layout
-(the free search), for its pick and predicted gain over the published layout.
+`pipette plan` with the same model and settings and the layout's sizes free (the free search), for its
+pick and predicted gain over the published layout.
+
+What the free search keeps and frees (search_settings): it chooses TP, PP, CP, EP, ETP, the
+micro-batch size, interleaving (VP), the pipeline split and recomputation (FREED); it keeps every other
+layout setting of the published launch: the distributed optimizer, --overlap-grad-reduce,
+--overlap-param-gather and sequence parallelism as constraints (valid on every layout; Megatron drops
+sequence parallelism at TP 1), and the recipe's switches whose validity depends on the sizes
+(--overlap-moe-expert-parallel-comm with --delay-wgrad-compute, Megatron-FSDP, CPU offloading,
+--tp-comm-overlap, --cp-comm-type) as plan's `preferred`: on each candidate where Megatron accepts
+them all, off where it does not (EP 1, PP without interleaving, full recomputation, ...), as a recipe
+written for that layout would set them. Model flags (the dispatcher, precision, MTP, fusions) are the
+workload's and stay as the recipe sets them. Where the recipe spells its own pipeline split or
+recomputation (a --pipeline-model-parallel-layout, --recompute-modules), the search also tries them at
+the PP and VP they are written for, the other sizes free (recipe_split), so the published layout is
+always a candidate. The search runs once per distinct launch (model,
+cluster, GPUs, precision, recipe flags, batch; `search`), which the releases of one recipe share.
 
 Bars (issue: predictions that agree with what NVIDIA runs): mean |error| <= 10%, signed mean within
 +-5%, no run beyond 25%; every published layout predicted to fit; MoE runs' median free-search gain
@@ -258,6 +273,22 @@ def search_settings(fields: dict) -> tuple[dict, dict]:
     return {name: value for name, value in kept.items() if name not in preferred}, preferred
 
 
+RECIPE_SPLIT = ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", *SPLIT_FLAGS,
+                *RECOMPUTE_FLAGS)
+
+
+def recipe_split(fields: dict) -> dict | None:
+    """The published launch's pipeline split and recomputation, with the PP (and VP) the split is
+    written for, where it sets either: the search tries them too, with every other size free. Why: its
+    own splits (even, lighter first and last stages) and recomputations (none, core_attn, full) do not
+    spell every recipe's (DeepSeek-V3's layout strings place the embedding and the MTP layer; its
+    recipes recompute mla_up_proj), and without them the published layout itself is not a candidate, so
+    a search could claim a loss against it. None where the launch sets neither."""
+    if not any(name in fields for name in (*SPLIT_FLAGS, *RECOMPUTE_FLAGS)):
+        return None
+    return {name: fields[name] for name in RECIPE_SPLIT if name in fields}
+
+
 def searched(row: dict, predicted_s: float | None, constraints: dict | None = None) -> dict:
     """The free search's pick for the row's model and settings (search_settings: the layout's sizes
     free), and its predicted gain over the published layout; `constraints` (Layout fields) pin part of
@@ -276,18 +307,22 @@ def search_argv(row: dict) -> list[str]:
 
 @cache
 def search(argv: tuple[str, ...], env: tuple[tuple[str, str], ...], fixed: tuple[tuple[str, object], ...]) -> dict:
-    """The free search for one launch (search_settings, with the `fixed` Layout fields), once per
-    distinct launch: its pick depends on the model, cluster, settings and batch only, which many rows
-    (the releases of one recipe) share."""
+    """The free search for one launch (search_settings, with the `fixed` Layout fields; the better of it
+    and the search with the recipe's split and recomputation, recipe_split), once per distinct launch:
+    its pick depends on the model, cluster, settings and batch only, which many rows (the releases of
+    one recipe) share."""
     try:
         priced = build(list(argv), dict(env))
         constraints, preferred = search_settings(priced.fields)
-        best = plan(priced.workload, CostModel(priced.cluster, overheads=priced.overheads),
-                    constraints={**constraints, **dict(fixed)}, preferred=preferred, top_k=1).best
+        model = CostModel(priced.cluster, overheads=priced.overheads)
+        picks = [plan(priced.workload, model, constraints={**constraints, **pinned, **dict(fixed)},
+                      preferred=preferred, top_k=1).best for pinned in ({}, recipe_split(priced.fields))
+                 if pinned is not None]
     except (PipetteError, Infeasible) as e:
         return {"search_error": str(e)}
-    if best is None:
+    if not any(picks):
         return {"search_error": "no layout fits"}
+    best = min((pick for pick in picks if pick), key=lambda pick: pick.time.iteration_time_s)
     return {"search_s": best.time.iteration_time_s, "search_layout": " ".join(best.layout.megatron_args()),
             "search_breakdown_s": best.time.breakdown.as_dict(), "search_kept": {**constraints, **preferred}}
 

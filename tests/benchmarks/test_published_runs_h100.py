@@ -90,3 +90,15 @@ def test_the_search_runs_once_per_distinct_launch(monkeypatch):
     runs.search.cache_clear()
     assert len(calls) == 1
     assert (first["search_gain"], second["search_gain"]) == (12.0 / 10.0 - 1, 11.0 / 10.0 - 1)
+
+
+def test_the_search_also_tries_the_recipes_own_split_and_recomputation():
+    """DeepSeek-V3's layout string (MTP layer on the last stage) and its recomputed modules are none of
+    the search's own splits and recomputations: it tries them too, at the PP and VP they are written
+    for, so the published layout is a candidate; a launch that sets neither adds no second search."""
+    priced = runs.build(runs.search_argv(ROWS["mb25.09-deepseekv3"]))
+    split = runs.recipe_split(priced.fields)
+    assert split["pipeline_model_parallel_layout"].endswith("mL") and split["pipeline_model_parallel_size"] == 8
+    assert tuple(split["recompute_modules"]) == ("mla_up_proj", "mlp")
+    assert "expert_model_parallel_size" not in split and "micro_batch_size" not in split
+    assert runs.recipe_split(runs.build(runs.search_argv(ROWS["mb26.04-qwen3-30b"])).fields) is None
