@@ -18,7 +18,8 @@ benchmarks/calibration/fit_execution.py refits them on the development set of pu
   copied to the CPU to size the all-to-all, after which the GPU idles until the host relaunches
   the layer's kernels), and the launch latency of a layer of many small kernels (per-expert
   quantisation and GEMMs, router, permutations): one fixed cost per MoE layer, micro-batch and
-  direction (`moe_layer_fixed_s`).
+  direction (`moe_layer_fixed_s`), none where CUDA graphs capture the whole layer
+  (cost.launch.moe_layer_graphed: no host wait, no launches).
 
 Only the first corrects a price, so it applies to what the roofline prices and never to a layer
 profile's measured seconds (cost.compute.measured_rate). The other two price what no profile times:

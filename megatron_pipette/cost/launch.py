@@ -224,6 +224,16 @@ def captured(w: Workload) -> frozenset[str]:
     return frozenset(modules & everything)
 
 
+def moe_layer_graphed(w: Workload) -> bool:
+    """Whether CUDA graphs capture an MoE layer's whole MLP half (router, preprocessing, dispatch,
+    experts, combine). Megatron captures it only where the dispatch needs no host synchronisation: a
+    full_iteration graph cannot hold one, and the `moe` module requires drop-and-pad
+    (transformer_config.py); HybridEP with --moe-expert-rank-capacity-factor sizes its buffers
+    without one (fused_a2a.py: num_permuted_tokens given, non_blocking). So neither the host's wait
+    for the token counts nor the layer's many launches remain (Execution.moe_layer_fixed_s)."""
+    return {"moe_router", "moe_preprocess", "moe_experts"} <= captured(w)
+
+
 def _graph_launches(w: Workload, moe: bool) -> int:
     """Graphs a layer launches a pass: none without per-layer graphs (full_iteration launches one a
     step), one for the whole layer (empty --cuda-graph-modules), else one per module that applies

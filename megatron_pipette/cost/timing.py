@@ -29,6 +29,7 @@ from megatron_pipette.cost.comm import GroupLinks, Rings
 from megatron_pipette.cost.compute import StageWork, attention_input_width
 from megatron_pipette.cost.execution import DEFAULT_EXECUTION, Execution
 from megatron_pipette.cost.experts import dispatch_bytes, flex_shares
+from megatron_pipette.cost.launch import moe_layer_graphed
 from megatron_pipette.cost.memory import chunk_stored_bytes, extra_warmup
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.errors import Infeasible
@@ -301,9 +302,11 @@ def _stage_times(job: Job, work: StageWork, links: GroupLinks, execution: Execut
         tp_b = tp_b - mlp_bwd * work.moe_layers - mlp_fwd * work.moe_recomputed
     ep_f = ep_b = np.zeros_like(tp_f)
     if work.moe_layers.any():
-        # Dispatch and combine, and the layer's fixed cost (Execution.moe_layer_fixed_s), in each
-        # direction; recomputed MoE forwards pay them again in the backward.
-        one = _dispatch(job, links)[None, :, None] + execution.moe_layer_fixed_s
+        # Dispatch and combine, and the layer's fixed cost (Execution.moe_layer_fixed_s: none where
+        # CUDA graphs capture the layer, launch.moe_layer_graphed), in each direction; recomputed MoE
+        # forwards pay them again in the backward.
+        fixed = 0.0 if moe_layer_graphed(workload) else execution.moe_layer_fixed_s
+        one = _dispatch(job, links)[None, :, None] + fixed
         ep_f = ep_f + one * work.moe_layers                        # every replica of a stage alike
         ep_b = ep_b + one * (work.moe_layers + work.moe_recomputed + work.moe_blocks_redone)
     cp_f = cp_b = np.zeros_like(tp_f)

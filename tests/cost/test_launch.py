@@ -7,6 +7,8 @@ import pytest
 
 from megatron_pipette.cost import launch
 from megatron_pipette.cost.compute import stage_work
+from megatron_pipette.cost.execution import Execution
+from megatron_pipette.cost.model import CostModel
 from megatron_pipette.errors import Infeasible, PipetteError
 from megatron_pipette.spec.hardware import preset_cluster
 from megatron_pipette.spec.job import resolve_job
@@ -116,3 +118,19 @@ def test_per_layer_graphs_exclude_full_recomputation():
     with pytest.raises(Infeasible, match="full_iteration graph only"):
         resolve_job(w, layout)
     resolve_job(dataclasses.replace(w, cuda_graph_impl="full_iteration"), layout)
+
+
+@pytest.mark.parametrize("graphs, charged", [(dict(), True),
+                                             (dict(cuda_graph_impl="local", cuda_graph_modules=("attn",)), True),
+                                             (dict(cuda_graph_impl="full_iteration"), False)])
+def test_an_moe_layer_pays_its_fixed_cost_unless_a_graph_captures_it(graphs, charged):
+    """Execution.moe_layer_fixed_s is the host's wait and launches of an MoE layer: a graph that
+    captures the whole layer (Megatron's sync-free dispatch) leaves neither."""
+    moe = dict(num_experts=8, moe_router_topk=2, add_bias_linear=False, swiglu=True,
+               moe_token_dispatcher_type="alltoall")
+    job = resolve_job(workload_from_preset("gpt3-1.3b", **{**SMALL, **moe, **graphs}),
+                      Layout(micro_batch_size=1, data_parallel_size=8, expert_model_parallel_size=8))
+    ep = [CostModel(H200, execution=Execution(moe_layer_fixed_s=fixed)).time(job).breakdown.ep_comm_s
+          for fixed in (0.0, 1e-3)]
+    assert launch.moe_layer_graphed(job.workload) is not charged
+    assert (ep[1] > ep[0]) is charged
