@@ -44,11 +44,22 @@ def _in_job(folder: str) -> dict[str, dict]:
     return starts
 
 
-H100_FOLDER = "published_runs_h100-2026-11-28-search-terms"
+H100_FOLDER = "published_runs_h100-2026-11-29-search"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
-BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-28-cpu-offload"
+BLACKWELL_FIT = "fit_blackwell-2026-11-29"
+BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-moe-graphs"
 """The development sets' current kept results (tests/benchmarks/test_kept_results.py prices the sets
 again and holds these to the code)."""
+
+
+def _blackwell_fit() -> str:
+    """The Blackwell step GEMM fractions adopted (benchmarks.calibration.fit_blackwell), each with
+    its held-out-by-model mean |error|."""
+    fits = json.loads((RESULTS / BLACKWELL_FIT / "results.json").read_text())["gpus"]
+    return ", ".join(
+        f"{cluster.removeprefix('dgx-').removesuffix('-nvl72').upper()} {fit['step_gemm_fraction']:.2f} on its "
+        f"{len(fit['rows'])} dense rows, {statistics.mean(abs(e) for e in fit['held_out_by_model'].values()):.1%} mean "
+        "\\|error\\| with each model held out" for cluster, fit in sorted(fits.items()) if fit["adopted"])
 
 
 def rows() -> list[list[str]]:
@@ -93,11 +104,14 @@ def rows() -> list[list[str]]:
          "`python -m benchmarks.validation.published_runs`",
          f"{a100_run['date']}, `{A100_FOLDER}`"],
         ["NVIDIA's published Blackwell runs (126: Megatron-Bridge 25.09-26.08 on DGX-B200, DGX-B300, GB200 and "
-         "GB300 NVL72), published layouts with what the perf recipes set. **Development set, nothing fitted on it "
-         "yet** but the bound of Transformer Engine's launch cost: Blackwell efficiencies are assumed",
+         "GB300 NVL72), published layouts with what the perf recipes set. **A fit** for one GPU: the step GEMM "
+         f"fraction of {_blackwell_fit()}; the other Blackwell efficiencies are assumed",
          f"{bw['priced']} of {bw['runs']} priced: mean \\|error\\| {bw['mean_abs_error']:.1%}, signed "
-         f"{bw['mean_error']:+.1%}, worst {bw['worst_error']:+.1%}, {bw['beyond_25pct']} beyond 25%, "
-         f"{bw['predicted_not_to_fit']} predicted not to fit; refused by name: {refused}",
+         f"{bw['mean_error']:+.1%}, worst {bw['worst_error']:+.1%}, {bw['beyond_25pct']} beyond 25% (of them "
+         f"{bw['beyond_25pct_release_step']} at inputs the releases measured more than 25% apart, "
+         f"{bw['beyond_25pct_another_recipe']} run from another recipe than the one read, "
+         f"{bw['beyond_25pct_unexplained']} unexplained), {bw['predicted_not_to_fit']} predicted not to fit; "
+         f"refused by name: {refused}",
          "`python -m benchmarks.validation.published_runs_blackwell`",
          f"{bw_run['date']}, `{BLACKWELL_FOLDER}`"],
         ["Emulated 4-node cluster (network namespaces, shaped links, CPU training), each layout checked to "
