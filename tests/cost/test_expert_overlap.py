@@ -196,8 +196,8 @@ def test_the_search_prefers_the_flag_where_megatron_accepts_it():
     off on the layouts they forbid it on (EP 1, PP without interleaving, full recomputation), which a
     constraint would reject instead; every layout the free search yields is still yielded, once."""
     preferred = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
-    free = list(enumerate_layouts(qwen_moe(), 32, 8))
-    jobs = list(enumerate_layouts(qwen_moe(), 32, 8, preferred=preferred))
+    free = list(enumerate_layouts(qwen_moe(), 8, 8))
+    jobs = list(enumerate_layouts(qwen_moe(), 8, 8, preferred=preferred))
     assert len(jobs) == len(free)
     for job, plain in zip(jobs, free, strict=True):
         on = dataclasses.replace(plain.layout, **preferred)
