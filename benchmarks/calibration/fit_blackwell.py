@@ -27,10 +27,10 @@ import argparse
 import datetime
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.kept import keep
 from benchmarks.validation.published_runs_blackwell import DATA, as_h100_row, not_known
 from benchmarks.validation.published_runs_h100 import is_moe, pinned
 from benchmarks.validation.release_steps import explanations
@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "errors_fitted": {r["id"]: e for r, e in zip(mine, grid[fitted])},
                                 "held_out_by_model": held}
     if ns.out:
-        folder = Path(ns.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+        keep(ns.out, out)
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.kept import keep
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.plan.search import enumerate_layouts
 from megatron_pipette.spec.hardware import preset_cluster
@@ -158,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>8}: {s['runs']} runs, mean |error| {s['mean_abs_error']:.1%} (mean {s['mean_error']:+.1%}), "
               f"worst {s['worst_error']:+.1%}, {s['within_15pct']} within 15%")
     if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        keep(ns.out, result)
     return 0
 
 

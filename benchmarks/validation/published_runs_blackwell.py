@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.kept import keep
 from benchmarks.validation.published_runs_h100 import (
     WORST_BAR,
     base_argv,
@@ -283,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
     print(f"not known (the recipe as read is refused by Megatron too): {sum(bool(r['not_known']) for r in rows)}")
     if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        keep(ns.out, result)
     return 0
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.kept import keep
 from megatron_pipette.cli.args import (
     DEFAULT_MODEL,
     check_megatron_flags,
@@ -449,10 +450,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond 25%, "
               f"{s['predicted_not_to_fit']} predicted not to fit, {s['fits_within_2pct']} within 2% of capacity{gain}")
     if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "table.md").write_text(markdown_table(rows))
+        (keep(ns.out, result) / "table.md").write_text(markdown_table(rows))
     return 0
 
 
