@@ -154,10 +154,11 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
 
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor alive in this process, as the garbage
-    collector sees them (tensors take part in its tracking)."""
+    collector sees them (tensors take part in its tracking). Tested by type(), not isinstance():
+    the collector also lists weakref proxies, and isinstance() asks a dead one for its class."""
     sizes = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        if issubclass(type(obj), torch.Tensor):
             sizes[_storage_key(obj)] = _storage_bytes(obj)
     return sum(sizes.values())
 

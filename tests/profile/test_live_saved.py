@@ -1,6 +1,9 @@
 """The self-check's CPU tensor counts: saved bytes held across interleaved forwards and backwards,
 and the tensors alive in the process."""
 
+import gc
+import weakref
+
 import torch
 
 from megatron_pipette.profile.measure import LiveSavedBytes, count_saved_tensors, live_tensor_bytes, storage_keys
@@ -46,3 +49,21 @@ def test_live_tensor_bytes_sees_a_new_tensor() -> None:
     assert live_tensor_bytes() - before >= big.untyped_storage().nbytes()
     del big
     assert live_tensor_bytes() - before < 1 << 22
+
+
+def test_live_tensor_bytes_steps_over_a_dead_weak_proxy() -> None:
+    """gc.get_objects() hands back weakref proxies, whose referent may be gone (any library may
+    hold one); isinstance() would ask a dead proxy for its class and raise ReferenceError, so the
+    count depended on what ran before it in the process."""
+
+    class Referent:
+        pass
+
+    target = Referent()
+    dead = weakref.proxy(target)
+    del target
+    assert any(type(o) is weakref.ProxyType for o in gc.get_objects())
+    before = live_tensor_bytes()
+    kept = torch.ones(1024, dtype=torch.float32)
+    assert live_tensor_bytes() - before == kept.nbytes
+    del dead
