@@ -225,14 +225,19 @@ def with_execution(cluster: Cluster, step_fraction: float | None) -> Cluster:
     return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, step_gemm_fraction=step_fraction))
 
 
+def launch_argv(row: dict, recipe: bool) -> list[str]:
+    """The launch a row's published layout is priced with (pinned), with its recipe's flags and layout
+    spelling where `recipe`; the free search reads its settings from it too."""
+    published = recipe_layout(row) if recipe else row["published_layout"]
+    return [*model_argv(row, recipe), *layout_argv(published), *OVERLAPS]
+
+
 def pinned(row: dict, recipe: bool, execution: Execution = DEFAULT_EXECUTION,
            step_fraction: float | None = None) -> dict:
     """Time and memory of the published layout; where its micro-batch size is not published, of
     the fastest fitting one (and interleaving) the search finds with the rest fixed."""
     try:
-        published = recipe_layout(row) if recipe else row["published_layout"]
-        priced = build([*model_argv(row, recipe), *layout_argv(published), *OVERLAPS],
-                       environment(row, recipe))
+        priced = build(launch_argv(row, recipe), environment(row, recipe))
         model = CostModel(with_execution(priced.cluster, step_fraction), execution=execution,
                           overheads=priced.overheads)
         if row["published_layout"]["micro_batch_size"] is None:
@@ -294,16 +299,13 @@ def searched(row: dict, predicted_s: float | None, constraints: dict | None = No
     """The free search's pick for the row's model and settings (search_settings: the layout's sizes
     free), and its predicted gain over the published layout; `constraints` (Layout fields) pin part of
     the layout."""
-    found = dict(search(tuple(search_argv(row)), tuple(sorted(environment(row, True).items())),
+    found = dict(search(tuple(launch_argv(row, recipe=True)), tuple(sorted(environment(row, True).items())),
                         tuple(sorted((constraints or {}).items()))))
     if "search_s" in found and predicted_s is not None:
         found["search_gain"] = predicted_s / found["search_s"] - 1
     return found
 
 
-def search_argv(row: dict) -> list[str]:
-    """The launch the published layout is priced with (pinned): the search reads its settings from it."""
-    return [*model_argv(row, recipe=True), *layout_argv(recipe_layout(row)), *OVERLAPS]
 
 
 @cache
@@ -316,9 +318,9 @@ def search(argv: tuple[str, ...], env: tuple[tuple[str, str], ...], fixed: tuple
         priced = build(list(argv), dict(env))
         constraints, preferred = search_settings(priced.fields)
         model = CostModel(priced.cluster, overheads=priced.overheads)
-        picks = [plan(priced.workload, model, constraints={**constraints, **pinned, **dict(fixed)},
-                      preferred=preferred, top_k=1).best for pinned in ({}, recipe_split(priced.fields))
-                 if pinned is not None]
+        picks = [plan(priced.workload, model, constraints={**constraints, **split, **dict(fixed)},
+                      preferred=preferred, top_k=1).best for split in ({}, recipe_split(priced.fields))
+                 if split is not None]
     except (PipetteError, Infeasible) as e:
         return {"search_error": str(e)}
     if not any(picks):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.validation.published_runs_h100 import WORST_BAR, layout_argv, model_argv, recipe_layout
+from benchmarks.validation.published_runs_h100 import WORST_BAR, launch_argv
 
 RELEASE_STEP, ANOTHER_RECIPE = "release step", "another recipe"
 
@@ -25,8 +25,7 @@ RELEASE_STEP, ANOTHER_RECIPE = "release step", "another recipe"
 def inputs(h100_row: dict) -> tuple[str, ...]:
     """Everything the planner reads of a row (in the H100 set's shape, which published_runs_blackwell
     prices), as the flags it prices."""
-    return (h100_row["label"].split(" ", 1)[1], *model_argv(h100_row, recipe=True),
-            *layout_argv(recipe_layout(h100_row)))
+    return (h100_row["label"].split(" ", 1)[1], *launch_argv(h100_row, recipe=True))
 
 
 def run_and_recipe(row: dict) -> tuple[dict, dict]:

@@ -62,7 +62,7 @@ def test_the_search_keeps_the_recipes_layout_settings_and_frees_the_sizes():
     gradients); its published layout is priced with them, so the free search keeps them wherever
     Megatron accepts them (preferred), keeps the distributed optimizer, its overlaps and sequence
     parallelism (constraints), and chooses the sizes, micro-batch, interleaving and split itself."""
-    priced = runs.build(runs.search_argv(ROWS["mb25.09-qwen3-235b"]))
+    priced = runs.build(runs.launch_argv(ROWS["mb25.09-qwen3-235b"], recipe=True))
     constraints, preferred = runs.search_settings(priced.fields)
     assert preferred == {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
     assert constraints == {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
@@ -96,9 +96,9 @@ def test_the_search_also_tries_the_recipes_own_split_and_recomputation():
     """DeepSeek-V3's layout string (MTP layer on the last stage) and its recomputed modules are none of
     the search's own splits and recomputations: it tries them too, at the PP and VP they are written
     for, so the published layout is a candidate; a launch that sets neither adds no second search."""
-    priced = runs.build(runs.search_argv(ROWS["mb25.09-deepseekv3"]))
+    priced = runs.build(runs.launch_argv(ROWS["mb25.09-deepseekv3"], recipe=True))
     split = runs.recipe_split(priced.fields)
     assert split["pipeline_model_parallel_layout"].endswith("mL") and split["pipeline_model_parallel_size"] == 8
     assert tuple(split["recompute_modules"]) == ("mla_up_proj", "mlp")
     assert "expert_model_parallel_size" not in split and "micro_batch_size" not in split
-    assert runs.recipe_split(runs.build(runs.search_argv(ROWS["mb26.04-qwen3-30b"])).fields) is None
+    assert runs.recipe_split(runs.build(runs.launch_argv(ROWS["mb26.04-qwen3-30b"], recipe=True)).fields) is None
