@@ -29,7 +29,7 @@ from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layer_profile import LayerProfile
 from megatron_pipette.spec.layout import DEFAULT_RECOMPUTE_MODULES
 from megatron_pipette.spec.ranks import dense_grid, expert_grid
-from megatron_pipette.spec.workload import Workload, quantised_bytes
+from megatron_pipette.spec.workload import BLOCK_SCALES, Workload, quantised_bytes
 from megatron_pipette.units import GiB, MiB
 
 TIGHT_HEADROOM = 0.02
@@ -40,15 +40,18 @@ UNFUSED_ATTENTION = ("unfused", "local")
 """--attention-backend values that materialise the s*s attention scores."""
 
 
-def fp8_weight_copy_bytes(recipe: str) -> float:
+def fp8_weight_copy_bytes(recipe: str, any_layout: bool = False) -> float:
     """Transformer Engine's FP8 copies of a linear's weight, per parameter: the weight and its
-    transpose (Hopper's FP8 GEMMs take one operand layout), or under MXFP8 its rowwise copy (the
-    forward GEMM's) and columnwise copy (the data gradient's), each with its E8M0 scales (linear.py:
-    weightmat rowwise in the forward, weight_fp8.update_usage(columnwise_usage=True) in the
-    backward): 2, or 2 x 1.03125 bytes; NVFP4 likewise, its E2M1 halves and E4M3 scales (the weight
-    quantised in 16x16 blocks, fp4_quant_fwd_weight, its scales kept per 16 in each direction):
-    2 x 0.5625 bytes."""
-    return 2 * quantised_bytes(recipe)
+    transpose where the FP8 GEMMs take one operand layout (Hopper), the weight alone where they take
+    either (`any_layout`, GPU.fp8_gemm_any_layout: Blackwell; Float8TensorStorage.update_usage
+    keeps `_data` for both usages and drops `_transpose`), or under MXFP8, on any GPU, its rowwise
+    copy (the forward GEMM's) and columnwise copy (the data gradient's), each with its E8M0 scales
+    (linear.py: weightmat rowwise in the forward, weight_fp8.update_usage(columnwise_usage=True) in
+    the backward): 2 (1), or 2 x 1.03125 bytes; NVFP4 likewise, its E2M1 halves and E4M3 scales (the
+    weight quantised in 16x16 blocks, fp4_quant_fwd_weight, its scales kept per 16 in each
+    direction): 2 x 0.5625 bytes."""
+    copies = 1 if any_layout and recipe not in BLOCK_SCALES else 2
+    return copies * quantised_bytes(recipe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -561,7 +564,7 @@ def _mtp_activations(job: Job, terms: _JobTerms, profile: LayerProfile | None) -
 
 
 def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerms, chunk_bytes,
-                  overheads: RuntimeOverheads, nvls_domain: int, mtp: int) -> StageMemory:
+                  overheads: RuntimeOverheads, nvls_domain: int, mtp: int, fp8_any_layout: bool) -> StageMemory:
     workload, layout = job.workload, job.layout
     first, last = stage == 0, stage == layout.pp - 1
     vpp = job.virtual_stages
@@ -604,13 +607,13 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
                 + round(overheads.fragmentation * (activations + transient)))
     # Under FP8, Transformer Engine keeps each layer linear's FP8 weight copies (fp8_weight_copy_bytes)
     # from the first micro-batch on. With --fp8-param-gather those are the weights (FP8 primary
-    # weights and their cached transpose, or MXFP8's two copies; --fp4-param-gather NVFP4's two):
+    # weights and, on Hopper, their cached transpose, or MXFP8's two copies; --fp4-param-gather NVFP4's two):
     # the 16-bit copy is gone. Under
     # MXFP8 it needs --reuse-grad-buf-for-mxfp8-param-ag, which gathers the 16-bit weights into the
     # gradient buffer (param_and_grad_buffer.py, shared_buffer): no parameter buffer is added.
     layer_linears = int(params.dense_in_layers[stage]) + expert
     recipe = workload.quantisation_recipe
-    fp8_copies = round(fp8_weight_copy_bytes(recipe) * layer_linears) if recipe else 0
+    fp8_copies = round(fp8_weight_copy_bytes(recipe, fp8_any_layout) * layer_linears) if recipe else 0
     if workload.keeps_quantised_weights:
         fp8_copies -= weight * layer_linears
     weights, gradients = weight * (dense + expert) + fp8_copies, gradient * (dense + expert)
@@ -623,12 +626,14 @@ def _stage_memory(job: Job, stage: int, params: StageParameters, terms: _JobTerm
 
 
 def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | None = None,
-                    overheads: RuntimeOverheads = DEFAULT_OVERHEADS, nvls_domain: int = 0) -> MemoryEstimate:
+                    overheads: RuntimeOverheads = DEFAULT_OVERHEADS, nvls_domain: int = 0,
+                    fp8_any_layout: bool = False) -> MemoryEstimate:
     """Peak memory of every pipeline stage of a (valid, resolved) job.
 
     `profile` replaces the per-layer activation formula where it has the (TP, micro-batch, SP,
     recompute) shape; the caller checks it belongs to this model (check_profile_matches).
     `nvls_domain`: GPUs per NVLink domain where NCCL's NVLS is on (Cluster.nvls), else 0.
+    `fp8_any_layout`: the GPU's FP8 GEMMs take either operand layout (GPU.fp8_gemm_any_layout).
     """
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
         raise PipetteError(f"device memory capacity must be a positive number of bytes, got {capacity_bytes!r}")
@@ -636,7 +641,7 @@ def estimate_memory(job: Job, capacity_bytes: int, *, profile: LayerProfile | No
     terms = _job_terms(job)
     chunk_bytes = cache(lambda n, m: _chunk_activations(job, n, m, profile))     # stages share chunks
     mtp = _mtp_activations(job, terms, profile)
-    stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain, mtp)
+    stages = tuple(_stage_memory(job, r, params, terms, chunk_bytes, overheads, nvls_domain, mtp, fp8_any_layout)
                    for r in range(job.layout.pp))
     return MemoryEstimate(stages=stages, capacity_bytes=capacity_bytes)
 

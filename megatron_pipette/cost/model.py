@@ -112,7 +112,9 @@ class CostModel:
         return _cached(self._memory, _ignoring(job, **OVERLAPS),
                        lambda: estimate_memory(job, self.cluster.memory_bytes, profile=self.profile,
                                                overheads=self.overheads,
-                                               nvls_domain=self.cluster.gpus_per_domain if self.cluster.nvls else 0))
+                                               nvls_domain=self.cluster.gpus_per_domain if self.cluster.nvls else 0,
+                                               fp8_any_layout=self.cluster.gpu is not None
+                                               and self.cluster.gpu.fp8_gemm_any_layout))
 
 
 OVERLAPS = dict(overlap_grad_reduce=False, overlap_param_gather=False, overlap_param_gather_with_optimizer_step=False,

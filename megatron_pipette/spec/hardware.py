@@ -62,6 +62,8 @@ class GPU:
     measures, and what memory-bound kernels attain; None where not measured (the datasheet's)."""
     peak_flops: dict[str, float] = field(hash=False)
     """Dense peak FLOP/s per precision ("fp32", "fp16", "bf16", "fp8")."""
+    compute_capability: tuple[int, int] | None = None
+    """CUDA compute capability (major, minor), as torch.cuda.get_device_capability() reports it."""
     aliases: tuple[str, ...] = ()
     """Other names for it (device names as torch reports them)."""
     large_gemm_efficiency: dict[str, float] = field(default_factory=dict, hash=False)
@@ -82,6 +84,15 @@ class GPU:
         of the dense peak, DEFAULT_GEMM_EFFICIENCY where none was measured."""
         return self.peak(precision) * self.large_gemm_efficiency.get(precision, DEFAULT_GEMM_EFFICIENCY)
 
+    @property
+    def fp8_gemm_any_layout(self) -> bool:
+        """Its FP8 GEMMs take either operand layout, so Transformer Engine keeps no transposed copy of
+        a per-tensor FP8 tensor (TE 2.20 utils.is_non_tn_fp8_gemm_supported: compute capability
+        10.0 to 11.x, or 13.0 on; Float8TensorStorage.update_usage drops the transpose there). False
+        where unknown: Hopper's TN-only GEMMs, the larger footprint."""
+        cc = self.compute_capability
+        return cc is not None and ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
+
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
             raise PipetteError(f"--gpu {self.name} has no {precision} peak in the catalog")
@@ -99,6 +110,7 @@ def gpu_catalog() -> dict[str, GPU]:
                   memory_bandwidth_Bps=float(entry["memory_bandwidth_Bps"]),
                   copy_bandwidth_Bps=float(entry["copy_bandwidth_Bps"]) if "copy_bandwidth_Bps" in entry else None,
                   peak_flops={k: float(v) for k, v in entry["peak_flops"].items()},
+                  compute_capability=tuple(entry["compute_capability"]) if "compute_capability" in entry else None,
                   aliases=tuple(entry.get("aliases", ())),
                   large_gemm_efficiency={k: float(v) for k, v in entry.get("large_gemm_efficiency", {}).items()},
                   step_gemm_fraction=float(entry.get("step_gemm_fraction", 1.0)))

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_pipette.cost.compute import roofline_layer
 from megatron_pipette.cost.gemm import fp8_cast_bytes, fp8_curve, gemm_curve
-from megatron_pipette.cost.memory import activation_bytes_per_layer
+from megatron_pipette.cost.memory import activation_bytes_per_layer, fp8_weight_copy_bytes
 from megatron_pipette.cost.model import CostModel
 from megatron_pipette.cost.parameters import stage_parameters
 from megatron_pipette.errors import PipetteError
@@ -115,13 +115,14 @@ def test_mxfp8_quantises_both_directions_from_one_read():
 
 
 def test_mxfp8_memory_block_scales_on_weight_copies_and_kept_inputs():
-    """Weight copies 2 x 1.03125 bytes a layer parameter (rowwise and columnwise), the kept linear
-    inputs 1.03125 bytes an element (the columnwise copy): 1/32 more than per-tensor FP8's."""
+    """Weight copies 2 x 1.03125 bytes a layer parameter (rowwise and columnwise, on any GPU), the
+    kept linear inputs 1.03125 bytes an element (the columnwise copy): 1/32 more than per-tensor
+    FP8's, whose weight copy is one byte on Blackwell (no transpose)."""
     model = CostModel(preset_cluster("dgx-b200", num_nodes=1))
     layout = dict(tensor_model_parallel_size=8, sequence_parallel=True)
     tw, mx = (model.memory(job(w, **layout)).stages[0] for w in (TENSORWISE, MXFP8))
     in_layers = int(stage_parameters(job(MXFP8, **layout)).dense_in_layers[0])
-    assert mx.weight_bytes - tw.weight_bytes == round(2 * 1.03125 * in_layers) - 2 * in_layers
+    assert mx.weight_bytes - tw.weight_bytes == round(2 * 1.03125 * in_layers) - in_layers
     x = job(MXFP8, **layout)
     n, h, f = x.tokens_per_microbatch, LLAMA.hidden_size, LLAMA.ffn_hidden_size
     kept = 2 * n * h // 8 + n * f // 8                 # QKV's and fc1's inputs (SP), fc2's (TP)
@@ -149,6 +150,28 @@ def test_mxfp8_param_gather_moves_16_bit_weights_into_the_gradient_buffer():
     in_layers = int(stage_parameters(job(MXFP8, **layout)).dense_in_layers[0])
     plain, kept = (model.memory(job(w, **layout)).stages[0].weight_bytes for w in (MXFP8, mx_gather))
     assert plain - kept == 2 * in_layers                # the 16-bit weights are gone
+
+
+def test_per_tensor_fp8_keeps_no_weight_transpose_on_blackwell():
+    """Blackwell's FP8 GEMMs take either operand layout (compute capability 10.x: TE's
+    is_non_tn_fp8_gemm_supported), so a per-tensor FP8 weight is one byte a parameter there, where
+    Hopper keeps its transpose too; MXFP8 keeps its rowwise and columnwise copies on both."""
+    assert lookup_gpu("GB200").fp8_gemm_any_layout and lookup_gpu("GB300").fp8_gemm_any_layout
+    assert not H100.fp8_gemm_any_layout and not lookup_gpu("H200").fp8_gemm_any_layout
+    assert (fp8_weight_copy_bytes("tensorwise"), fp8_weight_copy_bytes("tensorwise", any_layout=True)) == (2, 1)
+    assert fp8_weight_copy_bytes("delayed", any_layout=True) == 1
+    assert fp8_weight_copy_bytes("mxfp8", any_layout=True) == fp8_weight_copy_bytes("mxfp8") == 2 * 1.03125
+    layout = dict(tensor_model_parallel_size=8, sequence_parallel=True, data_parallel_size=2,
+                  use_distributed_optimizer=True)
+    gathered = dataclasses.replace(TENSORWISE, fp8_param_gather=True)
+    in_layers = int(stage_parameters(job(gathered, **layout)).dense_in_layers[0])
+    for preset, gpu in (("dgx-h100", H100), ("dgx-b200", B200)):
+        model = CostModel(preset_cluster(preset, num_nodes=2))
+        bf16, plain, kept = (model.memory(job(w, **layout)).stages[0].weight_bytes
+                             for w in (LLAMA, TENSORWISE, gathered))
+        copies = 1 if gpu.fp8_gemm_any_layout else 2
+        assert plain - bf16 == copies * in_layers            # the FP8 cache beside the 16-bit weights
+        assert kept - bf16 == (copies - 2) * in_layers       # the FP8 weights in their place
 
 
 def test_mxfp8_param_gather_rules():
