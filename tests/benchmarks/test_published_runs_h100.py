@@ -71,6 +71,31 @@ def test_the_search_keeps_the_recipes_layout_settings_and_frees_the_sizes():
             "num_layers_per_virtual_pipeline_stage", "account_for_embedding_in_pipeline_split"} <= set(priced.fields)
 
 
+def _pick(seconds: float, headroom: float) -> SimpleNamespace:
+    """What plan returns, as far as the search reads it: the best candidate's time, layout and memory."""
+    capacity = 80 * 2**30
+    return SimpleNamespace(best=SimpleNamespace(
+        time=SimpleNamespace(iteration_time_s=seconds,
+                             breakdown=SimpleNamespace(as_dict=lambda: {"compute_s": seconds})),
+        layout=SimpleNamespace(megatron_args=lambda: ["--micro-batch-size", "1"]),
+        memory=SimpleNamespace(peak_bytes=round((1 - headroom) * capacity), headroom=headroom)))
+
+
+def test_the_searchs_pick_keeps_its_memory_and_tight_picks_are_counted(monkeypatch):
+    """A pick within the memory model's own error of the capacity (Qwen3-30B 26.04's micro-batch 2:
+    78.0 of 79.2 GiB) claims a gain over a layout known to fit: the result keeps each pick's peak and
+    headroom, and the summary counts the MoE picks under 2%."""
+    monkeypatch.setattr(runs, "plan", lambda *args, **kwargs: _pick(8.0, headroom=0.015))
+    runs.search.cache_clear()
+    found = runs.searched(ROWS["mb26.04-qwen3-30b"], 10.0)
+    runs.search.cache_clear()
+    assert found["search_headroom"] == 0.015 and round(found["search_peak_gib"], 2) == 78.8
+    rows = [{"moe": True, "recipe": {"error": 0.0, "fits": True, "headroom": 0.3}, "search": found},
+            {"moe": True, "recipe": {"error": 0.0, "fits": True, "headroom": 0.3},
+             "search": {**found, "search_headroom": 0.05}}]
+    assert runs.summary(rows, "recipe")["moe_search_picks_within_2pct"] == 1
+
+
 def test_the_search_runs_once_per_distinct_launch(monkeypatch):
     """Rows that differ only in their measured figure (releases of one recipe) share one search; the
     gain is each row's own."""
@@ -78,9 +103,7 @@ def test_the_search_runs_once_per_distinct_launch(monkeypatch):
 
     def counted(*args, **kwargs):
         calls.append(kwargs)
-        return SimpleNamespace(best=SimpleNamespace(time=SimpleNamespace(
-            iteration_time_s=10.0, breakdown=SimpleNamespace(as_dict=lambda: {"compute_s": 10.0})),
-            layout=SimpleNamespace(megatron_args=lambda: ["--micro-batch-size", "1"])))
+        return _pick(10.0, headroom=0.3)
 
     monkeypatch.setattr(runs, "plan", counted)
     runs.search.cache_clear()
