@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_pipette.cost.comm import GroupLinks
-from megatron_pipette.cost.parameters import StageParameters, stage_parameters
+from megatron_pipette.cost.parameters import StageParameters, stage_parameters, word_embedding_per_rank
 from megatron_pipette.cost.schedules.without_interleaving import overlapped
 from megatron_pipette.spec.job import Job
 from megatron_pipette.spec.layout import Layout
@@ -51,29 +51,61 @@ def units(job: Job, stage: int) -> int:
     return job.stage_layers[stage] + (job.workload.mtp_layers if stage == job.layout.pp - 1 else 0)
 
 
+def embedding_gradient_parameters(job: Job) -> int:
+    """Parameters (of stage 0, one device) whose gradient only the end of the backward makes: the
+    learned position embedding and an untied word embedding, whose lookup is the forward's first
+    op. A word embedding tied to the output layer, or read again by the MTP layers, has its first
+    gradient at the start of the backward instead."""
+    workload, tp = job.workload, job.layout.tp
+    positions = workload.embedding_parameters(tp) - workload.padded_vocab_size(tp) * workload.hidden_size
+    late = workload.untie_embeddings_and_output_weights and not workload.mtp_layers
+    return positions + (word_embedding_per_rank(workload, tp) if late else 0)
+
+
 def held_state(job: Job, stage: int, params: StageParameters, weight_bytes: int, gradient_bytes: int,
                weight: int, gradient: int) -> tuple[int, int]:
-    """(weight, gradient) bytes one device of `stage` holds under FSDP, from the unsharded ones: a
-    sharded state is its 1/(DP x CP) shard (experts' 1/expert DP), plus the UNITS_GATHERED layers held
-    whole, plus the parameters outside the units (`weight` and `gradient` bytes each), which stay whole.
-    The layers' sharded weights are counted at the bytes of their whole copy (under FP8 their FP8
-    copies). That is an upper bound: the shard itself is stored in one of them, so at DP 64 it
-    overstates by under 1% of the weights."""
-    layout = job.layout
+    """(weight, gradient) bytes one device of `stage` holds under FSDP at the activations' peak, from
+    the unsharded ones (`weight` and `gradient` bytes per parameter outside the layers):
+    - a sharded state is its 1/(DP x CP) shard (experts' 1/expert DP) of the buffer it is kept in:
+      the model weight buffer holds each parameter once, in the training dtype or under
+      --fp8-param-gather (--fp4-param-gather) its quantised rowwise bytes (param_and_grad_buffer.py
+      _init_each_parameter_group_buffers: uint8 for an FP8 group, a transpose buffer only for MXFP8);
+    - UNITS_GATHERED layers are whole in that form, and the one running its backward also has its
+      derived copies (an FP8 weight's transpose: megatron_fsdp.py all_gather_module_parameters makes
+      it only in the backward, fp8_create_transpose_cache, and release_module_parameters discards it,
+      --keep-fp8-transpose-cache being off);
+    - the weights outside the units stay gathered whole (AllGatherPipeline.reset:
+      preserve_non_fsdp_units). Their gradients are whole only from their module's backward to its
+      reduce-scatter (GradReducePipeline: free_up_grad_bucket frees each bucket once reduced): FSDP
+      runs PP 1, one micro-batch in flight, so the input embedding's (embedding_gradient_parameters)
+      comes after the last layer's backward has freed the activations, and only the output layer's
+      and final norm's are held at the peak."""
+    workload, layout = job.workload, job.layout
     dense, expert, in_layers = int(params.dense[stage]), int(params.expert[stage]), int(params.dense_in_layers[stage])
     layer_params, outside = in_layers + expert, dense - in_layers
     dense_shards, expert_shards = layout.dp * layout.cp, layout.expert_data_parallel_size
-    n = units(job, stage)
+    n = max(units(job, stage), 1)
+    sharded = (in_layers / dense_shards + expert / expert_shards) / layer_params if layer_params else 0.0
 
-    def held(total: int, per_outside: int) -> int:
-        rest = per_outside * outside
-        layers = total - rest
-        shard = (layers * (in_layers / dense_shards + expert / expert_shards) / layer_params if layer_params else 0) \
-            + rest / dense_shards
-        return int(np.ceil(shard + layers * min(UNITS_GATHERED, n) / max(n, 1) + rest))
+    def held(layers: int, stored: float, rest: int, rest_whole: int) -> int:
+        """`layers` bytes of the units in all their copies, `stored` bytes of them in the buffer;
+        `rest` bytes outside the units, `rest_whole` of them whole at the peak."""
+        unit, stored_unit = layers / n, stored / n
+        gathered = min(UNITS_GATHERED, n) * stored_unit + (unit - stored_unit)
+        return int(np.ceil(stored * sharded + rest / dense_shards + gathered + rest_whole))
 
-    return (held(weight_bytes, weight) if shards_parameters(layout) else weight_bytes,
-            held(gradient_bytes, gradient) if shards_gradients(layout) else gradient_bytes)
+    weights = weight_bytes
+    if shards_parameters(layout):
+        rest = weight * outside
+        layers = weight_bytes - rest
+        stored = workload.param_gather_bytes * layer_params if workload.keeps_quantised_weights else layers
+        weights = held(layers, stored, rest, rest)
+    gradients = gradient_bytes
+    if shards_gradients(layout):
+        rest = gradient * outside
+        late = embedding_gradient_parameters(job) if stage == 0 else 0
+        gradients = held(gradient_bytes - rest, gradient_bytes - rest, rest, gradient * (outside - late))
+    return weights, gradients
 
 
 def microbatch_exposed(job: Job, links: GroupLinks, layers: np.ndarray,

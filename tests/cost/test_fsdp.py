@@ -49,6 +49,32 @@ def test_fully_sharded_weights_are_a_shard_two_layers_and_the_embeddings_by_hand
     assert estimate_memory(job, H100).stages[0].weight_bytes == pytest.approx(expected, abs=1)
 
 
+def test_of_the_gradients_outside_the_layers_only_the_output_layers_are_whole_at_the_peak():
+    """The untied word embedding's gradient is made after the last layer's backward, once the
+    activations are freed, and reduce-scattered and freed before the next forward: at the peak only
+    the output layer's and final norm's gradients are whole beside the shard and two layers'."""
+    job = resolve_job(LLAMA, Layout(**DOPT, use_megatron_fsdp=True))
+    p = stage_parameters(job)
+    total, layers = int(p.dense[0]), int(p.dense_in_layers[0])
+    embedding = LLAMA.padded_vocab_size(1) * LLAMA.hidden_size
+    expected = LLAMA.grad_bytes * (total / 16 + layers * 2 / 32 + total - layers - embedding)
+    assert fsdp.embedding_gradient_parameters(job) == embedding
+    assert estimate_memory(job, H100).stages[0].gradient_bytes == pytest.approx(expected, abs=1)
+
+
+def test_fp8_gathered_weights_are_sharded_once_and_only_the_running_layer_has_its_transpose():
+    """--fp8-param-gather on Hopper (FP8 weight and transpose, 2 bytes a layer parameter when whole):
+    the sharded buffer holds the 1-byte FP8 weight, the two gathered layers theirs, and only the layer
+    in its backward its transpose."""
+    fp8 = dataclasses.replace(LLAMA, fp8="hybrid", fp8_recipe="tensorwise", fp8_param_gather=True)
+    job = resolve_job(fp8, Layout(**DOPT, use_megatron_fsdp=True))
+    p = stage_parameters(job)
+    total, layers = int(p.dense[0]), int(p.dense_in_layers[0])
+    outside = total - layers
+    expected = layers / 16 + 2 * outside / 16 + (2 + 1) * layers / 32 + 2 * outside
+    assert estimate_memory(job, H100).stages[0].weight_bytes == pytest.approx(expected, abs=1)
+
+
 def _gather_case(cluster):
     job = resolve_job(LLAMA, Layout(**DOPT, use_megatron_fsdp=True))
     links = CostModel(cluster).links(job)
