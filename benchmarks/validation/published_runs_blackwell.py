@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         beyond_25pct_unexplained=sum(not r["explained"] for r in beyond),
         **{f"beyond_25pct_{kind.replace(' ', '_')}": sum(bool(r["explained"]) and r["explained"]["kind"] == kind
                                                        for r in beyond) for kind in (RELEASE_STEP, ANOTHER_RECIPE)})
+    too_big = [r for r in rows if r["recipe"].get("fits") is False]
+    result["summary"]["recipe"].update(not_fit_another_recipe=sum(bool(r["explained"]) for r in too_big),
+                                       not_fit_unexplained=sum(not r["explained"] for r in too_big))
     for name, s in result["summary"].items():
         print(f"{name:>7}: {s['priced']}/{s['runs']} priced, mean |error| {s['mean_abs_error']:.1%} "
               f"(signed {s['mean_error']:+.1%}), worst {s['worst_error']:+.1%}, {s['beyond_25pct']} beyond "
@@ -279,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
           "unexplained (release_steps)")
     for row in beyond:
         print(f"  {row['id']} {row['recipe']['error']:+.1%}: " +
+              (f"{row['explained']['kind']}: {row['explained']['why']}" if row["explained"] else "unexplained"))
+    print(f"predicted not to fit with the recipe: {s['not_fit_another_recipe']} run from another recipe than 0.6.2's, "
+          f"{s['not_fit_unexplained']} unexplained")
+    for row in too_big:
+        print(f"  {row['id']} {row['recipe']['peak_gib']:.1f} of {row['recipe']['capacity_gib']:.1f} GiB: " +
               (f"{row['explained']['kind']}: {row['explained']['why']}" if row["explained"] else "unexplained"))
     print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))

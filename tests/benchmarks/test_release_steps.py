@@ -10,8 +10,8 @@ ROWS = {row["id"]: row for row in json.loads(blackwell.DATA.read_text())["rows"]
 BEFORE, AFTER = ROWS["bw26.04.01-gb200-qwen3-30b-a3b-MXFP8"], ROWS["bw26.06-gb200-qwen3-30b-a3b-MXFP8"]
 
 
-def priced(*errors: float) -> list[dict]:
-    return [{"recipe": {"error": e}} for e in errors]
+def priced(*errors: float, fits: bool = True) -> list[dict]:
+    return [{"recipe": {"error": e, "fits": fits}} for e in errors]
 
 
 def explained(rows: list[dict], *errors: float) -> list[tuple[str, str] | None]:
@@ -40,3 +40,13 @@ def test_a_run_at_another_layout_than_its_recipes_has_settings_not_known():
     row = ROWS["bw26.02-b200-qwen3-30b-a3b-MXFP8"]
     kind, why = explained([row], -0.37)[0]
     assert kind == ANOTHER_RECIPE and "the run's MBS 1 where 0.6.2's recipe has MBS 4" in why
+
+
+def test_a_layout_predicted_not_to_fit_is_explained_by_another_recipe_never_by_a_release_step():
+    """26.04 ran DeepSeek-V3 on 256 GB300 at micro-batch 2; 0.6.2's recipe sets 1. A release step says
+    nothing of memory: the 26k-then-41k row within the bar but predicted not to fit stays unexplained."""
+    mbs2 = ROWS["bw26.04-gb300-deepseekv3-MXFP8"]
+    kind, why = explanations([mbs2], [blackwell.as_h100_row(mbs2)], priced(-0.05, fits=False))[0]
+    assert kind == ANOTHER_RECIPE and "the run's MBS 2 where 0.6.2's recipe has MBS 1" in why
+    rows = [BEFORE, AFTER]
+    assert explanations(rows, [blackwell.as_h100_row(r) for r in rows], priced(-0.09, 0.1, fits=False)) == [None, None]
