@@ -370,6 +370,12 @@ recipe assigns them, as recipe entries: Megatron-LM's --cross-entropy-loss-fusio
 Megatron-Bridge's GPT provider has it on, so the recipes' cross_entropy_fusion_impl (te, set by
 perf_recipes/_common.py) is the loss they run."""
 
+NOTHING_RECOMPUTED = {"model.recompute_granularity": "selective", "model.recompute_modules": []}
+"""A recipe's selective recomputation of no module (the GB300 DeepSeek-V3 FP8/FP4 ones: the common
+settings' "selective", then recompute_modules = []): TransformerConfig recomputes nothing with an empty
+list (it fills in core_attn only for None), and Megatron-LM cannot say it (--recompute-modules takes at
+least one module; without it, core_attn), so its launch has no --recompute-granularity."""
+
 LAYER_LETTERS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 """A layout's list-of-lists layer names as megatron-core's string letters (PipelineParallelLayerLayout)."""
 
@@ -393,6 +399,9 @@ def resolve_recipe(row: dict, root: Path) -> dict:
     settings, unknown = {}, []
     interpret(functions, name, {}, settings, unknown)
     split = pipeline_split(row, settings, root)
+    if all(settings.get(path) == value for path, value in NOTHING_RECOMPUTED.items()):
+        for path in NOTHING_RECOMPUTED:
+            del settings[path]
     if isinstance(flex := settings.get(DISPATCHER[0]), dict):
         if not dispatcher_on(gpu, flex["flex"]):
             settings[DISPATCHER[0]], settings[DISPATCHER[1]] = "alltoall", None

@@ -198,3 +198,22 @@ def test_deepseek_v3_over_b200_nodes_is_priced_with_hybridep_and_node_limited_ro
     assert "--moe-router-num-groups 8 --moe-router-group-topk 4" in words
     recipe = blackwell.priced_row(row, search=False)["recipe"]
     assert recipe["breakdown_s"]["ep_comm_s"] < 0.5 * 33.7
+
+
+def test_selective_recomputation_of_no_module_is_read_as_none(tmp_path):
+    """The GB300 DeepSeek-V3 MXFP8 recipe keeps the common "selective" and sets recompute_modules = []:
+    TransformerConfig then recomputes nothing (it fills in core_attn only for None), so the launch has no
+    --recompute-granularity; a recipe naming modules keeps both."""
+    perf = ("def deepseek_v3_pretrain_256gpu_gb300_fp8mx_config():\n"
+            "    cfg = _pretrain_common()\n"
+            "    cfg.model.recompute_granularity = 'selective'\n"
+            "    cfg.model.recompute_modules = {modules}\n")
+    row = {**ROWS["bw26.06-gb300-deepseekv3-MXFP8"], "recipe": None}
+    entries = {}
+    for modules in ([], ["mla_up_proj"]):
+        wheel = tmp_path / str(len(modules)) / "megatron" / "bridge"
+        write_wheel(wheel, {"perf_recipes/_common.py": "",
+                            "perf_recipes/deepseek/gb300/deepseek_v3.py": perf.format(modules=modules)})
+        recipe = blackwell.resolve_recipe(row, wheel / "perf_recipes")
+        entries[len(modules)] = [e.split(":")[0] for e in recipe["not_expressible"] if "recompute" in e]
+    assert entries == {0: [], 1: ["--recompute-granularity selective", "--recompute-modules mla_up_proj"]}
