@@ -4,7 +4,7 @@ measured far apart by releases."""
 import json
 
 from benchmarks.validation import published_runs_blackwell as blackwell
-from benchmarks.validation.release_steps import ANOTHER_RECIPE, RELEASE_STEP, explanations, inputs
+from benchmarks.validation.release_steps import ANOTHER_RECIPE, RELEASE_STEP, STEP_ELSEWHERE, explanations, inputs
 
 ROWS = {row["id"]: row for row in json.loads(blackwell.DATA.read_text())["rows"]}
 BEFORE, AFTER = ROWS["bw26.04.01-gb200-qwen3-30b-a3b-MXFP8"], ROWS["bw26.06-gb200-qwen3-30b-a3b-MXFP8"]
@@ -50,3 +50,16 @@ def test_a_layout_predicted_not_to_fit_is_explained_by_another_recipe_never_by_a
     assert kind == ANOTHER_RECIPE and "the run's MBS 2 where 0.6.2's recipe has MBS 1" in why
     rows = [BEFORE, AFTER]
     assert explanations(rows, [blackwell.as_h100_row(r) for r in rows], priced(-0.09, 0.1, fits=False)) == [None, None]
+
+
+def test_a_step_of_the_same_run_on_another_system_explains_a_row_its_system_did_not_run_again():
+    """B200 ran Qwen3-30B-A3B at GB200's layout in 26.04 at GB200's speed (26.9k, 26.0k tokens/s/GPU);
+    GB200 ran it again in 26.08 at 39.9k, B200 did not: the B200 row priced 30% too fast is explained by
+    GB200's step, not where B200 itself re-ran it that late, nor an error of the other sign."""
+    b200, gb200, later = (ROWS[f"bw{r}-{s}-qwen3-30b-a3b-MXFP8"] for r, s in
+                          (("26.04", "b200"), ("26.04", "gb200"), ("26.08", "gb200")))
+    kind, why = explained([b200, gb200, later], -0.30, 0.0, 0.0)[0]
+    assert kind == STEP_ELSEWHERE and "DGX-GB200 measured 26,032 tokens/s/GPU in 26.04 and 39,936 in 26.08" in why
+    assert explained([b200, gb200, later], 0.30, 0.0, 0.0)[0] is None
+    rerun = {**b200, "id": "b200-again", "release": "26.08"}
+    assert explained([b200, gb200, later, rerun], -0.30, 0.0, 0.0, -0.30)[0] is None
