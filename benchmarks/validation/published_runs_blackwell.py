@@ -16,7 +16,11 @@ column, the cluster named by the row. What the planner refuses is listed with it
 --resolve WHEEL_DIR (an unpacked megatron-bridge wheel) writes each row's `recipe` (the H100 set's
 shape) from perf_recipes/<model>/<gpu>/ by reading the recipe functions' assignments (no import: the
 wheel needs a GPU stack); each recipe setting that names a Megatron argument becomes a candidate flag,
-priced where the planner prices it; the rest is listed as not known or not expressible.
+priced where the planner prices it; the rest is listed as not known or not expressible. The recipes
+read are of the 26.08 era, whatever the set's `about` says (the 25.11-26.02 era): the registry's wheels
+were built 0.3.0 2026-02-26, 0.4.0 04-16, 0.5.0 06-22, 0.6.0 08-20 (the first with perf_recipes/; the
+earlier ones ship none) and 0.6.2 09-18, one a container release (26.02 ... 26.08), so every row before
+26.08 ran an older recipe than the one read.
 
 No tuning: this prices the rows with the cost model and catalog as they are.
 """
@@ -432,7 +436,7 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             f"{recipe_layout}; published TP{published['tp']} PP{published['pp']} CP{published['cp']} "
             f"VP{published['virtual_stages_per_pipeline_rank']} EP{published['ep']} "
             f"MBS{published['micro_batch_size']} GBS{row['global_batch_size']}; the {row['release']} run used that "
-            f"release's recipe, which 0.6.2 (the 25.11-26.02 era) may not match")
+            f"release's recipe, which 0.6.2 (built 2026-09-18: the 26.08 era) may not match")
     return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
             "layout": {key: settings[path] for path, key in LAYOUT_SETTINGS.items() if path in settings},
             "pipeline_split": split, "not_known": unknown, "no_megatron_flag": flagless}
