@@ -47,7 +47,7 @@ def _in_job(folder: str) -> dict[str, dict]:
 H100_FOLDER = "published_runs_h100-2026-11-29-search"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
 BLACKWELL_FIT = "fit_blackwell-2026-11-29"
-BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-moe-graphs"
+BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-units"
 """The development sets' current kept results (tests/benchmarks/test_kept_results.py prices the sets
 again and holds these to the code)."""
 
@@ -109,8 +109,10 @@ def rows() -> list[list[str]]:
          f"{bw['priced']} of {bw['runs']} priced: mean \\|error\\| {bw['mean_abs_error']:.1%}, signed "
          f"{bw['mean_error']:+.1%}, worst {bw['worst_error']:+.1%}, {bw['beyond_25pct']} beyond 25% (of them "
          f"{bw['beyond_25pct_release_step']} at inputs the releases measured more than 25% apart, "
+         f"{bw['beyond_25pct_release_step_elsewhere']} of a run another system's releases measured so, "
          f"{bw['beyond_25pct_another_recipe']} run from another recipe than the one read, "
-         f"{bw['beyond_25pct_unexplained']} unexplained), {bw['predicted_not_to_fit']} predicted not to fit; "
+         f"{bw['beyond_25pct_unexplained']} unexplained), {bw['predicted_not_to_fit']} predicted not to fit (of them "
+         f"{bw['not_fit_another_recipe']} run from another recipe, {bw['not_fit_unexplained']} unexplained); "
          f"refused by name: {refused}",
          "`python -m benchmarks.validation.published_runs_blackwell`",
          f"{bw_run['date']}, `{BLACKWELL_FOLDER}`"],
