@@ -44,7 +44,7 @@ def _in_job(folder: str) -> dict[str, dict]:
     return starts
 
 
-H100_FOLDER = "published_runs_h100-2026-11-29-search"
+H100_FOLDER = "published_runs_h100-2026-11-29-picks"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
 BLACKWELL_FIT = "fit_blackwell-2026-11-29"
 BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-units"
