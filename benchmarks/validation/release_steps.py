@@ -38,12 +38,13 @@ def inputs(h100_row: dict) -> tuple[str, ...]:
 
 def run_and_recipe(row: dict) -> tuple[dict, dict]:
     """The run's GPU count and layout, and those of the 0.6.2 recipe read for it (`recipe.layout`,
-    the count in its function's name), VP and EP unset read as 1."""
+    the count in its function's name), EP unset read as 1, and the recipe's VP unset as 1; a VP the
+    table does not print stays None, not a difference (the pricing takes the recipe's there)."""
     recipe, published = row["recipe"], row["published_layout"]
     count = re.search(r"_(\d+)gpu_", recipe.get("function") or "")
     given = recipe.get("layout", {})
     run = {"GPUs": row["gpus"], "TP": published["tp"], "PP": published["pp"], "CP": published["cp"],
-           "VP": published["virtual_stages_per_pipeline_rank"] or 1, "EP": published["ep"] or 1,
+           "VP": published["virtual_stages_per_pipeline_rank"], "EP": published["ep"] or 1,
            "MBS": published["micro_batch_size"], "GBS": row["global_batch_size"]}
     read = {**{key: given.get(key) for key in run}, "GPUs": int(count.group(1)) if count else None,
             "VP": given.get("VP") or 1, "EP": given.get("EP") or 1}
@@ -99,7 +100,7 @@ def explanations(rows: list[dict], h100_rows: list[dict], priced: list[dict]) ->
         same = groups[key]
         slow, fast = min(same, key=lambda rm: rm[1]), max(same, key=lambda rm: rm[1])
         run, read = run_and_recipe(row)
-        differs = [key for key in run if read[key] != run[key]]
+        differs = [key for key in run if run[key] is not None and read[key] != run[key]]
         if beyond and fast[1] / slow[1] - 1 > WORST_BAR:
             out.append((RELEASE_STEP, f"the same inputs measured {slow[1]:,} tokens/s/GPU in {slow[0]} and "
                         f"{fast[1]:,} in {fast[0]} ({fast[1] / slow[1] - 1:+.0%}): a setting the releases changed "
