@@ -17,6 +17,16 @@ Megatron requires for MoE with TP > 1):
   local experts L = E / EP, each R / L rows: a grouped GEMM, each expert's GEMM priced at its own
                    shape (its own weights read, its own main_grad accumulated: the roofline
                    floor binds at few rows per expert).
+  budget       B = T k F rounded up to 256 rows, with --moe-expert-rank-capacity-factor F (HybridEP's
+                   static receive buffer): the experts' buffers, what they keep for the backward and
+                   their gradients are B rows; their GEMMs and casts run on the R rows received.
+  paged stash  with --moe-paged-stash the kept rows are copied into one device buffer of |f| x (B / F,
+                   or R where f < 0) rows per layer in flight (f: --moe-paged-stash-buffer-size-factor-
+                   cuda), and back for the backward: R rows copied each way, device to device (host
+                   only where that buffer is full, which balanced routing never fills). The copies run
+                   on the stash's own stream (paged_stash.py stash_paged_tensors, reload_paged_tensors),
+                   overlapped with the combine, the next layer's attention, router and dispatch, and
+                   are waited for only before the next experts: no time is priced for them.
 """
 
 from __future__ import annotations
@@ -56,6 +66,40 @@ def capacity_share(job: Job) -> float:
 def routed_rows(job: Job) -> float:
     """R: rows the rank's local experts compute per micro-batch."""
     return tokens_in(job) * job.workload.moe_router_topk * job.layout.etp * capacity_share(job)
+
+
+BUDGET_ALIGNMENT = 256
+"""Rows HybridEP's budget is rounded up to under --use-transformer-engine-op-fuser, which the
+capacity factor needs (moe_utils.py get_align_size_for_quantization: the CUTLASS grouped GEMM's)."""
+
+
+def budget_rows(job: Job) -> int | None:
+    """B: HybridEP's static budget of rows an expert rank receives per micro-batch, which sizes the
+    dispatch's output and so every buffer of the experts (token_dispatcher.py _HybridEPManager.
+    setup_metadata, megatron-core 0.19.2: int(T k factor) rounded up); None without
+    --moe-expert-rank-capacity-factor (buffers sized to the rows received)."""
+    factor = job.workload.moe_expert_rank_capacity_factor
+    if factor is None:
+        return None
+    budget = int(tokens_in(job) * job.workload.moe_router_topk * factor)
+    return budget + -budget % BUDGET_ALIGNMENT
+
+
+def buffer_rows(job: Job) -> float:
+    """Rows of the experts' input, output, saved tensors and their gradients: the budget's, else R."""
+    budget = budget_rows(job)
+    return routed_rows(job) if budget is None else budget
+
+
+def stash_rows(job: Job) -> float:
+    """Rows of the paged stash's device buffer per MoE layer and micro-batch in flight (paged_stash.py
+    allocate_stash_buffers: |factor| x the peak over the step of the rows in flight, each layer
+    counted at the budget / the capacity factor, experts.py avg_num_tokens, or at the rows received
+    where the factor is negative). --moe-paged-stash runs with a capacity factor only."""
+    w = job.workload
+    factor = w.moe_paged_stash_buffer_size_factor_cuda
+    per_layer = budget_rows(job) // w.moe_expert_rank_capacity_factor if factor >= 0 else routed_rows(job)
+    return abs(factor) * per_layer
 
 
 def _expert_widths(job: Job) -> tuple[int, int]:
@@ -188,22 +232,34 @@ def moe_activation_bytes(job: Job, redone: frozenset[str] = frozenset()) -> int:
     the pre-MLP norm's output, is counted with the layer): router scores, the rows entering the
     experts, their fc1 output, fc2 input and routing probability (megatron-core 0.19 applies it
     inside the weighted SwiGLU, which keeps it; unpermute, called without the probabilities, keeps
-    no expert output), and the shared experts' two wide tensors. `redone`: --recompute-modules that drop some of it
+    no expert output), and the shared experts' two wide tensors; the experts' rows are the budget's
+    under HybridEP's (buffer_rows), the stash's with --moe-paged-stash (stash_rows). `redone`:
+    --recompute-modules that drop some of it
     (moe: all of it, the block keeps its input only; moe_act: the experts' activation output, which
     is fc2's input; shared_experts: the shared experts' tensors)."""
     if "moe" in redone:
         return 0
     w, layout = job.workload, job.layout
-    t, rows, h, e = tokens_in(job), routed_rows(job), w.hidden_size, w.bytes_per_element
-    fc1, fc2 = _expert_widths(job)
+    t, e = tokens_in(job), w.bytes_per_element
     shared = w.moe_shared_expert_intermediate_size
     shared_bytes = 0 if shared is None or "shared_experts" in redone else e * job.tokens_per_microbatch * (
         shared // layout.tp) * (w.fc1_widening + 1)
+    clamped = 0 if "moe_act" in redone else 2 * clamp_half_bytes(job)   # the clamped copy the kernel keeps
+    rows = stash_rows(job) if w.moe_paged_stash else buffer_rows(job)
+    return round(8 * t * w.num_experts + rows * expert_row_bytes(job, redone) + clamped + shared_bytes)
+
+
+def expert_row_bytes(job: Job, redone: frozenset[str]) -> float:
+    """Bytes the routed experts keep per row for their backward: fc1's input (its FP8 cast under
+    --fp8-format), fc1's output, fc2's input unless moe_act is recomputed, and the routing
+    probability. Transformer Engine's fused grouped MLP marks exactly these for the paged stash
+    (TE 2.20 ops/fused/grouped_mlp.py: mark_grouped_tensor(saved_fc1_x, activation_in, scales,
+    grouped_fc2_x))."""
+    w = job.workload
+    fc1, fc2 = _expert_widths(job)
     lin = fp8_input_bytes(w)
     fc2_in = 0 if "moe_act" in redone else lin * fc2
-    probs = probability_bytes(w)
-    clamped = 0 if "moe_act" in redone else 2 * clamp_half_bytes(job)   # the clamped copy the kernel keeps
-    return round(8 * t * w.num_experts + rows * (lin * h + e * fc1 + fc2_in + probs) + clamped + shared_bytes)
+    return lin * w.hidden_size + w.bytes_per_element * fc1 + fc2_in + probability_bytes(w)
 
 
 def fp8_input_bytes(workload: Workload) -> float:
@@ -216,9 +272,12 @@ def fp8_input_bytes(workload: Workload) -> float:
 
 
 def moe_backward_bytes(job: Job) -> int:
-    """Gradients of the experts' two wide tensors in flight during an MoE layer's backward; with the
-    clamp's passes (clamp_half_bytes) also the clamped halves' gradients beside their concatenation,
-    and the clamped copy where moe_act recomputed it."""
+    """Gradients of the experts' two wide tensors in flight during an MoE layer's backward (budget rows
+    where there is one); with the clamp's passes (clamp_half_bytes) also the clamped halves' gradients
+    beside their concatenation, and the clamped copy where moe_act recomputed it; with the paged stash
+    the layer's saved tensors reloaded from it into buffers of the budget's rows."""
     fc1, fc2 = _expert_widths(job)
     clamp = (4 if "moe_act" in job.layout.selective_modules else 2) * clamp_half_bytes(job)
-    return round(job.workload.bytes_per_element * routed_rows(job) * (fc1 + fc2) + clamp)
+    reloaded = buffer_rows(job) * expert_row_bytes(job, job.layout.selective_modules) \
+        if job.workload.moe_paged_stash else 0
+    return round(job.workload.bytes_per_element * buffer_rows(job) * (fc1 + fc2) + clamp + reloaded)

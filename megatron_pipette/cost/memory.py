@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_pipette.cost.experts import fp8_input_bytes, moe_activation_bytes, moe_backward_bytes, routed_rows
+from megatron_pipette.cost.experts import buffer_rows, fp8_input_bytes, moe_activation_bytes, moe_backward_bytes
 from megatron_pipette.cost.fsdp import held_state
 from megatron_pipette.cost.offload import resident_layers
 from megatron_pipette.cost.parameters import StageParameters, stage_parameters
@@ -514,7 +514,7 @@ class _JobTerms:
     the score gradients."""
     moe_backward: int
     """The same in a stage with MoE layers (an MoE layer's experts', with the dispatcher's send and
-    receive buffers of the routed rows)."""
+    receive buffers of the routed rows, or of HybridEP's budget)."""
     logits: int
     """The last stage's training-dtype logits (forward) or their gradient (backward); fp32 logits
     are the softmax."""
@@ -537,7 +537,7 @@ def _job_terms(job: Job) -> _JobTerms:
     vocab = workload.padded_vocab_size(t)
     scores = _score_elements(job)
     dense = max(e * tokens * (_fc1_width(workload) + workload.ffn) // t, 2 * e * scores)
-    moe = max(dense, moe_backward_bytes(job) + 2 * e * round(routed_rows(job)) * h) if job.moe_layers else dense
+    moe = max(dense, moe_backward_bytes(job) + 2 * e * round(buffer_rows(job)) * h) if job.moe_layers else dense
     return _JobTerms(embedding=tokens * h // sp if workload.hidden_dropout > 0 else 0,
                      output=2 * e * tokens * h // sp + loss_kept_bytes(workload) * tokens * vocab // t,
                      buffer=max(e * scores, e * tokens * h if layout.sequence_parallel else 0),

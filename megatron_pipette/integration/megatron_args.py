@@ -154,7 +154,11 @@ def _moe_fields(args: Any) -> dict[str, Any]:
             "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
             **{name: getattr(args, name) for name in ("moe_flex_dispatcher_backend", "moe_enable_deepep",
                                                       "moe_router_num_groups",
-                                                      "moe_router_group_topk", "moe_router_dtype")
+                                                      "moe_router_group_topk", "moe_router_dtype",
+                                                      "moe_expert_rank_capacity_factor", "moe_paged_stash",
+                                                      "moe_paged_stash_buffer_size_factor_cuda",
+                                                      "moe_paged_stash_buffer_size_factor_cpu",
+                                                      "use_transformer_engine_op_fuser")
                if hasattr(args, name)}}
 
 

@@ -669,6 +669,35 @@ def _validate_experts(workload: Workload, layout: Layout) -> None:
         raise Infeasible("--moe-token-dispatcher-type flex needs --expert-tensor-parallel-size x "
                          "--expert-model-parallel-size above 1 (MoEFlexTokenDispatcher asserts it)")
     _validate_expert_overlap(workload, layout)
+    _validate_expert_rank_budget(workload, layout)
+
+
+def _validate_expert_rank_budget(workload: Workload, layout: Layout) -> None:
+    """What cost.experts does not price of HybridEP's budget and the paged stash: a budget or a device
+    stash below the rows a rank receives under balanced routing (T k ETP; the budget is T k x the
+    factor, the stash |f| x T k, or x the rows received for f < 0) drops tokens or overflows every
+    step, and PagedStashRunner reruns each step dropless (or the stash spills to host memory)."""
+    factor = workload.moe_expert_rank_capacity_factor
+    if factor is None:
+        return
+    etp = layout.etp
+    if factor < etp:
+        raise Infeasible(f"--moe-expert-rank-capacity-factor {factor} below the {etp} x T k rows a rank receives "
+                         f"under balanced routing (--expert-tensor-parallel-size {etp}): every step would overflow "
+                         "the budget and rerun dropless, which is not modelled")
+    if not workload.moe_paged_stash:
+        return
+    stash = workload.moe_paged_stash_buffer_size_factor_cuda
+    if abs(stash) < (etp if stash >= 0 else 1):
+        raise Infeasible(f"--moe-paged-stash-buffer-size-factor-cuda {stash} holds fewer rows than are in flight "
+                         "under balanced routing: every step would spill to host memory or rerun, which is not "
+                         "modelled")
+    if layout.recompute_granularity == "full" or {"moe", "moe_act"} & set(layout.selective_modules):
+        raise Infeasible("--moe-paged-stash with the routed experts recomputed (--recompute-granularity full, "
+                         "--recompute-modules moe or moe_act) is not modelled")
+    if layout.cpu_offloading_num_layers:
+        raise Infeasible("--moe-paged-stash cannot be enabled with --cpu-offloading-num-layers (megatron-core "
+                         "0.19.2's TransformerConfig asserts it)")
 
 
 def _validate_expert_overlap(workload: Workload, layout: Layout) -> None:

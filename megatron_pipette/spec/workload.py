@@ -298,6 +298,23 @@ class Workload:
     moe_router_dtype: MoeRouterDtype | None = None
     """--moe-router-dtype: fp32 or fp64 router logits, and so routing probabilities (kept for the
     experts' weighted activation); None: the training dtype."""
+    moe_expert_rank_capacity_factor: float | None = None
+    """--moe-expert-rank-capacity-factor: HybridEP's static budget of rows an expert rank receives,
+    x the tokens a rank routes (T k, rounded up to 256 rows): the experts' buffers and what they
+    keep for the backward are that many rows; the GEMMs run on the rows received. Tokens beyond it
+    are dropped and the step rerun dropless. None: buffers sized to the rows received."""
+    moe_paged_stash: bool = False
+    """--moe-paged-stash: the routed experts' saved activations are copied, page by page, into one
+    device buffer sized for the rows in flight (not the budget's), and copied back for the backward."""
+    moe_paged_stash_buffer_size_factor_cuda: float = 1.10
+    """--moe-paged-stash-buffer-size-factor-cuda: that buffer, x the peak over the step of the rows in
+    flight, counted at the budget / the capacity factor (positive) or as received (negative)."""
+    moe_paged_stash_buffer_size_factor_cpu: float = 0.0
+    """--moe-paged-stash-buffer-size-factor-cpu: a pinned host buffer, sized alike, the stash spills
+    into where the device one is full (host memory, not priced); 0: none."""
+    use_transformer_engine_op_fuser: bool = False
+    """--use-transformer-engine-op-fuser: Transformer Engine's fused operations (the routed experts'
+    fused grouped MLP); Megatron needs it for HybridEP's capacity factor."""
     cuda_graph_impl: CudaGraphImpl = "none"
     """--cuda-graph-impl: none, local (megatron-core's per-layer graphs), transformer_engine (TE's
     make_graphed_callables per layer) or full_iteration (one graph for the forward-backward of the
@@ -376,6 +393,7 @@ class Workload:
             self._check_moe()
         else:
             layer_pattern(self.moe_layer_freq, self.num_layers)   # Megatron parses it with or without experts
+        self._check_expert_rank_budget()     # Megatron's rules hold with or without experts
         if self.fp8 is not None:
             self._check_fp8()
         elif self.fp8_param_gather:
@@ -458,6 +476,29 @@ class Workload:
                                "(megatron-core's shared experts have no biases)")
         self._check_expert_activation()
         self.moe_layer_pattern()  # raises on a malformed --moe-layer-freq
+
+    def _check_expert_rank_budget(self) -> None:
+        """--moe-expert-rank-capacity-factor and --moe-paged-stash as megatron-core 0.19.2's
+        TransformerConfig.__post_init__ rules them (the ncclep backend is not modelled)."""
+        factor = self.moe_expert_rank_capacity_factor
+        if factor is not None:
+            if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 0 < factor <= MAX_SIZE):
+                raise PipetteError(f"--moe-expert-rank-capacity-factor must be a positive number up to {MAX_SIZE}, "
+                                   f"got {factor!r}")
+            if self.moe_token_dispatcher_type != "flex" or self.moe_flex_dispatcher_backend != "hybridep":
+                raise PipetteError(f"--moe-expert-rank-capacity-factor {factor} needs --moe-token-dispatcher-type flex "
+                                   "with --moe-flex-dispatcher-backend hybridep (megatron-core asserts the backend; "
+                                   "the budget is HybridEP's)")
+            if not self.use_transformer_engine_op_fuser:
+                raise PipetteError(f"--moe-expert-rank-capacity-factor {factor} with HybridEP needs "
+                                   "--use-transformer-engine-op-fuser (megatron-core 0.19.2's TransformerConfig "
+                                   "asserts it)")
+        for field in ("moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_buffer_size_factor_cpu"):
+            if not in_range(getattr(self, field), -MAX_SIZE, MAX_SIZE):
+                raise PipetteError(f"{megatron_flag(field)} must be a number, got {shown(getattr(self, field))}")
+        if self.moe_paged_stash and factor is None:
+            raise PipetteError("--moe-paged-stash needs --moe-expert-rank-capacity-factor (megatron-core 0.19.2's "
+                               "TransformerConfig asserts it)")
 
     def _check_cuda_graphs(self) -> None:
         """--cuda-graph-impl and --cuda-graph-modules as megatron-core 0.19.2 reads them

@@ -100,6 +100,8 @@ def test_bad_input_is_one_clear_message(capsys, argv, message):
     (["plan", "--num-experts", "4", "--swiglu", "--no-bias-gelu-fusion"], "--num-experts 4 --swiglu with biases"),
     (["plan", "--position-embedding-type", "mrope"], "--position-embedding-type must be one of"),
     (["plan", "--padded-vocab-size", "50304"], "--padded-vocab-size: not a pipette flag"),
+    (["plan", "--model", "mixtral-8x7b", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+      "hybridep", "--moe-paged-stash"], "--moe-paged-stash needs --moe-expert-rank-capacity-factor"),
 ])
 def test_megatron_flags_the_planner_cannot_price_are_one_line_errors(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -415,3 +417,19 @@ def test_estimate_prices_cuda_graphs_as_megatron_takes_them(capsys):
     attention = seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn")
     assert eager > attention > seconds("--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp")
     assert attention > seconds("--cuda-graph-impl", "none", "--cuda-graph-modules", "full_iteration")
+
+
+def test_the_recipes_expert_rank_budget_and_paged_stash_are_priced(capsys):
+    """Megatron-Bridge's MoE recipes' HybridEP budget and paged stash: estimated, the stash's buffer
+    in the peak (1.2 x the rows in flight, against the budget's 1.5 x without it)."""
+    moe = ["--model", "mixtral-8x7b", "--num-layers", "8", "--num-nodes", "1", "--gpu", "H100-80GB",
+           "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "flex",
+           "--moe-flex-dispatcher-backend", "hybridep", "--use-transformer-engine-op-fuser",
+           "--moe-expert-rank-capacity-factor", "1.5", "--json"]
+    peaks = []
+    for stash in ([], ["--moe-paged-stash", "--moe-paged-stash-buffer-size-factor-cuda", "1.2",
+                       "--moe-paged-stash-buffer-size-factor-cpu", "1.0"]):
+        code, out, err = run(capsys, "estimate", *moe, *stash)
+        assert code == 0, err
+        peaks.append(max(s["peak_bytes"] for s in json.loads(out)["memory"]["stages"]))
+    assert peaks[1] < peaks[0]

@@ -67,9 +67,12 @@ or seed 0, no layer offloaded (Megatron's default), exact timings; --top above t
 lists them all. (--world-size and --gpus-per-node of probe-sim must match the truth file: huge values
 are tried there by file.)"""
 FLOAT_VALID = {("--attention-dropout", "0"), ("--hidden-dropout", "0"), ("--memory-headroom", "0"),
-               *((flag, value) for flag in ("--mscale", "--mscale-all-dim") for value in ("-1", "0"))}
+               *((flag, value) for flag in ("--mscale", "--mscale-all-dim", "--moe-paged-stash-buffer-size-factor-cuda",
+                                            "--moe-paged-stash-buffer-size-factor-cpu") for value in ("-1", "0"))}
 """Zero dropout; no memory headroom (the fastest layout that fits); YaRN's mscale values, which
-Megatron takes of any sign (they weigh a logarithm)."""
+Megatron takes of any sign (they weigh a logarithm); the paged stash's buffer factors, whose sign
+chooses how the buffer is sized and whose 0 means no host buffer (alone, without --moe-paged-stash,
+they act on nothing)."""
 ENUMS = {"--position-embedding-type", "--normalization", "--attention-backend", "--fp8-format", "--fp8-recipe",
          "--moe-token-dispatcher-type", "--recompute-granularity", "--recompute-method", "--cp-comm-type",
          "--recompute-modules", "--precision", "--gpu", "--cluster"}

@@ -228,3 +228,55 @@ def test_biased_experts_add_their_fc2_bias_in_a_pass_of_their_own():
     plain = experts.moe_mlp(job(dataclasses.replace(biased, add_bias_linear=False)), bw, GemmCurve(None, 0.0))
     with_bias = experts.moe_mlp(job(biased), bw, GemmCurve(None, 0.0))
     assert with_bias.forward.mem_s - plain.forward.mem_s == pytest.approx(8 * elements / bw)
+
+
+HYBRIDEP = dataclasses.replace(MOE, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                               use_transformer_engine_op_fuser=True)
+BUDGET = dataclasses.replace(HYBRIDEP, moe_expert_rank_capacity_factor=1.3)
+STASH = dataclasses.replace(BUDGET, moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.2)
+
+
+@pytest.mark.megatron
+def test_the_budget_is_the_one_hybridep_sizes_its_buffers_by():
+    """megatron-core 0.19.2's _HybridEPManager.setup_metadata on the 4096 tokens a rank routes: int(4096 x
+    2 x 1.3) = 10649 rows, rounded up to the op fuser's 256: 10752."""
+    import torch
+    from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    manager = object.__new__(_HybridEPManager)    # its __init__ needs the HybridEP kernels; setup_metadata does not
+    manager.config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                                       moe_router_topk=2, moe_token_dispatcher_type="flex",
+                                       moe_flex_dispatcher_backend="hybridep", use_transformer_engine_op_fuser=True,
+                                       moe_expert_rank_capacity_factor=1.3)
+    manager.num_experts, manager.drop_and_pad = 8, False
+    manager.moe_expert_rank_capacity_factor = manager.config.moe_expert_rank_capacity_factor
+    manager.setup_metadata(torch.zeros(4096, 8, dtype=torch.bool), torch.zeros(4096, 8))
+    j = job(BUDGET, expert_model_parallel_size=4, data_parallel_size=4)
+    assert experts.tokens_in(j) == 4096 and experts.budget_rows(j) == manager.num_permuted_tokens == 10752
+
+
+def test_the_budget_sizes_what_the_experts_keep_and_the_stash_the_rows_in_flight():
+    """Kept per row (bf16, SwiGLU, h 1024, expert FFN 2048): fc1 input 2 x 1024, fc1 output 2 x 4096, fc2
+    input 2 x 2048, the probability 2: 14338 bytes; the router's scores 8 x 4096 x 8. Dropless HybridEP keeps
+    the 8192 rows received; the budget 10752; the stash 1.2 x (10752 // 1.3 = 8270) rows, and its layer in
+    the backward is reloaded into 10752-row buffers beside their gradients (fc1 + fc2 wide)."""
+    plain, budget, stash = (job(w, expert_model_parallel_size=4, data_parallel_size=4)
+                            for w in (HYBRIDEP, BUDGET, STASH))
+    row, router = 14338, 8 * 4096 * 8
+    assert experts.expert_row_bytes(plain, frozenset()) == row
+    assert experts.moe_activation_bytes(plain) == router + 8192 * row
+    assert experts.moe_activation_bytes(budget) == router + 10752 * row
+    assert experts.moe_activation_bytes(stash) == round(router + 1.2 * 8270 * row)
+    assert experts.moe_backward_bytes(plain) == 2 * 8192 * (4096 + 2048)
+    assert experts.moe_backward_bytes(budget) == 2 * 10752 * (4096 + 2048)
+    assert experts.moe_backward_bytes(stash) == 2 * 10752 * (4096 + 2048) + 10752 * row
+
+
+def test_the_experts_compute_the_rows_received_whatever_their_buffers():
+    """HybridEP's budget sizes buffers, not work: the fused grouped MLP runs its GEMMs on the split sizes
+    (the rows received), and the stash's copies overlap on their own stream."""
+    bw, gemm = 3e12, GemmCurve(None, 0.0)
+    works = [experts.moe_mlp(job(w, expert_model_parallel_size=4, data_parallel_size=4), bw, gemm)
+             for w in (HYBRIDEP, BUDGET, STASH)]
+    assert works[0] == works[1] == works[2]

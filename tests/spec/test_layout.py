@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import pytest
@@ -151,3 +152,31 @@ def test_virtual_stages_per_rank_become_the_layers_per_chunk_megatron_builds():
 def test_virtual_stages_megatron_refuses_are_refused_by_name(typed, message):
     with pytest.raises(PipetteError, match=re.escape(message)):
         virtual_stages_as_layers(24, {VIRTUAL_STAGES: 2, **typed})
+
+
+STASHED = workload_from_preset("mixtral-8x7b", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                               use_transformer_engine_op_fuser=True, moe_expert_rank_capacity_factor=1.5,
+                               moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.2)
+
+
+@pytest.mark.parametrize("workload, kw, message", [
+    (STASHED, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2,
+                   expert_model_parallel_size=4), "--moe-expert-rank-capacity-factor 1.5 below the 2 x T k rows"),
+    (dataclasses.replace(STASHED, moe_paged_stash_buffer_size_factor_cuda=-0.9), dict(expert_model_parallel_size=8),
+     "--moe-paged-stash-buffer-size-factor-cuda -0.9 holds fewer rows than are in flight"),
+    (STASHED, dict(expert_model_parallel_size=8, recompute_granularity="selective", recompute_modules=("moe",)),
+     "--moe-paged-stash with the routed experts recomputed"),
+    (dataclasses.replace(STASHED, moe_paged_stash=False),
+     dict(expert_model_parallel_size=8, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), None),
+    (STASHED, dict(expert_model_parallel_size=8), None),
+])
+def test_budgets_and_stashes_that_overflow_every_step_are_refused(workload, kw, message):
+    """A budget or a device stash below the rows a rank receives under balanced routing drops tokens
+    or overflows each step, and Megatron's PagedStashRunner reruns the step dropless."""
+    layout = Layout(**{"data_parallel_size": 8 // kw.get("tensor_model_parallel_size", 1), **kw})
+    if message is None:
+        validate_layout(workload, layout)
+    else:
+        with pytest.raises(Infeasible, match=re.escape(message)):
+            validate_layout(workload, layout)

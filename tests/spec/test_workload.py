@@ -133,3 +133,46 @@ def test_expert_activations_megatron_cannot_run_are_refused_by_name(kw, refused)
     else:
         with pytest.raises(UnrunnableFlags, match=f"^{refused}"):
             gpt(num_experts=4, **kw)
+
+
+HYBRIDEP = dict(num_experts=4, swiglu=True, add_bias_linear=False, moe_token_dispatcher_type="flex",
+                moe_flex_dispatcher_backend="hybridep")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(HYBRIDEP, moe_expert_rank_capacity_factor=1.5),
+     "--moe-expert-rank-capacity-factor 1.5 with HybridEP needs --use-transformer-engine-op-fuser"),
+    (dict(HYBRIDEP, moe_flex_dispatcher_backend="deepep", use_transformer_engine_op_fuser=True,
+          moe_expert_rank_capacity_factor=1.5),
+     "--moe-expert-rank-capacity-factor 1.5 needs --moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend "
+     "hybridep"),
+    (dict(HYBRIDEP, use_transformer_engine_op_fuser=True, moe_paged_stash=True),
+     "--moe-paged-stash needs --moe-expert-rank-capacity-factor"),
+    (dict(HYBRIDEP, use_transformer_engine_op_fuser=True, moe_expert_rank_capacity_factor=0),
+     "--moe-expert-rank-capacity-factor must be a positive number"),
+    (dict(HYBRIDEP, use_transformer_engine_op_fuser=True, moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True,
+          moe_paged_stash_buffer_size_factor_cuda=float("nan")),
+     "--moe-paged-stash-buffer-size-factor-cuda must be a number"),
+])
+def test_the_expert_rank_budget_and_the_paged_stash_take_what_megatron_asserts(kw, message):
+    """megatron-core 0.19.2's TransformerConfig.__post_init__: the capacity factor needs the hybridep
+    (or the unmodelled ncclep) backend and, with hybridep, the op fuser; the stash needs the factor."""
+    with pytest.raises(PipetteError, match=f"^{message}"):
+        gpt(**kw)
+    ran = gpt(**HYBRIDEP, use_transformer_engine_op_fuser=True, moe_expert_rank_capacity_factor=1.5,
+              moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.2,
+              moe_paged_stash_buffer_size_factor_cpu=1.0)
+    assert ran.moe_paged_stash and ran.moe_expert_rank_capacity_factor == 1.5
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("kw", [dict(moe_expert_rank_capacity_factor=1.5),
+                                dict(moe_paged_stash=True, use_transformer_engine_op_fuser=True)])
+def test_megatron_refuses_what_the_workload_refuses(kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with pytest.raises(ValueError):
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                          moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **kw)
+    with pytest.raises(PipetteError):
+        gpt(**HYBRIDEP, **kw)
