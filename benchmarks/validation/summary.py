@@ -47,7 +47,7 @@ def _in_job(folder: str) -> dict[str, dict]:
 H100_FOLDER = "published_runs_h100-2026-11-29-picks"
 A100_FOLDER = "published_runs-2026-11-28-fragmentation"
 BLACKWELL_FIT = "fit_blackwell-2026-11-29"
-BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-units"
+BLACKWELL_FOLDER = "published_runs_blackwell-2026-11-29-stash"
 """The development sets' current kept results (tests/benchmarks/test_kept_results.py prices the sets
 again and holds these to the code)."""
 
