@@ -100,7 +100,7 @@ def explanations(rows: list[dict], h100_rows: list[dict], priced: list[dict]) ->
         same = groups[key]
         slow, fast = min(same, key=lambda rm: rm[1]), max(same, key=lambda rm: rm[1])
         run, read = run_and_recipe(row)
-        differs = [key for key in run if run[key] is not None and read[key] != run[key]]
+        differs = [name for name in run if run[name] is not None and read[name] != run[name]]
         if beyond and fast[1] / slow[1] - 1 > WORST_BAR:
             out.append((RELEASE_STEP, f"the same inputs measured {slow[1]:,} tokens/s/GPU in {slow[0]} and "
                         f"{fast[1]:,} in {fast[0]} ({fast[1] / slow[1] - 1:+.0%}): a setting the releases changed "
