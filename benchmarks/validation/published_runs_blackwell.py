@@ -192,6 +192,12 @@ def search_medians(s: dict) -> str:
         "" if at_mbs is None else f" ({at_mbs:+.1%} at the published micro-batch sizes)")
 
 
+def explanation(row: dict) -> str:
+    """A priced row's explanation (release_steps) as the report prints it."""
+    why = row["explained"]
+    return f"{why['kind']}: {why['why']}" if why else "unexplained"
+
+
 def not_known(row: dict, refusal: str | None) -> str | None:
     """Why the row's settings are not known, where the planner refuses them by a rule of Megatron's
     (Megatron would refuse the launch as read too) and the recipe's pipeline split is not the run's
@@ -287,13 +293,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['beyond_25pct_another_recipe']} run from another recipe than 0.6.2's, {s['beyond_25pct_unexplained']} "
           "unexplained (release_steps)")
     for row in beyond:
-        print(f"  {row['id']} {row['recipe']['error']:+.1%}: " +
-              (f"{row['explained']['kind']}: {row['explained']['why']}" if row["explained"] else "unexplained"))
+        print(f"  {row['id']} {row['recipe']['error']:+.1%}: {explanation(row)}")
     print(f"predicted not to fit with the recipe: {s['not_fit_another_recipe']} run from another recipe than 0.6.2's, "
           f"{s['not_fit_unexplained']} unexplained")
     for row in too_big:
-        print(f"  {row['id']} {row['recipe']['peak_gib']:.1f} of {row['recipe']['capacity_gib']:.1f} GiB: " +
-              (f"{row['explained']['kind']}: {row['explained']['why']}" if row["explained"] else "unexplained"))
+        print(f"  {row['id']} {row['recipe']['peak_gib']:.1f} of {row['recipe']['capacity_gib']:.1f} GiB: "
+              f"{explanation(row)}")
     print("refused, by first reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_first_reason"].items())))
     print("refused, by every reason: " + ", ".join(f"{k} {v}" for k, v in sorted(counts["by_every_reason"].items())))
     print(f"not known (the recipe as read is refused by Megatron too): {sum(bool(r['not_known']) for r in rows)}")
@@ -429,7 +434,8 @@ def resolve_recipe(row: dict, root: Path) -> dict:
     entries += PROVIDER_DEFAULTS
     if label in ARCHITECTURE:
         entries.append(ARCHITECTURE[label])
-    recipe_layout = " ".join(f"{k}{settings[p]}" for p, k in LAYOUT_SETTINGS.items() if p in settings)
+    layout = {key: settings[path] for path, key in LAYOUT_SETTINGS.items() if path in settings}
+    recipe_layout = " ".join(f"{key}{value}" for key, value in layout.items())
     published = row["published_layout"]
     gpus = "its GPU count" if count == row["gpus"] else f"{count} GPUs, the row {row['gpus']}"
     note = (f"recipe {name} ({gpus}): "
@@ -438,7 +444,7 @@ def resolve_recipe(row: dict, root: Path) -> dict:
             f"MBS{published['micro_batch_size']} GBS{row['global_batch_size']}; the {row['release']} run used that "
             f"release's recipe, which 0.6.2 (built 2026-09-18: the 26.08 era) may not match")
     return {"function": name, "megatron_flags": [], "not_expressible": entries, "note": note,
-            "layout": {key: settings[path] for path, key in LAYOUT_SETTINGS.items() if path in settings},
+            "layout": layout,
             "pipeline_split": split, "not_known": unknown, "no_megatron_flag": flagless}
 
 

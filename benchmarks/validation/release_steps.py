@@ -67,8 +67,9 @@ def step_elsewhere(row: dict, error: float, rows: list[dict], keys: list[tuple])
     that release or after (the module docstring), else None."""
     key = dict(zip(map(id, rows), keys))
     own = max((release(other) for other in rows if key[id(other)] == key[id(row)]), default=release(row))
+    run = same_run(row)
     for before in rows:
-        if before["system"] == row["system"] or release(before) != release(row) or same_run(before) != same_run(row):
+        if before["system"] == row["system"] or release(before) != release(row) or same_run(before) != run:
             continue
         for after in rows:
             step = after["tokens_per_s_per_gpu"] / before["tokens_per_s_per_gpu"] - 1

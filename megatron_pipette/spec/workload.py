@@ -447,8 +447,7 @@ class Workload:
         if self.moe_router_topk > self.num_experts:
             raise PipetteError(f"--moe-router-topk {self.moe_router_topk} exceeds --num-experts {self.num_experts}")
         factor = self.moe_expert_capacity_factor
-        if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
-                                       and 0 < factor <= MAX_SIZE):
+        if factor is not None and not in_range(factor, 0, MAX_SIZE, above=True):
             raise PipetteError(f"--moe-expert-capacity-factor must be a positive number up to {MAX_SIZE}, "
                                f"got {factor!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
@@ -482,7 +481,7 @@ class Workload:
         TransformerConfig.__post_init__ rules them (the ncclep backend is not modelled)."""
         factor = self.moe_expert_rank_capacity_factor
         if factor is not None:
-            if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 0 < factor <= MAX_SIZE):
+            if not in_range(factor, 0, MAX_SIZE, above=True):
                 raise PipetteError(f"--moe-expert-rank-capacity-factor must be a positive number up to {MAX_SIZE}, "
                                    f"got {factor!r}")
             if self.moe_token_dispatcher_type != "flex" or self.moe_flex_dispatcher_backend != "hybridep":
